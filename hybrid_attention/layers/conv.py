@@ -1,0 +1,57 @@
+"""Causal depthwise short convolution (kernel 4 in KDA) followed by SiLU, with a decoding cache.
+
+The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    """y_t = SiLU(sum_{j<W} w_j x_{t-W+1+j}), per channel, causal, no bias."""
+
+    def __init__(self, channels: int, kernel_size: int = 4):
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"ShortConv: kernel_size must be >= 1, got {kernel_size}")
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def empty_cache(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
+        """Zeros `[B, C, W - 1]`: the left context of a sequence that has not started."""
+        device = device if device is not None else self.weight.device
+        dtype = dtype if dtype is not None else self.weight.dtype
+        return torch.zeros(batch_size, self.channels, self.kernel_size - 1, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]. With `cache` ([B, C, W-1]) it is the left context, updated in place."""
+        B, T, C = x.shape
+        if C != self.channels:
+            raise ValueError(f"ShortConv: expected {self.channels} channels, got input of shape {tuple(x.shape)}")
+        xt = x.transpose(1, 2)  # (B, C, T)
+        if cache is None:
+            left = xt.new_zeros(B, C, self.kernel_size - 1)
+        else:
+            if cache.shape != (B, C, self.kernel_size - 1):
+                raise ValueError(
+                    f"ShortConv: cache shape {tuple(cache.shape)} != expected {(B, C, self.kernel_size - 1)}"
+                )
+            left = cache.to(x.dtype)
+        window = torch.cat([left, xt], dim=-1)  # (B, C, W-1+T)
+        y = F.conv1d(window, self.weight.to(x.dtype), groups=C)  # (B, C, T)
+        if cache is not None and self.kernel_size > 1:
+            cache.copy_(window[..., -(self.kernel_size - 1) :])
+        return F.silu(y).transpose(1, 2)
+
+    def step(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """One decoding step: x [B, C], cache [B, C, W-1] updated in place -> y [B, C]."""
+        window = torch.cat([cache.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # (B, C, W)
+        y = (window * self.weight.squeeze(1).to(x.dtype)).sum(-1)
+        if self.kernel_size > 1:
+            cache.copy_(window[..., 1:])
+        return F.silu(y)

@@ -1,0 +1,29 @@
+"""Tolerance helpers shared by every test: relative error ||a - b|| / ||b||, NaN never passes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of `out` against `ref`, computed in float64. Returns inf if either holds NaN/inf."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not (torch.isfinite(out64).all() and torch.isfinite(ref64).all()):
+        return float("inf")
+    denom = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    if denom == 0.0:
+        return diff
+    return diff / denom
+
+
+def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Assert that `out` matches `ref` in shape and to relative error `tol`."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = rel_err(out, ref)
+    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised-looking tensor filled with NaN, so an unwritten element fails a comparison."""
+    return torch.full_like(t, float("nan"))
