@@ -1,0 +1,155 @@
+"""Readable reference for Attention Residuals (MATH.md, "Attention Residuals"; notes/attention-residuals.md).
+
+A sublayer's input is a softmax mixture over depth of earlier outputs ("sources") v_0 .. v_{S-1}:
+
+    logits_i = w . (gamma * v_i / rms(v_i))        (no 1/sqrt(d); gamma is the key-norm weight)
+    h = sum_i softmax_i(logits) v_i
+
+Norms, logits and softmax run in float32 (float64 for float64 inputs); h comes back in the sources' dtype.
+
+Block AttnRes two-phase form (notes section 3): the pseudo-query w does not depend on the input, so the attention
+over completed blocks can be computed once per block for all its sublayers (`attn_res_partial`, which accepts
+several queries), and each sublayer then folds in the running partial sum of its own block with an exact
+online-softmax update (`attn_res_merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _stack(sources: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
+    """A sequence of [B, T, D] tensors or a stacked [S, B, T, D] tensor -> [S, B, T, D]."""
+    if isinstance(sources, torch.Tensor):
+        if sources.ndim < 2 or sources.shape[0] == 0:
+            raise ValueError(f"{name}: expected stacked sources [S, B, T, D] with S >= 1, got {tuple(sources.shape)}")
+        return sources
+    if len(sources) == 0:
+        raise ValueError(f"{name}: sources is empty; need at least one [B, T, D] tensor")
+    shapes = {tuple(s.shape) for s in sources}
+    if len(shapes) != 1:
+        raise ValueError(f"{name}: all sources must have the same shape, got {sorted(shapes)}")
+    dtypes = {s.dtype for s in sources}
+    if len(dtypes) != 1:
+        raise ValueError(f"{name}: all sources must have the same dtype, got {sorted(str(d) for d in dtypes)}")
+    return torch.stack(list(sources))
+
+
+def _check_params(name: str, D: int, query: torch.Tensor, key_weight: torch.Tensor | None, queries_ok: bool) -> None:
+    ok_query = query.ndim == 1 or (queries_ok and query.ndim == 2)
+    if not ok_query or query.shape[-1] != D:
+        expected = f"[{D}] or [Q, {D}]" if queries_ok else f"[{D}]"
+        raise ValueError(f"{name}: query must have shape {expected}, got {tuple(query.shape)}")
+    if key_weight is not None and tuple(key_weight.shape) != (D,):
+        raise ValueError(f"{name}: key_weight must have shape [{D}], got {tuple(key_weight.shape)}")
+
+
+def _logits(v: torch.Tensor, query: torch.Tensor, key_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """v: [..., D] (compute dtype), query [D] or [Q, D] -> w . (gamma * v / rms(v)): [...] or [Q, ...]."""
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    w = query.to(v.dtype)
+    if key_weight is not None:
+        # (w * gamma) . v_hat == w . (gamma * v_hat): fold gamma into the query, one vector instead of a tensor.
+        w = w * key_weight.to(v.dtype)
+    if w.ndim == 1:
+        return keys @ w
+    return torch.einsum("qd,...d->q...", w, keys)
+
+
+def attn_res_weights(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Depth-softmax probabilities. sources [S, B, T, D] or S x [B, T, D]; query, key_weight [D]
+    (key_weight None = ones) -> p [S, B, T] in float32 (float64 for float64 sources), summing to one over S."""
+    v = _stack(sources, "attn_res_weights")
+    _check_params("attn_res_weights", v.shape[-1], query, key_weight, queries_ok=False)
+    return torch.softmax(_logits(v.to(_compute_dtype(v)), query, key_weight, eps), dim=0)
+
+
+def attn_res(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Full AttnRes mixture. sources [S, B, T, D] or S x [B, T, D]; query, key_weight [D] -> h [B, T, D]
+    in the sources' dtype."""
+    v = _stack(sources, "attn_res")
+    _check_params("attn_res", v.shape[-1], query, key_weight, queries_ok=False)
+    vf = v.to(_compute_dtype(v))
+    p = torch.softmax(_logits(vf, query, key_weight, eps), dim=0)  # (S, B, T)
+    return (p.unsqueeze(-1) * vf).sum(0).to(v.dtype)
+
+
+def attn_res_partial(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    query: torch.Tensor,
+    key_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of Block AttnRes: attention over the completed blocks only.
+
+    Args:
+        sources: the completed block sums, [S, B, T, D] or S x [B, T, D] (S >= 1: b_0 is the embedding).
+        query: one pseudo-query [D], or the Q pseudo-queries of a block's sublayers [Q, D] at once.
+        key_weight: [D] key-norm weight shared by all queries, or None (ones). With several sublayers whose
+            key-norm weights differ, pass `query * key_weight` per row and key_weight None: only the product counts.
+
+    Returns:
+        out: normalised mixture [B, T, D] (or [Q, B, T, D]) and lse: log-sum-exp of the logits [B, T]
+        (or [Q, B, T]), both in float32 (float64 for float64 sources) so that the merge stays exact.
+    """
+    v = _stack(sources, "attn_res_partial")
+    _check_params("attn_res_partial", v.shape[-1], query, key_weight, queries_ok=True)
+    vf = v.to(_compute_dtype(v))
+    logits = _logits(vf, query, key_weight, eps)  # (S, B, T) or (Q, S, B, T)
+    src_dim = 0 if query.ndim == 1 else 1
+    lse = torch.logsumexp(logits, dim=src_dim)
+    p = torch.exp(logits - lse.unsqueeze(src_dim))
+    out = (p.unsqueeze(-1) * vf).sum(src_dim)
+    return out, lse
+
+
+def attn_res_merge(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    key_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Phase 2 of Block AttnRes: fold the running partial sum into a phase-1 result, exactly.
+
+    With s the logit of `partial`, the full softmax over [completed blocks ; partial] gives
+    h = (e^lse out + e^s partial) / (e^lse + e^s) = out + sigmoid(s - lse) * (partial - out).
+
+    Args:
+        out: [B, T, D] and lse: [B, T], phase-1 results for this query (one row of a batched phase 1).
+        partial: [B, T, D] the partial sum of the current block.
+        query, key_weight: [D], the same as in phase 1.
+
+    Returns:
+        h [B, T, D] in `partial.dtype`, equal to `attn_res(completed + [partial], query, key_weight, eps)`.
+    """
+    D = partial.shape[-1]
+    _check_params("attn_res_merge", D, query, key_weight, queries_ok=False)
+    if out.shape != partial.shape or lse.shape != partial.shape[:-1]:
+        raise ValueError(
+            f"attn_res_merge: expected out {tuple(partial.shape)} and lse {tuple(partial.shape[:-1])} to match "
+            f"partial {tuple(partial.shape)}, got out {tuple(out.shape)} and lse {tuple(lse.shape)}"
+        )
+    dtype = _compute_dtype(partial)
+    pf = partial.to(dtype)
+    s = _logits(pf, query, key_weight, eps)  # (B, T)
+    weight = torch.sigmoid(s - lse.to(dtype)).unsqueeze(-1)  # share of the partial sum
+    of = out.to(dtype)
+    return (of + weight * (pf - of)).to(partial.dtype)

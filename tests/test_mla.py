@@ -1,0 +1,309 @@
+"""Gated MLA (NoPE): prefill against an explicit per-head reference, absorbed decoding against the full forward,
+the latent-only cache, causality and input checks. CPU, float64 unless a test says otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybrid_attention.layers.mla import GatedMLA, MLACache
+from hybrid_attention.ops.mla.naive import absorbed_attention, bottom_right_causal_mask
+from tests.helpers import assert_close, poisoned_like
+
+# Odd, distinct sizes so that a wrong view or split cannot line up by accident.
+SIZES = dict(hidden_size=24, num_heads=3, kv_lora_rank=10, qk_nope_head_dim=5, qk_shared_head_dim=3, v_head_dim=7)
+
+
+def make_layer(q_lora_rank=None, dtype=torch.float64, seed=0) -> GatedMLA:
+    torch.manual_seed(seed)
+    layer = GatedMLA(**SIZES, q_lora_rank=q_lora_rank).to(dtype)
+    with torch.no_grad():  # non-trivial norm weights, so that a missing or misplaced norm shows
+        layer.kv_norm.weight.uniform_(0.5, 1.5)
+        if q_lora_rank is not None:
+            layer.q_norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def reference_rows(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+    """[c ; k_s] recomputed from the weights: [B, T, d_c + d_s]."""
+    c = _rms(x @ layer.kv_down.weight.T, layer.kv_norm.weight, layer.kv_norm.eps)
+    return torch.cat([c, x @ layer.k_shared.weight.T], dim=-1)
+
+
+def reference_forward(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+    """Explicit per-head softmax attention: decompress K and V for each head, causal mask, softmax, gate, W_o."""
+    B, T, _ = x.shape
+    H, d_n, d_s, d_v, d_c = (
+        layer.num_heads,
+        layer.qk_nope_head_dim,
+        layer.qk_shared_head_dim,
+        layer.v_head_dim,
+        layer.kv_lora_rank,
+    )
+    if layer.q_lora_rank is None:
+        q = x @ layer.q_proj.weight.T
+    else:
+        q = _rms(x @ layer.q_down.weight.T, layer.q_norm.weight, layer.q_norm.eps) @ layer.q_up.weight.T
+    q = q.view(B, T, H, d_n + d_s)
+    rows = reference_rows(layer, x)
+    c, k_s = rows[..., :d_c], rows[..., d_c:]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    heads = []
+    for h in range(H):
+        w_uk = layer.k_up.weight[h * d_n : (h + 1) * d_n]  # (d_n, d_c)
+        w_uv = layer.v_up.weight[h * d_v : (h + 1) * d_v]  # (d_v, d_c)
+        k_h = torch.cat([c @ w_uk.T, k_s], dim=-1)  # (B, T, d_n + d_s)
+        v_h = c @ w_uv.T  # (B, T, d_v)
+        scores = (q[:, :, h] @ k_h.transpose(1, 2)) / (d_n + d_s) ** 0.5  # (B, T, T)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        heads.append(probs @ v_h)
+    o = torch.cat(heads, dim=-1)  # (B, T, H*d_v)
+    return (torch.sigmoid(x @ layer.g_proj.weight.T) * o) @ layer.o_proj.weight.T
+
+
+def decode_in_chunks(layer: GatedMLA, x: torch.Tensor, chunks: list[int], *, cache_dtype=None) -> torch.Tensor:
+    """Run x through the layer chunk by chunk with one cache whose unused rows are NaN."""
+    assert sum(chunks) == x.shape[1]
+    cache = layer.empty_cache(x.shape[0], x.shape[1] + 3, dtype=cache_dtype)
+    cache.rows.copy_(poisoned_like(cache.rows))  # a row read before it is written poisons the output
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(layer(x[:, start : start + n], cache=cache))
+        start += n
+        assert cache.length == start
+    return torch.cat(outs, dim=1), cache
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 6])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_prefill_matches_per_head_reference(q_lora_rank, T):
+    layer = make_layer(q_lora_rank, seed=T)
+    x = torch.randn(2, T, SIZES["hidden_size"], dtype=torch.float64)
+    ref = reference_forward(layer, x)
+    assert_close("prefill, no cache", layer(x), ref, 1e-12)
+    cache = layer.empty_cache(2, T + 2)
+    assert_close("prefill, empty cache", layer(x, cache=cache), ref, 1e-12)
+    assert cache.length == T
+    assert_close("cache rows", cache.rows[:, :T], reference_rows(layer, x), 1e-12)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 6])
+def test_without_shared_key_part(q_lora_rank):
+    """d_s = 0: the cache row is c alone (keys equal values in latent space); both paths still match."""
+    torch.manual_seed(11)
+    layer = GatedMLA(**{**SIZES, "qk_shared_head_dim": 0}, q_lora_rank=q_lora_rank).double()
+    x = torch.randn(2, 11, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        ref = reference_forward(layer, x)
+        assert_close("prefill d_s=0", layer(x), ref, 1e-12)
+        out, cache = decode_in_chunks(layer, x, [4, 1, 5, 1])
+    assert_close("incremental d_s=0", out, ref, 1e-10)
+    assert cache.rows.shape[-1] == SIZES["kv_lora_rank"]
+
+
+def test_prefill_gradients_match_reference():
+    layer = make_layer(6, seed=3)
+    x = torch.randn(2, 9, SIZES["hidden_size"], dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 9, SIZES["hidden_size"], dtype=torch.float64)
+    params = [x, *layer.parameters()]
+    grads = torch.autograd.grad((layer(x) * dy).sum(), params)
+    ref_grads = torch.autograd.grad((reference_forward(layer, x) * dy).sum(), params)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, g, r in zip(names, grads, ref_grads, strict=True):
+        assert r.abs().max() > 0, f"{name}: reference gradient is zero, the test would prove nothing"
+        assert_close(f"grad {name}", g, r, 1e-10)
+
+
+def test_float32_and_bf16_prefill():
+    layer64 = make_layer(None, seed=4)
+    x = torch.randn(2, 17, SIZES["hidden_size"], dtype=torch.float64)
+    ref = reference_forward(layer64, x)
+    assert_close("float32 prefill", copy.deepcopy(layer64).float()(x.float()), ref, 1e-5)
+    layer16 = copy.deepcopy(layer64).bfloat16()
+    out16 = layer16(x.bfloat16())
+    assert out16.dtype == torch.bfloat16
+    # bf16 weights are rounded too, so compare against the float64 reference of the rounded weights.
+    assert_close("bf16 prefill", out16, reference_forward(layer16.double(), x.bfloat16().double()), 1e-2)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 6])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [5] + [1] * 12,  # prefill, then one token at a time
+        [1] * 9,  # decode from the very first token
+        [4, 3, 1, 6, 2, 1],  # uneven chunked prefill on a non-empty cache
+        [11, 5, 1],
+    ],
+)
+def test_incremental_decoding_equals_full_forward(q_lora_rank, chunks):
+    layer = make_layer(q_lora_rank, seed=len(chunks))
+    x = torch.randn(3, sum(chunks), SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        out, cache = decode_in_chunks(layer, x, chunks)
+    assert_close("incremental vs full", out, full, 1e-10)
+    assert_close("incremental vs reference", out, reference_forward(layer, x), 1e-10)
+    assert_close("cache rows", cache.rows[:, : x.shape[1]], reference_rows(layer, x), 1e-12)
+    assert torch.isnan(cache.rows[:, x.shape[1] :]).all(), "rows past the filled length were written"
+
+
+def test_bf16_cache_decoding():
+    """A bf16 model with a bf16 cache stays within bf16 tolerance of the float64 full forward."""
+    layer = make_layer(6, dtype=torch.bfloat16, seed=5)
+    x = torch.randn(2, 20, SIZES["hidden_size"]).bfloat16()
+    with torch.no_grad():
+        out, cache = decode_in_chunks(layer, x, [8, 1, 1, 5, 1, 4])
+    assert out.dtype == torch.bfloat16 and cache.rows.dtype == torch.bfloat16
+    assert_close("bf16 decode", out, reference_forward(layer.double(), x.double()), 1e-2)
+
+
+def test_absorbed_path_never_builds_per_head_kv():
+    layer = make_layer(None, seed=6)
+    x = torch.randn(2, 12, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache = layer.empty_cache(2, 16)
+        layer(x[:, :5], cache=cache)
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("per-head keys or values were built on the absorbed path")
+
+        layer.k_up.forward = forbidden
+        layer.v_up.forward = forbidden
+        outs = [layer(x[:, 5:6], cache=cache), layer(x[:, 6:10], cache=cache), layer(x[:, 10:], cache=cache)]
+    assert_close("absorbed vs full", torch.cat(outs, dim=1), full[:, 5:], 1e-10)
+    d_latent = SIZES["kv_lora_rank"] + SIZES["qk_shared_head_dim"]
+    assert cache.rows.shape == (2, 16, d_latent)
+    assert cache.bytes_per_token == d_latent * 8
+    bf16_cache = layer.empty_cache(1, 4, dtype=torch.bfloat16)
+    assert bf16_cache.bytes_per_token == d_latent * 2
+
+
+def test_no_position_leak():
+    """NoPE: during a one-token decode every cached row is visible, so permuting them changes nothing."""
+    layer = make_layer(6, seed=7)
+    x = torch.randn(2, 10, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        cache = layer.empty_cache(2, 10)
+        layer(x[:, :9], cache=cache)
+        permuted = MLACache(rows=cache.rows.clone(), length=cache.length)
+        perm = torch.randperm(9)
+        permuted.rows[:, :9] = cache.rows[:, perm]
+        out = layer(x[:, 9:], cache=cache)
+        out_perm = layer(x[:, 9:], cache=permuted)
+    assert_close("permuted cache", out_perm, out, 1e-13)
+
+
+def test_wrong_scale_is_caught():
+    """Negative control: the default scale (d_c + d_s)^-1/2 of a decode kernel gives a visibly different result."""
+    layer = make_layer(None, seed=8)
+    x = torch.randn(1, 6, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        layer.scale = (SIZES["kv_lora_rank"] + SIZES["qk_shared_head_dim"]) ** -0.5
+        out, _ = decode_in_chunks(layer, x, [2, 1, 3])
+    assert (out[:, 2:] - full[:, 2:]).norm() > 1e-3 * full.norm()
+
+
+@pytest.mark.parametrize("path", ["prefill", "chunked"])
+def test_causality(path):
+    """Perturbing tokens after t0 leaves outputs at or before t0 bit-identical (and, on the training path,
+    their gradients with respect to later tokens exactly zero)."""
+    layer = make_layer(6, seed=9)
+    T, t0 = 13, 6
+    x = torch.randn(2, T, SIZES["hidden_size"], dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, t0 + 1 :] += 10 * torch.randn_like(x2[:, t0 + 1 :])
+    with torch.no_grad():
+        if path == "prefill":
+            out, out2 = layer(x), layer(x2)
+        else:
+            out, out2 = (decode_in_chunks(layer, inp, [3, 2, 4, 1, 3])[0] for inp in (x, x2))
+    assert torch.equal(out[:, : t0 + 1], out2[:, : t0 + 1]), "outputs at or before t0 depend on later tokens"
+    assert not torch.allclose(out[:, t0 + 1 :], out2[:, t0 + 1 :])
+    if path == "prefill":
+        x.requires_grad_(True)
+        (grad,) = torch.autograd.grad(layer(x)[:, : t0 + 1].sum(), x)
+        assert torch.equal(grad[:, t0 + 1 :], torch.zeros_like(grad[:, t0 + 1 :]))
+        assert grad[:, : t0 + 1].abs().min() > 0
+
+
+def explicit_absorbed_reference(q, rows, value_dim, scale, causal):
+    """Loop over batch, head and query: score every key row, mask j > Tk - Tq + i, softmax, average values."""
+    B, Tq, H, _ = q.shape
+    Tk = rows.shape[1]
+    out = torch.zeros(B, Tq, H, value_dim, dtype=torch.float64)
+    for b in range(B):
+        for i in range(Tq):
+            visible = Tk - Tq + i + 1 if causal else Tk
+            for h in range(H):
+                scores = rows[b, :visible].double() @ q[b, i, h].double() * scale  # (visible,)
+                out[b, i, h] = torch.softmax(scores, dim=0) @ rows[b, :visible, :value_dim].double()
+    return out
+
+
+@pytest.mark.parametrize("Tq, Tk, causal", [(1, 9, True), (4, 11, True), (5, 5, True), (3, 8, False), (1, 1, True)])
+def test_absorbed_attention_matches_explicit(Tq, Tk, causal):
+    B, H, d_c, d_s = 2, 4, 9, 3
+    q = torch.randn(B, Tq, H, d_c + d_s, dtype=torch.float64)
+    rows = torch.randn(B, Tk, d_c + d_s, dtype=torch.float64)
+    ref = explicit_absorbed_reference(q, rows, d_c, 0.37, causal)
+    out = absorbed_attention(q, rows, value_dim=d_c, scale=0.37, causal=causal)
+    assert_close("absorbed_attention float64", out, ref, 1e-13)
+    out32 = absorbed_attention(q.float(), rows.float(), value_dim=d_c, scale=0.37, causal=causal)
+    assert out32.dtype == torch.float32
+    assert_close("absorbed_attention float32", out32, ref, 1e-5)
+    out16 = absorbed_attention(q.bfloat16(), rows.bfloat16(), value_dim=d_c, scale=0.37, causal=causal)
+    assert out16.dtype == torch.bfloat16
+    assert_close("absorbed_attention bf16", out16, ref, 1e-2)
+
+
+def test_bottom_right_causal_mask():
+    mask = bottom_right_causal_mask(3, 7)
+    expected = torch.tensor([[j <= 4 + i for j in range(7)] for i in range(3)])
+    assert mask.dtype == torch.bool and torch.equal(mask, expected)
+    assert torch.equal(bottom_right_causal_mask(5, 5), torch.ones(5, 5, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        bottom_right_causal_mask(4, 3)
+
+
+def test_bad_inputs():
+    layer = make_layer(None, seed=10)
+    D = SIZES["hidden_size"]
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"\[B, T, {D}\]"):
+        layer(torch.randn(2, 5, D + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=rf"\[B, T, {D}\]"):
+        layer(torch.randn(5, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no tokens"):
+        layer(x[:, :0])
+
+    cache = layer.empty_cache(2, 7)
+    layer(x, cache=cache)
+    with pytest.raises(ValueError, match=r"capacity is 7 tokens.*needs 8"):
+        layer(x[:, :3], cache=cache)
+    assert cache.length == 5, "a rejected call must leave the cache untouched"
+    with pytest.raises(ValueError, match=r"batch size 3 .* batch size 2"):
+        layer(torch.randn(3, 1, D, dtype=torch.float64), cache=cache)
+    other = GatedMLA(**{**SIZES, "kv_lora_rank": 12}).double()
+    with pytest.raises(ValueError, match="row width"):
+        other(x[:, :1], cache=cache)
+    with pytest.raises(ValueError, match="qk_shared_head_dim"):
+        GatedMLA(**{**SIZES, "qk_shared_head_dim": -1})
+    with pytest.raises(ValueError, match="v_head_dim"):
+        GatedMLA(**{**SIZES, "v_head_dim": 0})
+
+    q = torch.randn(2, 3, 4, 12, dtype=torch.float64)
+    with pytest.raises(ValueError, match="do not match"):
+        absorbed_attention(q, torch.randn(2, 6, 11, dtype=torch.float64), value_dim=8, scale=0.3)
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        absorbed_attention(q, torch.randn(2, 2, 12, dtype=torch.float64), value_dim=8, scale=0.3)
+    with pytest.raises(ValueError, match="value_dim"):
+        absorbed_attention(q, torch.randn(2, 6, 12, dtype=torch.float64), value_dim=13, scale=0.3)
