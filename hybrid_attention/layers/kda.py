@@ -1,0 +1,191 @@
+"""The Kimi Delta Attention layer (DESIGN.md, "Layers"; Kimi Linear report, KDA layer).
+
+    q, k, v = ShortConv(W_q x), ShortConv(W_k x), ShortConv(W_v x)       (ShortConv applies SiLU)
+    q, k    = L2-normalised per head (float32)
+    beta    = sigmoid(W_b x)                                             per head
+    g       = kda_gate(W_f_up W_f_down x, A_log, dt_bias)                low rank, per channel, in (-5, 0)
+    o       = KDA(q, k, v, g, beta)                                      chunkwise, or recurrent when decoding
+    y       = W_o GatedRMSNorm_head(o, W_g_up W_g_down x)                sigmoid output gate, low rank
+
+A `KDACache` carries the conv tails and the recurrent state between calls, so a prompt can be fed whole,
+in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
+preallocated buffers can be captured by CUDA graphs; they carry values, not gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybrid_attention.layers.conv import ShortConv
+from hybrid_attention.layers.norm import GatedRMSNorm
+from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda, resolve_backend
+
+
+@dataclass
+class KDACache:
+    """Decoding cache of one KDA layer (all tensors updated in place)."""
+
+    conv_q: torch.Tensor  # [B, H*head_dim, conv_size - 1], model dtype: last inputs of the q conv
+    conv_k: torch.Tensor  # [B, H*head_dim, conv_size - 1]
+    conv_v: torch.Tensor  # [B, H*head_dim, conv_size - 1]
+    state: torch.Tensor  # [B, H, head_dim, head_dim], float32 (float64 for float64 modules)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64), returned in x.dtype."""
+    xf = x.to(_state_dtype(x.dtype))
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer: [B, T, hidden_size] -> [B, T, hidden_size].
+
+    Args:
+        hidden_size: model width.
+        num_heads: H; each head has K = V = head_dim.
+        head_dim: per-head key/value size, also the rank of the low-rank decay and output-gate projections.
+        conv_size: kernel of the causal depthwise short convolutions.
+        lower_bound: most negative log decay per step (see `kda_gate`).
+        norm_eps: epsilon of the per-head output RMSNorm.
+        backend: `chunk_kda` backend ("auto", "torch", "triton", "fla").
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int = 128,
+        conv_size: int = 4,
+        lower_bound: float = -5.0,
+        norm_eps: float = 1e-6,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        for label, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KimiDeltaAttention: {label} must be a positive int, got {value!r}")
+        if not lower_bound < 0:
+            raise ValueError(f"KimiDeltaAttention: lower_bound must be < 0, got {lower_bound!r}")
+        resolve_backend(backend)  # fail early on an unknown backend name
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.conv_size = conv_size
+        self.lower_bound = float(lower_bound)
+        self.backend = backend
+        dim = num_heads * head_dim
+
+        self.q_proj = nn.Linear(hidden_size, dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, dim, bias=False)
+        self.q_conv = ShortConv(dim, conv_size)
+        self.k_conv = ShortConv(dim, conv_size)
+        self.v_conv = ShortConv(dim, conv_size)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.f_down = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_up = nn.Linear(head_dim, dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(dim))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.g_down = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_up = nn.Linear(head_dim, dim, bias=True)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(dim, hidden_size, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A_log = 0 per head; dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] per channel.
+
+        With the bounded gate this spreads the initial per-step retention from about e^-0.005 to e^-0.45.
+        """
+        self.A_log.zero_()
+        u = torch.rand(self.dt_bias.shape, dtype=torch.float64, device=self.dt_bias.device)
+        dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus(y) = log(1 + e^y)
+
+    def empty_cache(self, batch_size: int, device=None, dtype=None) -> KDACache:
+        """A zero cache for `batch_size` sequences that have not started (defaults: the parameters' device/dtype)."""
+        device = device if device is not None else self.q_proj.weight.device
+        dtype = dtype if dtype is not None else self.q_proj.weight.dtype
+        D = self.head_dim
+        return KDACache(
+            conv_q=self.q_conv.empty_cache(batch_size, device=device, dtype=dtype),
+            conv_k=self.k_conv.empty_cache(batch_size, device=device, dtype=dtype),
+            conv_v=self.v_conv.empty_cache(batch_size, device=device, dtype=dtype),
+            state=torch.zeros(batch_size, self.num_heads, D, D, device=device, dtype=_state_dtype(dtype)),
+        )
+
+    def _check_cache(self, cache: KDACache, x: torch.Tensor) -> None:
+        B = x.shape[0]
+        conv_shape = (B, self.num_heads * self.head_dim, self.conv_size - 1)
+        for label, t in (("conv_q", cache.conv_q), ("conv_k", cache.conv_k), ("conv_v", cache.conv_v)):
+            if tuple(t.shape) != conv_shape:
+                raise ValueError(
+                    f"KimiDeltaAttention: cache.{label} must be [B, H*head_dim, conv_size-1] = {conv_shape} "
+                    f"for input of shape {tuple(x.shape)}, got {tuple(t.shape)}"
+                )
+        state_shape = (B, self.num_heads, self.head_dim, self.head_dim)
+        if tuple(cache.state.shape) != state_shape:
+            raise ValueError(
+                f"KimiDeltaAttention: cache.state must be [B, H, head_dim, head_dim] = {state_shape} "
+                f"for input of shape {tuple(x.shape)}, got {tuple(cache.state.shape)}"
+            )
+        if cache.state.dtype != _state_dtype(x.dtype):
+            raise ValueError(
+                f"KimiDeltaAttention: cache.state must be {_state_dtype(x.dtype)} for {x.dtype} inputs, "
+                f"got {cache.state.dtype}"
+            )
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        """x: [B, T, hidden_size] -> [B, T, hidden_size].
+
+        With `cache`, the conv tails are the left context and the cached state is the initial state;
+        both are updated in place to include these T tokens (T >= 1, any T).
+        """
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[1] == 0:
+            raise ValueError(
+                f"KimiDeltaAttention: x must be [B, T, hidden_size] = [B, T, {self.hidden_size}] with T >= 1, "
+                f"got shape {tuple(x.shape)}"
+            )
+        if cache is not None:
+            self._check_cache(cache, x)
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+
+        q = _l2_normalize(self.q_conv(self.q_proj(x), conv_q).view(B, T, H, D))
+        k = _l2_normalize(self.k_conv(self.k_proj(x), conv_k).view(B, T, H, D))
+        v = self.v_conv(self.v_proj(x), conv_v).view(B, T, H, D)
+        beta = torch.sigmoid(self.b_proj(x).to(_state_dtype(x.dtype)))  # [B, T, H]
+        g = kda_gate(self.f_up(self.f_down(x)).view(B, T, H, D), self.A_log, self.dt_bias, lower_bound=self.lower_bound)
+
+        if cache is None:
+            o, _ = chunk_kda(q, k, v, g, beta, backend=self.backend)
+        elif T <= 16 and not torch.is_grad_enabled():
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            cache.state.copy_(state)
+        else:
+            # Clone: autograd may keep the initial state for backward, and the cache is overwritten below.
+            o, state = chunk_kda(
+                q, k, v, g, beta, initial_state=cache.state.clone(), output_final_state=True, backend=self.backend
+            )
+            cache.state.copy_(state.detach())
+
+        gate = self.g_up(self.g_down(x)).view(B, T, H, D)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"conv_size={self.conv_size}, lower_bound={self.lower_bound}, backend={self.backend!r}"
+        )

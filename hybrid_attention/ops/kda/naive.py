@@ -1,0 +1,192 @@
+"""Reference Kimi Delta Attention in plain PyTorch: the recurrence (ground truth) and the chunkwise form.
+
+This file is the spec the Triton kernels are tested against; each line maps to an equation in
+shared/design/MATH.md ("KDA recurrence" and "Chunkwise form"). Per head, with S of shape [K, V]:
+
+    S_t = Diag(exp(g_t)) S_{t-1}                     decay each key channel
+    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T         delta rule on the decayed state
+    o_t = scale * S_t^T q_t
+
+Both functions compute in float32 (float64 for float64 inputs), return `o` in `v.dtype` and the final
+state in the compute dtype. Varlen inputs (`cu_seqlens`) are processed one sequence at a time, so no
+chunk ever straddles two sequences. Notable choice in the chunkwise form: every decay factor between two
+tokens is exp(G_t - G_i) with the exponent built as a sum of g over (i, t] and masked to -inf above the
+diagonal before exp, so it is exact for any g <= 0 (even -1000) and never overflows; exp(-G) is never formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hybrid_attention.ops.kda.common import (
+    compute_dtype,
+    sequence_bounds,
+    validate_chunk_size,
+    validate_kda_inputs,
+)
+
+Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA one token at a time: the ground truth.
+
+    Args:
+        q, k: [B, T, H, K] (L2-normalised by the caller).  v: [B, T, H, V].
+        g: [B, T, H, K] natural-log decay per key channel.  beta: [B, T, H].
+        scale: defaults to K ** -0.5.
+        initial_state: [N, H, K, V] float32 (or float64 with float64 inputs); zeros when None.
+        output_final_state: return the state after the last token.
+        cu_seqlens: int [N + 1]; packs N sequences along T of a batch of one (B == 1).
+    Returns:
+        o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] (float32/float64) or None.
+    """
+    N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="recurrent_kda")
+    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in half precision
+        o, S = _per_sequence(lambda *x: _recurrent(*x, scale=scale), qc, kc, vc, gc, bc, S0, cu_seqlens)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA in chunks of `chunk_size` tokens (MATH.md, "Chunkwise form"); same arguments and results as
+    `recurrent_kda`. Any T works (the last chunk is zero-padded internally); chunk_size is 16, 32 or 64.
+    Differentiable by plain autograd. Memory grows as T * chunk_size * K per head (the pairwise decays):
+    this is the readable reference, not the fast path."""
+    N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="chunk_kda")
+    validate_chunk_size(chunk_size, name="chunk_kda")
+    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale)
+    core = lambda *x: _chunkwise(*x, scale=scale, chunk_size=chunk_size)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in half precision
+        o, S = _per_sequence(core, qc, kc, vc, gc, bc, S0, cu_seqlens)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def _prepare(q, k, v, g, beta, initial_state, N, scale):
+    """Cast to the compute dtype, default the scale, and build the start state [N, H, K, V]."""
+    dtype = compute_dtype(q)
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if initial_state is None:
+        S0 = torch.zeros(N, H, K, V, dtype=dtype, device=q.device)
+    else:
+        S0 = initial_state.to(dtype)
+    return [x.to(dtype) for x in (q, k, v, g, beta)], S0, scale
+
+
+def _per_sequence(core: Core, q, k, v, g, beta, S0, cu_seqlens):
+    """Run `core` on the whole batch, or once per packed sequence (B == 1), each with its own state row."""
+    if cu_seqlens is None:
+        return core(q, k, v, g, beta, S0)
+    outputs, states = [], []
+    for n, (s, e) in enumerate(sequence_bounds(cu_seqlens)):
+        if s == e:  # an empty sequence has no output and keeps its state
+            states.append(S0[n : n + 1])
+            continue
+        o_n, S_n = core(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], S0[n : n + 1])
+        outputs.append(o_n)
+        states.append(S_n)
+    return torch.cat(outputs, dim=1), torch.cat(states, dim=0)
+
+
+def _recurrent(q, k, v, g, beta, S, *, scale: float):
+    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> o [B, T, H, V], S."""
+    outputs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp().unsqueeze(-1)  # S <- Diag(alpha_t) S: decay the rows (key channels)
+        v_new = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t].unsqueeze(-1) * v_new.unsqueeze(-2)  # S <- S + beta_t k_t (v_t - S^T k_t)^T
+        outputs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))  # o_t = scale * S_t^T q_t
+    return torch.stack(outputs, dim=1), S
+
+
+def _pairwise_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """g [..., C, K] -> L [..., C, C, K] with L[t, i] = G_t - G_i = sum_{i < s <= t} g_s for i <= t, -inf for i > t.
+
+    Summing g over (i, t] directly, rather than subtracting two cumulative sums, keeps L exact when g holds
+    very negative values (g = -1000 on padding would otherwise cancel catastrophically). The -inf above the
+    diagonal is put in the exponent, so exp(L) is exactly 0 there and its gradient is 0, never inf * 0.
+    """
+    C = g.shape[-2]
+    ones = torch.ones(C, C, dtype=torch.bool, device=g.device)
+    strictly_below = ones.tril(-1)[:, :, None]  # [t, i, 1]: t > i
+    x = g.unsqueeze(-2).expand(*g.shape[:-1], C, g.shape[-1])  # x[t, i] = g_t
+    L = x.masked_fill(~strictly_below, 0.0).cumsum(dim=-3)  # sum over s <= t of g_s [s > i]
+    return L.masked_fill(~ones.tril()[:, :, None], float("-inf"))
+
+
+def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
+    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> o [B, T, H, V], S.
+
+    The chunk-local quantities (A, T, U, W) are computed for all chunks at once; only the state is
+    carried from chunk to chunk (D, O, S_C), as in MATH.md.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NT = -(-T // C)
+    pad = NT * C - T
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        # Zero padding at the end is inert: g = 0 keeps the state, k = beta = 0 adds nothing to it,
+        # and the padded outputs are dropped. [B, T, H, *] -> [B, H, NT, C, *]
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
+        return x.view(B, NT, C, H, *x.shape[3:]).movedim(3, 1)
+
+    q, k, v, g = (to_chunks(x) for x in (q, k, v, g))  # [B, H, NT, C, K] (v: [..., V])
+    beta = to_chunks(beta)  # [B, H, NT, C]
+
+    G = g.cumsum(dim=-2)  # G_t = sum_{s <= t in chunk} g_s, inclusive
+    decay = _pairwise_log_decay(g).exp()  # exp(G_t - G_i) for i <= t, 0 above: [B, H, NT, C, C, K]
+    q_tilde = q * G.exp()  # q~_t = q_t * exp(G_t)   (G <= 0: safe)
+    k_tilde = k * G.exp()  # k~_t = k_t * exp(G_t)
+    # k^_i = k_i * exp(-G_i) is never formed on its own (it can reach e^320); only the pairwise products are:
+    # A_ti = k~_t . k^_i = sum_c k_tc exp(G_tc - G_ic) k_ic for i < t (strictly lower triangular).
+    A = torch.einsum("...tc,...tic,...ic->...ti", k, decay, k).tril(-1)
+    # (Q~ K^^T masked to i <= t), the intra-chunk attention of the output; decay is already 0 above the diagonal.
+    QK = torch.einsum("...tc,...tic,...ic->...ti", q, decay, k)
+
+    # Tm = T = (I + Diag(beta) A)^{-1} of MATH.md: unit lower triangular, by a differentiable triangular solve.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    Tm = torch.linalg.solve_triangular(eye + beta.unsqueeze(-1) * A, eye, upper=False, unitriangular=True)
+    U = Tm @ (beta.unsqueeze(-1) * v)  # U = T Diag(beta) V   [B, H, NT, C, V]
+    W = Tm @ (beta.unsqueeze(-1) * k_tilde)  # W = T Diag(beta) K~   [B, H, NT, C, K]
+
+    decay_last = G[..., -1, :].exp().unsqueeze(-1)  # exp(G_C): decay of the whole chunk [B, H, NT, K, 1]
+    k_to_end = k * decay[..., -1, :, :]  # k_i * exp(G_C - G_i): key decayed to the chunk end [B, H, NT, C, K]
+
+    outputs = []
+    for n in range(NT):
+        D = U[:, :, n] - W[:, :, n] @ S  # D = U - W S0, the new values   [B, H, C, V]
+        # O = scale * (Q~ S0 + (Q~ K^^T masked to i <= t) D)
+        outputs.append(scale * (q_tilde[:, :, n] @ S + QK[:, :, n] @ D))
+        # S_C = Diag(exp(G_C)) S0 + (K * exp(G_C - G))^T D
+        S = decay_last[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ D
+    o = torch.stack(outputs, dim=2).reshape(B, H, NT * C, V)[:, :, :T]
+    return o.transpose(1, 2), S  # [B, T, H, V], [B, H, K, V]

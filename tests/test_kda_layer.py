@@ -1,0 +1,168 @@
+"""KimiDeltaAttention layer: shapes and dtypes, cached decoding (token by token and in uneven pieces) equal to
+the full forward, causality, gradients to every parameter, initialisation, and input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_attention.layers.kda import KDACache, KimiDeltaAttention
+from tests.helpers import assert_close
+
+HIDDEN, HEADS, HEAD_DIM = 32, 2, 8
+
+
+def make_layer(dtype=torch.float64, **kwargs) -> KimiDeltaAttention:
+    layer = KimiDeltaAttention(HIDDEN, HEADS, head_dim=HEAD_DIM, **kwargs).to(dtype)
+    with torch.no_grad():  # the zero-initialised-style defaults would hide bugs: make every parameter matter
+        layer.g_up.bias.normal_()
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+        layer.A_log.normal_(0.0, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_output_shape_and_dtype(dtype):
+    torch.manual_seed(0)
+    layer = make_layer(dtype)
+    x = torch.randn(3, 21, HIDDEN, dtype=dtype)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert torch.isfinite(y).all()
+    cache = layer.empty_cache(3)
+    y2 = layer(x, cache)  # chunked path with the cached state
+    with torch.no_grad():
+        y3 = layer(x[:, :1], cache)  # recurrent path
+    assert y2.dtype == dtype and y3.dtype == dtype and torch.isfinite(y3).all()
+    assert cache.state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def decode_in_pieces(layer, x, pieces):
+    cache = layer.empty_cache(x.shape[0])
+    outputs, start = [], 0
+    for n in pieces:
+        outputs.append(layer(x[:, start : start + n], cache))
+        start += n
+    assert start == x.shape[1]
+    return torch.cat(outputs, dim=1), cache
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [1] * 36,  # token by token (recurrent path)
+        [5, 1, 7, 1, 1, 20, 1],  # uneven pieces; the 20-token piece takes the chunked path with an initial state
+        [17, 19],  # both pieces chunked
+    ],
+)
+def test_cached_decoding_equals_full_forward(pieces):
+    torch.manual_seed(1)
+    layer = make_layer()
+    x = torch.randn(2, 36, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        pieced, cache = decode_in_pieces(layer, x, pieces)
+        assert_close("decoded output", pieced, full, 1e-10)
+        # The cache now holds the whole prefix: one more token continues exactly as the full forward would.
+        x_next = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
+        full_next = layer(torch.cat([x, x_next], dim=1))[:, -1:]
+        assert_close("next token", layer(x_next, cache), full_next, 1e-10)
+
+
+def test_cache_is_updated_in_place():
+    torch.manual_seed(2)
+    layer = make_layer()
+    cache = layer.empty_cache(2)
+    buffers = (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)
+    with torch.no_grad():
+        layer(torch.randn(2, 3, HIDDEN, dtype=torch.float64), cache)
+        layer(torch.randn(2, 30, HIDDEN, dtype=torch.float64), cache)
+    after = (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)
+    assert all(a is b for a, b in zip(buffers, after, strict=True))
+    assert all(t.abs().sum() > 0 for t in buffers)
+
+
+def test_cache_with_grad_enabled_matches_and_backpropagates():
+    torch.manual_seed(3)
+    layer = make_layer()
+    x = torch.randn(1, 12, HIDDEN, dtype=torch.float64)
+    cache = layer.empty_cache(1)
+    y = torch.cat([layer(x[:, :5], cache), layer(x[:, 5:], cache)], dim=1)
+    y.sum().backward()
+    assert_close("pieces with grad", y.detach(), layer(x).detach(), 1e-10)
+    assert not cache.state.requires_grad
+
+
+def test_causality():
+    torch.manual_seed(4)
+    layer = make_layer()
+    x = torch.randn(2, 40, HIDDEN, dtype=torch.float64)
+    t = 22
+    x2 = x.clone()
+    x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])
+    with torch.no_grad():
+        y, y2 = layer(x), layer(x2)
+    assert torch.equal(y[:, : t + 1], y2[:, : t + 1])
+    assert not torch.allclose(y[:, t + 1 :], y2[:, t + 1 :])
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(layer(xg)[:, : t + 1].sum(), xg)
+    assert torch.count_nonzero(grad[:, t + 1 :]) == 0 and torch.count_nonzero(grad[:, : t + 1]) > 0
+
+
+def test_gradients_reach_every_parameter():
+    torch.manual_seed(5)
+    layer = make_layer(torch.float32)
+    x = torch.randn(2, 19, HIDDEN)
+    (layer(x) * torch.randn(2, 19, HIDDEN)).sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, f"{name}: bad gradient"
+
+
+def test_initialisation_and_no_weight_decay_marks():
+    layer = KimiDeltaAttention(HIDDEN, HEADS, head_dim=HEAD_DIM)
+    assert torch.equal(layer.A_log.detach(), torch.zeros(HEADS))
+    dt = F.softplus(layer.dt_bias.detach().double())
+    assert dt.shape == (HEADS * HEAD_DIM,) and (dt >= 1e-3 * (1 - 1e-6)).all() and (dt <= 1e-1 * (1 + 1e-6)).all()
+    assert layer.A_log._no_weight_decay and layer.dt_bias._no_weight_decay
+    names = {n for n, _ in layer.named_children()}
+    assert names >= {"q_proj", "k_proj", "v_proj", "q_conv", "k_conv", "v_conv", "b_proj", "f_down", "f_up"}
+    assert names >= {"g_down", "g_up", "o_norm", "o_proj"}
+    assert layer.g_up.bias is not None and layer.f_up.bias is None and layer.f_down.out_features == HEAD_DIM
+
+
+def test_empty_cache_shapes():
+    layer = make_layer(torch.bfloat16, conv_size=3)
+    cache = layer.empty_cache(4)
+    assert isinstance(cache, KDACache)
+    assert cache.conv_q.shape == (4, HEADS * HEAD_DIM, 2) and cache.conv_q.dtype == torch.bfloat16
+    assert cache.state.shape == (4, HEADS, HEAD_DIM, HEAD_DIM) and cache.state.dtype == torch.float32
+    assert layer.empty_cache(1, dtype=torch.float64).state.dtype == torch.float64
+
+
+def test_bad_input_raises():
+    layer = make_layer()
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x[0])
+    with pytest.raises(ValueError, match="x must be"):
+        layer(torch.randn(2, 5, HIDDEN + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x[:, :0])
+    with pytest.raises(ValueError, match="cache.conv_q must be"):
+        layer(x, layer.empty_cache(3))
+    bad_state = layer.empty_cache(2)
+    bad_state.state = bad_state.state.float()
+    with pytest.raises(ValueError, match="cache.state must be torch.float64"):
+        layer(x, bad_state)
+    bad_shape = layer.empty_cache(2)
+    bad_shape.state = bad_shape.state[:1]
+    with pytest.raises(ValueError, match="cache.state must be"):
+        layer(x, bad_shape)
+    with pytest.raises(ValueError, match="unknown backend"):
+        KimiDeltaAttention(HIDDEN, HEADS, head_dim=HEAD_DIM, backend="cuda")
+    with pytest.raises(ValueError, match="num_heads"):
+        KimiDeltaAttention(HIDDEN, 0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        KimiDeltaAttention(HIDDEN, HEADS, lower_bound=1.0)
