@@ -1,0 +1,172 @@
+"""Absorbed MLA decode over the latent cache: the public entry point, its input checks and a PyTorch path.
+
+Gated MLA with NoPE is MQA with one shared KV head (MATH.md, "Gated MLA", absorbed decode): the cache holds one row
+[c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
+keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
+output. The fast path is the flash-decoding Triton kernel in `triton_decode.py`; `mla_decode_torch` is the same
+computation in plain PyTorch for machines without Triton/CUDA (and a second reference in tests).
+
+Length conventions (a preallocated cache, as in FlashMLA's `cache_seqlens`): only the first seq_lens[b] rows of
+sequence b are valid, the rest may hold anything (NaN included) and are never read. Query i of Tq sits at position
+seq_lens[b] - Tq + i and sees keys j <= that position (bottom-right causal). seq_lens[b] must lie in [Tq, max_len].
+That is checked when seq_lens is on the CPU; on a GPU checking would cost a host sync (and break CUDA-graph capture),
+so it is not checked: lengths are clamped into [0, max_len] on the device and a query row that sees no key returns 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # the PyTorch path below still works
+    triton = None
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _check_inputs(
+    q: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, value_dim: int, scale: float, num_splits: int | None
+) -> None:
+    """Raise ValueError naming what is wrong with the arguments of `mla_decode` (never syncs with a GPU)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"mla_decode: q must be [B, Tq, H, D], got shape {tuple(getattr(q, 'shape', ()))}")
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 3:
+        raise ValueError(f"mla_decode: rows must be [B, max_len, D], got shape {tuple(getattr(rows, 'shape', ()))}")
+    B, Tq, H, D = q.shape
+    if rows.shape[0] != B or rows.shape[2] != D:
+        raise ValueError(
+            f"mla_decode: rows shape {tuple(rows.shape)} does not match q shape {tuple(q.shape)}; "
+            f"expected [B={B}, max_len, D={D}]"
+        )
+    if min(B, Tq, H, D) < 1:
+        raise ValueError(f"mla_decode: q shape {tuple(q.shape)} has an empty dimension")
+    if rows.shape[1] < Tq:
+        raise ValueError(f"mla_decode: cache length max_len={rows.shape[1]} is shorter than Tq={Tq} query tokens")
+    if not q.is_floating_point() or q.dtype != rows.dtype:
+        raise ValueError(f"mla_decode: q and rows must share one floating dtype, got {q.dtype} and {rows.dtype}")
+    if rows.stride(-1) != 1:
+        raise ValueError(f"mla_decode: rows must have unit stride in its last dim, got strides {rows.stride()}")
+    if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= D:
+        raise ValueError(f"mla_decode: value_dim must be an int in [1, D={D}], got {value_dim!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < float(scale) < float("inf"):
+        raise ValueError(f"mla_decode: scale must be a positive finite number, got {scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"mla_decode: num_splits must be None or an int >= 1, got {num_splits!r}")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
+        raise ValueError(
+            f"mla_decode: seq_lens must be an int32 tensor of shape [B={B}], got "
+            f"{getattr(seq_lens, 'dtype', type(seq_lens))} of shape {tuple(getattr(seq_lens, 'shape', ()))}"
+        )
+    if q.device != rows.device or seq_lens.device != q.device:
+        raise ValueError(
+            f"mla_decode: q, rows and seq_lens must be on one device, got {q.device}, {rows.device}, {seq_lens.device}"
+        )
+    if seq_lens.device.type == "cpu":  # free to check here; on a GPU it would need a host sync
+        bad = (seq_lens < Tq) | (seq_lens > rows.shape[1])
+        if bool(bad.any()):
+            raise ValueError(
+                f"mla_decode: seq_lens must lie in [Tq={Tq}, max_len={rows.shape[1]}], got {seq_lens.tolist()}"
+            )
+
+
+def mla_decode_torch(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Masked softmax attention over the latent cache in PyTorch (fp32 math, fp64 for fp64 inputs).
+
+    Same signature and result as `mla_decode`; `num_splits` is accepted for parity and has no effect.
+    q [B, Tq, H, D], rows [B, max_len, D], seq_lens int32 [B] -> [B, Tq, H, value_dim] in q.dtype.
+    """
+    _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
+    return _attend_torch(q, rows, seq_lens, value_dim, scale)
+
+
+def _attend_torch(q, rows, seq_lens, value_dim, scale):
+    Tq = q.shape[1]
+    max_len = rows.shape[1]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lens = seq_lens.long().clamp(0, max_len)
+    keys = torch.arange(max_len, device=q.device)
+    valid = keys[None, :] < lens[:, None]  # (B, N)
+    last = lens[:, None] - Tq + torch.arange(Tq, device=q.device)[None, :]  # (B, Tq) last key each query sees
+    visible = valid[:, None, :] & (keys[None, None, :] <= last[:, :, None])  # (B, Tq, N)
+
+    # Invalid rows are zeroed before any product, so garbage/NaN past seq_lens cannot leak in as 0 * NaN.
+    kv = torch.where(valid[:, :, None], rows.to(compute), 0.0)  # (B, N, D)
+    s = torch.einsum("bthd,bnd->bthn", q.to(compute), kv) * scale
+    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing: exp(-inf) = 0, not NaN
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bthn,bnd->bthd", p, kv[..., :value_dim]) / torch.where(l > 0, l, torch.ones_like(l))
+    return o.to(q.dtype)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int,
+    scale: float,
+    num_splits: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode Tq query tokens per sequence against the latent MLA cache (absorbed form, MQA with one KV head).
+
+    Args:
+        q: [B, Tq, H, D] absorbed queries, D = d_c + d_s (Tq small: 1 for plain decode, a few for MTP/chunk tails).
+        rows: [B, max_len, D] cache rows [c ; k_s]; only the first seq_lens[b] rows of sequence b are read.
+        seq_lens: int32 [B] on q's device, each in [Tq, max_len] (checked only for CPU tensors, see module doc).
+        value_dim: values are rows[..., :value_dim] (d_c); 1 <= value_dim <= D.
+        scale: softmax scale, passed explicitly: (d_n + d_s) ** -0.5 for Gated MLA, not D ** -0.5.
+        num_splits: context splits per sequence for the Triton kernel (None: chosen from B, max_len, SM count).
+        backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; inference only, no backward), "torch"
+            (differentiable), or "auto" (Triton when it can run and no gradient is needed, else PyTorch).
+
+    Returns:
+        [B, Tq, H, value_dim] in q.dtype; query i of sequence b attends softmax-weighted over keys
+        j <= seq_lens[b] - Tq + i, with fp32 accumulation.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"mla_decode: backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
+    # The kernel has no backward pass; "auto" keeps autograd working by taking the PyTorch path instead.
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or rows.requires_grad)
+    if backend == "auto":
+        backend = "triton" if _triton_can_run(q) and not needs_grad else "torch"
+    if backend == "torch":
+        return _attend_torch(q, rows, seq_lens, value_dim, scale)
+    if needs_grad:
+        raise ValueError(
+            "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "
+            "or use backend='torch' when gradients are needed"
+        )
+    if not _triton_can_run(q):
+        raise ValueError(
+            "mla_decode: backend='triton' needs the triton package, a CUDA tensor (or TRITON_INTERPRET=1 on CPU) "
+            f"and dtype in {_TRITON_DTYPES}; got device {q.device}, dtype {q.dtype}, triton "
+            f"{'installed' if triton is not None else 'missing'}"
+        )
+    from hybrid_attention.ops.mla.triton_decode import mla_decode_triton
+
+    return mla_decode_triton(q, rows, seq_lens, value_dim=value_dim, scale=scale, num_splits=num_splits)
+
+
+def _triton_can_run(q: torch.Tensor) -> bool:
+    if triton is None or q.dtype not in _TRITON_DTYPES:
+        return False
+    if q.device.type == "cuda":
+        return True
+    from hybrid_attention.ops.mla.triton_decode import interpreting
+
+    return q.device.type == "cpu" and interpreting()
