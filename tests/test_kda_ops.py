@@ -351,3 +351,28 @@ def test_triton_backend_missing_module(monkeypatch):
     q, k, v, g, beta, _ = make_inputs(1, 10)
     with pytest.raises(ValueError, match='backend="triton" is unavailable'):
         chunk_kda(q, k, v, g, beta, backend="triton")
+
+
+def test_dispatch_fused_gate_and_l2norm_match_explicit():
+    """chunk_kda(raw z, A_log, dt_bias, lower_bound, use_qk_l2norm) == chunk_kda on kda_gate(z) and normalised q, k."""
+    from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize
+
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 37, 2, 16, 8
+    q, k, z = (torch.randn(B, T, H, K) for _ in range(3))
+    v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+    A_log, dt_bias = 0.3 * torch.randn(H), torch.randn(H * K)
+    fused, _ = chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-4.0, use_qk_l2norm=True,
+                         backend="torch")  # fmt: skip
+    g = kda_gate(z, A_log, dt_bias, lower_bound=-4.0)
+    explicit, _ = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta)
+    assert_close("fused gate + l2norm", fused, explicit, 1e-5)
+    with pytest.raises(ValueError, match="all of A_log, dt_bias and lower_bound"):
+        chunk_kda(q, k, v, z, beta, A_log=A_log, backend="torch")
+
+
+def test_auto_backend_is_torch_on_cpu():
+    from hybrid_attention.ops.kda import resolve_backend
+
+    assert resolve_backend("auto", torch.zeros(1)) == "torch"
+    assert resolve_backend("triton", torch.zeros(1)) == "triton"

@@ -10,23 +10,41 @@ Backends of `chunk_kda`: "torch" (readable reference, naive.py), "triton" (our k
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
-from hybrid_attention.ops.kda.common import validate_kda_inputs
+from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import kda_gate
 from hybrid_attention.ops.kda.naive import chunk_kda_torch, recurrent_kda
 
-__all__ = ["BACKENDS", "chunk_kda", "kda_gate", "recurrent_kda", "resolve_backend", "validate_kda_inputs"]
+__all__ = [
+    "BACKENDS",
+    "chunk_kda",
+    "kda_gate",
+    "l2_normalize",
+    "recurrent_kda",
+    "resolve_backend",
+    "validate_kda_inputs",
+]
 
 BACKENDS = ("auto", "torch", "triton", "fla")
 
 
-def resolve_backend(backend: str, q: torch.Tensor | None = None) -> str:
-    """Map a backend name to the one that runs; "auto" picks for the device of `q`. Unknown names raise."""
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64) -> str:
+    """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors (chunk size 64, the
+    size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "torch"  # switch to `"triton" if q is not None and q.is_cuda else "torch"` once the kernels land
+        on_gpu = q is not None and q.is_cuda and chunk_size == 64 and _have_triton()
+        return "triton" if on_gpu else "torch"
     return backend
 
 
@@ -43,6 +61,10 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA; every backend computes exactly `recurrent_kda`.
 
@@ -55,10 +77,17 @@ def chunk_kda(
         cu_seqlens: int [N + 1]; packs N sequences along T of a batch of one (B == 1).
         chunk_size: 16, 32 or 64 (the FLA backend takes 32 or 64).
         backend: "auto", "torch", "triton" or "fla".
+        A_log, dt_bias, lower_bound: when all three are given, `g` holds the raw gate logits z and the decay is
+            `kda_gate(z, A_log, dt_bias, lower_bound)` (fused into the Triton kernels, computed first elsewhere).
+        use_qk_l2norm: L2-normalise q and k per head first (fused into the Triton kernels).
     Returns:
         o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] (float32/float64) or None.
     """
-    backend = resolve_backend(backend, q)
+    gate_params = (A_log, dt_bias, lower_bound)
+    if any(p is not None for p in gate_params) and any(p is None for p in gate_params):
+        raise ValueError("chunk_kda: pass all of A_log, dt_bias and lower_bound (fused gate) or none of them")
+    fused_gate = A_log is not None
+    backend = resolve_backend(backend, q, chunk_size)
     kwargs = dict(
         scale=scale,
         initial_state=initial_state,
@@ -66,14 +95,22 @@ def chunk_kda(
         cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
     )
+    if backend == "triton":
+        try:  # imported lazily so that the reference works without triton
+            from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+        except ImportError as exc:
+            raise ValueError(f'chunk_kda: backend="triton" is unavailable: {exc!r}') from exc
+        return chunk_kda_triton(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+            **kwargs,
+        )  # fmt: skip
+    # The other backends take the decay and normalised q, k: compute them here, with autograd.
+    if fused_gate:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
     if backend == "torch":
         return chunk_kda_torch(q, k, v, g, beta, **kwargs)
-    if backend == "fla":
-        from hybrid_attention.ops.kda.fla_backend import chunk_kda_fla
+    from hybrid_attention.ops.kda.fla_backend import chunk_kda_fla
 
-        return chunk_kda_fla(q, k, v, g, beta, **kwargs)
-    try:  # backend == "triton"; imported lazily so that the reference works without triton
-        from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
-    except ImportError as exc:
-        raise ValueError(f'chunk_kda: backend="triton" is unavailable: {exc!r}') from exc
-    return chunk_kda_triton(q, k, v, g, beta, **kwargs)
+    return chunk_kda_fla(q, k, v, g, beta, **kwargs)

@@ -30,6 +30,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64), returned in x.dtype.
+
+    The same eps as the Triton kernels' in-kernel normalisation, so every backend normalises alike."""
+    xf = x.to(compute_dtype(x))
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 

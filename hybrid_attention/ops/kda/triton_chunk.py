@@ -1,0 +1,177 @@
+"""Chunkwise KDA on our Triton kernels: `chunk_kda_triton`, differentiable and `torch.compile`-traceable.
+
+The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd` / `kda_chunk_bwd`) with fake
+(meta) implementations and a registered autograd formula, so a compiled model sees one opaque node each way.
+Kernels: triton_prep.py + triton_fwd.py (forward, 2 kernels), triton_bwd.py + triton_bwd_chunk.py (backward,
+3 kernels, +1 with the fused l2norm); docs/kernels.md explains the organisation and what is saved.
+
+Optional fusions: the bounded gate (pass A_log, dt_bias and lower_bound; g is then the raw logit z) and the
+q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). The kernels rely on g >= -5 per step (see
+triton_utils): with the fused gate that is checked through lower_bound; a precomputed g must respect it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
+from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
+from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty, interpreting
+
+_SAVED = ("w", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "h", "vnew")
+_NAME = "chunk_kda[triton]"
+
+
+@torch.library.custom_op("hybrid_attention::kda_chunk_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None,
+    scale: float, lower_bound: float, gate: bool, l2norm: bool, final: bool, save: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(o, final state, *saved for the backward in _SAVED order)."""
+    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
+                           lower_bound=lower_bound, gate=gate, l2norm=l2norm, final=final, save=save)  # fmt: skip
+    return (o, ht, *(saved[name] for name in _SAVED))
+
+
+@_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save):
+    B, T = q.shape[:2]
+    n_seq = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n_chunks = ChunkLayout.count(B, T, n_seq, cu_seqlens is not None)
+    o, ht, saved = allocate_fwd(q, v, n_seq, n_chunks, final=final, save=save, l2norm=l2norm)
+    return (o, ht, *(saved[name] for name in _SAVED))
+
+
+@torch.library.custom_op("hybrid_attention::kda_chunk_bwd", mutates_args=())
+def _bwd_op(
+    do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None, saved: list[Tensor],
+    scale: float, lower_bound: float, gate: bool, l2norm: bool, h0_needed: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, dg, dbeta, d initial_state, d A_log, d dt_bias); unused slots are empty tensors."""
+    saved = dict(zip(_SAVED, saved, strict=True))
+    grads = kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, scale=scale,
+                    lower_bound=lower_bound, gate=gate, l2norm=l2norm)  # fmt: skip
+    # Custom op outputs may not alias each other: the empty placeholders must be distinct tensors.
+    return tuple(x if x.numel() else empty(x, 0) for x in grads)
+
+
+@_bwd_op.register_fake
+def _(do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate, l2norm, h0_needed):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n_seq = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = torch.float32
+    none = lambda: empty(q, 0, dtype=f32)
+    dh0 = empty(q, n_seq, H, K, V, dtype=f32) if h0_needed else none()
+    da_log = empty(q, H, dtype=f32) if gate else none()
+    ddt = empty(q, H, K, dtype=f32) if gate else none()
+    return (empty(q, *q.shape), empty(k, *k.shape), empty(v, *v.shape), empty(g, *g.shape), empty(beta, *beta.shape),
+            dh0, da_log, ddt)  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, h0, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save = inputs
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *output[2:])
+    ctx.meta = (scale, lower_bound, gate, l2norm, h0 is not None, final, save)
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, do, dht, *_):
+    scale, lower_bound, gate, l2norm, has_h0, final, save = ctx.meta
+    if not save:
+        raise RuntimeError(f"{_NAME}: backward through a forward that ran without saving its tensors")
+    q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *saved = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dh0, da_log, ddt = _bwd_op(
+        do, dht if final else None, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved,
+        scale, lower_bound, gate, l2norm, has_h0,
+    )  # fmt: skip
+    if gate:
+        da_log, ddt = da_log.to(a_log.dtype), ddt.to(dt_bias.dtype)
+    else:
+        da_log = ddt = None
+    return (dq, dk, dv, dg, dbeta, dh0 if has_h0 else None, None, da_log, ddt) + (None,) * 6
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bias, lower_bound):
+    """Input checks: the shared KDA rules, then what these kernels support. Returns (gate, lower_bound)."""
+    if torch.compiler.is_compiling():  # the shared check reads cu_seqlens on the host, a graph break
+        validate_kda_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None, None, name=_NAME)
+    else:
+        validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name=_NAME)
+    validate_chunk_size(chunk_size, name=_NAME, allowed=(64,))
+    K, V = q.shape[-1], v.shape[-1]
+    if K > MAX_DIM or V > MAX_DIM:
+        raise ValueError(f"{_NAME}: K and V must be <= {MAX_DIM}, got K = {K}, V = {V}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f'{_NAME}: supports float16, bfloat16 and float32 inputs, got {q.dtype}; use backend="torch"')
+    if not (q.is_cuda or (interpreting() and q.device.type == "cpu")):
+        raise ValueError(f"{_NAME}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}")
+    given = [x is not None for x in (A_log, dt_bias, lower_bound)]
+    if any(given) and not all(given):
+        raise ValueError(f"{_NAME}: the fused gate needs A_log, dt_bias and lower_bound together, got only some")
+    if not all(given):
+        return False, -5.0
+    H = q.shape[2]
+    if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) or not -5.0 <= lower_bound < 0:
+        raise ValueError(f"{_NAME}: lower_bound must be in [-5, 0) (the kernels' gate bound), got {lower_bound!r}")
+    if tuple(A_log.shape) != (H,):
+        raise ValueError(f"{_NAME}: A_log must be [H] = [{H}], got shape {tuple(A_log.shape)}")
+    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
+        raise ValueError(f"{_NAME}: dt_bias must be [H*K] = [{H * K}] (or [H, K]), got shape {tuple(dt_bias.shape)}")
+    for label, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if not t.is_floating_point() or t.device != q.device:
+            raise ValueError(f"{_NAME}: {label} must be a floating tensor on {q.device}, got {t.dtype} on {t.device}")
+    return True, float(lower_bound)
+
+
+def chunk_kda_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunkwise KDA on the Triton kernels; the same results as `recurrent_kda`.
+
+    Args:
+        q, k: [B, T, H, K], K <= 256 (normalised inside when use_qk_l2norm).  v: [B, T, H, V], V <= 256.
+        g: [B, T, H, K] natural-log decay, each step >= -5; or, with A_log, dt_bias and lower_bound, the raw
+            gate logits z, turned into lower_bound * sigmoid(exp(A_log) (z + dt_bias)) inside the kernels.
+        beta: [B, T, H].  scale: defaults to K ** -0.5.
+        initial_state: [N, H, K, V] float32.  output_final_state: also return the state after the last token.
+        cu_seqlens: int [N + 1], N sequences packed along T with B == 1.  chunk_size: 64 (the only size).
+        A_log: [H].  dt_bias: [H*K] (or [H, K]).  lower_bound: in [-5, 0).
+        use_qk_l2norm: L2-normalise q and k per head inside the kernels.
+    Returns:
+        o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] float32 or None.
+    Inputs float16, bfloat16 or float32, on CUDA (or CPU under TRITON_INTERPRET=1). Differentiable in q, k, v,
+    g (z), beta, initial_state, A_log and dt_bias.
+    """
+    gate, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bias, lower_bound)
+    H, K = q.shape[2], q.shape[3]
+    scale = K**-0.5 if scale is None else float(scale)
+    dt = dt_bias.reshape(H, K) if gate else None
+    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    o, ht, *_ = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale, lb, gate,
+                        bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,142 @@
+"""KDA forward, stage 2 of 2: the state pass, and the host function that runs both stages.
+
+One program per (V tile, sequence, head) walks the sequence's chunks in order, keeping the [K, BV] state S in
+float32 registers (MATH.md, "Chunkwise form", with the prep outputs of triton_prep.py):
+
+    D = U - W S          O = qg S + Aqk D          S <- Diag(2^Gam) S + kg^T D
+
+For the backward it also stores S at the start of every chunk (`h`) and D (`v_new`); inference skips both.
+Everything chunk-local was done by the parallel prep kernel, so this pass is three dots per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_attention.ops.kda.triton_prep import prep_fwd
+from hybrid_attention.ops.kda.triton_utils import (
+    ChunkLayout,
+    autotune,
+    dot_setup,
+    empty,
+    load_lower,
+    load_raw,
+    load_tile,
+    mm,
+    seq_info,
+    store_tile,
+)
+
+
+@autotune([{"BV": 32}, {"BV": 64}, {"BV": 32}], [(4, 1), (8, 2), (4, 2)], ["K", "V", "SAVE", "HAS_H0", "STORE_HT"])
+@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+def _state_fwd_kernel(
+    w, u, qg, kg, aqk, glast, h0,  # prep outputs; h0 [N, H, K, V] float32
+    o, ht, hbuf, vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
+    cu, chunk_off, T, NT, T_tot,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
+    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    bos, eos, c0 = seq_info(n, cu, chunk_off, T, NT, VARLEN)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    smask = (rk < K)[:, None] & (rv < V)[None, :]
+    soffs = rk[:, None] * V + rv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (n * H + h).to(tl.int64) * K * V + soffs, mask=smask, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    w_h = w + h.to(tl.int64) * T_tot * K
+    qg_h = qg + h.to(tl.int64) * T_tot * K
+    kg_h = kg + h.to(tl.int64) * T_tot * K
+    u_h = u + h.to(tl.int64) * T_tot * V
+    vn_h = vnew + h.to(tl.int64) * T_tot * V
+    a_h = aqk + h.to(tl.int64) * T_tot * 64
+    for j in range(0, tl.cdiv(eos - bos, 64)):
+        t0 = bos + j * 64
+        nv = eos - t0
+        cj = c0 + j
+        if SAVE:
+            tl.store(hbuf + (cj * H + h).to(tl.int64) * K * V + soffs, S.to(IO), mask=smask)
+        Wt = load_raw(w_h, t0, nv, K, 0, K, 64, BK)
+        D = load_tile(u_h, t0, nv, V, iv * BV, V, 64, BV) - mm(Wt, S, IO, PREC, EMU)
+        if SAVE:
+            store_tile(vn_h, D, t0, nv, V, iv * BV, V, 64, BV)
+        Qt = load_raw(qg_h, t0, nv, K, 0, K, 64, BK)
+        At = load_lower(a_h, t0, nv)
+        O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
+        store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
+        Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
+        gam = tl.load(glast + (cj * H + h).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+        S = S * tl.exp2(gam)[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
+    if STORE_HT:
+        tl.store(ht + (n * H + h).to(tl.int64) * K * V + soffs, S, mask=smask)
+
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
+    """Every forward output, empty: used by `kda_fwd` and by the custom op's fake (meta) implementation.
+    q [B, T, H, K], v [B, T, H, V]; returns o [B, T, H, V] (v.dtype), ht [N, H, K, V] f32 and the saved dict."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    T_tot, io, f32 = B * T, v.dtype, torch.float32
+    none = lambda: empty(q, 0, dtype=f32)  # a distinct tensor per unused slot (custom op outputs never alias)
+    o = empty(q, B, T, H, V, dtype=io)
+    ht = empty(q, n_seq, H, K, V, dtype=f32) if final else none()
+    saved = {
+        "w": empty(q, H, T_tot, K, dtype=io),
+        "qg": empty(q, H, T_tot, K, dtype=io),
+        "kg": empty(q, H, T_tot, K, dtype=io),
+        "aqk": empty(q, H, T_tot, 64, dtype=io),
+        "tm": empty(q, H, T_tot, 64, dtype=io) if save else none(),
+        "glast": empty(q, n_chunks, H, K, dtype=f32),
+        "rq": empty(q, T_tot, H, dtype=f32) if (save and l2norm) else none(),
+        "rk": empty(q, T_tot, H, dtype=f32) if (save and l2norm) else none(),
+        "h": empty(q, n_chunks, H, K, V, dtype=io) if save else none(),
+        "vnew": empty(q, H, T_tot, V, dtype=io) if save else none(),
+        "u": empty(q, H, T_tot, V, dtype=io),
+    }
+    return o, ht, saved
+
+
+def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bound, gate, l2norm, final, save):
+    """Both forward stages. q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] (made contiguous); h0
+    [N, H, K, V] float32 or None; cu_seqlens [N + 1] or None; a_log [H], dt_bias [H, K] with `gate`.
+
+    Returns o [B, T, H, V] (v.dtype), the final state [N, H, K, V] float32 (empty unless `final`) and the dict
+    of tensors the backward needs (allocated empty unless `save`; "u" is a forward-only scratch).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    T_tot = B * T
+    layout = ChunkLayout(B, T, q.device, cu_seqlens)
+    o, ht, saved = allocate_fwd(q, v, layout.n_seq, layout.n_chunks, final=final, save=save, l2norm=l2norm)
+    q, k, v, g = (x.reshape(T_tot, H, x.shape[-1]).contiguous() for x in (q, k, v, g))
+    beta = beta.reshape(T_tot, H).contiguous()
+    prec, emu, a32 = dot_setup(v.dtype)
+    io = TL_DTYPES[v.dtype]
+    none = empty(q, 0, dtype=torch.float32)
+    if not gate:
+        a_log, dt_bias = none, none
+    prep_fwd(q, k, v, g, beta, a_log, dt_bias, saved, layout, scale=scale, lower_bound=lower_bound, gate=gate,
+             l2norm=l2norm, save=save, dtypes=(io, tl.float32 if a32 else io, prec, emu))  # fmt: skip
+
+    cu, _, _, chunk_off, Tn, NT = layout.args()
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), layout.n_seq, H)
+    _state_fwd_kernel[grid](
+        saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"], none if h0 is None else h0,
+        o, ht, saved["h"], saved["vnew"],
+        cu, chunk_off, Tn, NT, T_tot,
+        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_H0=h0 is not None,
+        STORE_HT=final, SAVE=save, IO=io, PREC=prec, EMU=emu,
+    )  # fmt: skip
+    del saved["u"]
+    return o, ht, saved

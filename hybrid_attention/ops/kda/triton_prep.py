@@ -1,0 +1,308 @@
+"""KDA forward, stage 1 of 2: the chunk-local "prep" kernel (one program per chunk and head, all in parallel).
+
+For a chunk of 64 tokens (MATH.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
+
+    Akk[t, i] = sum_c k_tc k_ic 2^(G_tc - G_ic) (i < t)   Aqk[t, i] = scale * sum_c q_tc k_ic 2^(G_tc - G_ic) (i <= t)
+    T = (I + Diag(beta) Akk)^{-1}       W = T Diag(beta) (k * 2^G)       U = T Diag(beta) v
+    qg = scale * q * 2^G      kg = k * 2^(Gam - G)
+
+Written out: Aqk and T ([rows, 64] per head), W, U, qg, kg (head-major [H, T_total, *]), Gam per chunk and,
+with the fused l2norm, 1 / ||q|| and 1 / ||k|| per row. The 64 x 64 matrices are built from 16 x 16 blocks
+(a, b), b <= a, each anchored at c_a, the cumulative gate before sub-chunk a (see triton_utils). The inverse
+is forward substitution inside the four diagonal blocks (float32) and block products below them.
+Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hybrid_attention.ops.kda.triton_utils import (
+    L2_EPS,
+    SHIFT,
+    autotune,
+    chunk_info,
+    inv_unit_lower4,
+    load_gate,
+    load_rows,
+    load_tile,
+    mm,
+    mm32,
+    store_tile,
+    tril,
+)
+
+
+@triton.jit
+def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / sqrt(sum_c x^2 + eps) for 16 rows (ones without L2NORM)."""
+    if L2NORM:
+        ss = tl.zeros([16], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            t = load_tile(x, row0, nrows, stride, kk, K, 16, BK)
+            ss += tl.sum(t * t, 1)
+        return 1.0 / tl.sqrt(ss + L2_EPS)
+    else:
+        return tl.full([16], 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _acc_pair(aq, ak, qr, kr, kb, Gb, ca, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """Add one K tile to block (a, b) of Aqk and Akk: rows qr, kr = (q, k) * 2^(G_a - c_a + SHIFT),
+    columns k_b * 2^(c_a - SHIFT - G_b). The product of the two factors is exactly 2^(G_t - G_i)."""
+    kc = tl.trans(kb * tl.exp2(ca[None, :] - SHIFT - Gb))
+    return aq + mm(qr, kc, ADT, PREC, EMU), ak + mm(kr, kc, ADT, PREC, EMU)
+
+
+@triton.jit
+def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
+    """Block (A, B) of a chunk's [64, 64] matrix into its [rows, 64] storage."""
+    store_tile(ptr, x, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
+
+
+@autotune([{}, {}], [(4, 1), (8, 1)], ["K", "V", "GATE", "L2NORM", "SAVE"])
+@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+def _prep_kernel(
+    q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
+    w, u, qg, kg, aqk, tm, glast, rq, rk,  # outputs (see the module docstring)
+    cu, chunk_seq, chunk_tok,
+    scale, lower_bound, T, NT, T_tot,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
+    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
+    if seq < 0:
+        return
+    # Valid rows of sub-chunk a are those below n_a (tile loads mask r < n_a for r in [0, 16)).
+    n0 = eos - t0
+    n1 = n0 - 16
+    n2 = n0 - 32
+    n3 = n0 - 48
+    sk = H * K
+    qh = q + h * K
+    kh = k + h * K
+    gh = g + h * K
+    b0 = load_rows(beta + h, t0, n0, H, 16)
+    b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
+    b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
+    b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
+    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM)
+    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM)
+    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    if L2NORM and SAVE:
+        r16 = tl.arange(0, 16)
+        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
+        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
+        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
+        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
+        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
+        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
+        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
+        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
+
+    # ---- scores: 10 blocks (a, b), b <= a, of Aqk and Akk, accumulated over K tiles ----
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    aq00 = zero
+    ak00 = zero
+    aq10 = zero
+    ak10 = zero
+    aq11 = zero
+    ak11 = zero
+    aq20 = zero
+    ak20 = zero
+    aq21 = zero
+    ak21 = zero
+    aq22 = zero
+    ak22 = zero
+    aq30 = zero
+    ak30 = zero
+    aq31 = zero
+    ak31 = zero
+    aq32 = zero
+    ak32 = zero
+    aq33 = zero
+    ak33 = zero
+    for kk in range(0, K, BKA):
+        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
+        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
+        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
+        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
+        c0 = tl.zeros([BKA], dtype=tl.float32)
+        c1 = tl.sum(g0, 0)
+        c2 = c1 + tl.sum(g1, 0)
+        c3 = c2 + tl.sum(g2, 0)
+        G0 = tl.cumsum(g0, 0)
+        G1 = tl.cumsum(g1, 0) + c1[None, :]
+        G2 = tl.cumsum(g2, 0) + c2[None, :]
+        G3 = tl.cumsum(g3, 0) + c3[None, :]
+        f0 = tl.exp2(G0 + SHIFT)
+        f1 = tl.exp2(G1 - c1[None, :] + SHIFT)
+        f2 = tl.exp2(G2 - c2[None, :] + SHIFT)
+        f3 = tl.exp2(G3 - c3[None, :] + SHIFT)
+        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA) * rk0[:, None]
+        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA) * rk1[:, None]
+        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA) * rk2[:, None]
+        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA) * rk3[:, None]
+        qr0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA) * rq0[:, None] * f0
+        qr1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA) * rq1[:, None] * f1
+        qr2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA) * rq2[:, None] * f2
+        qr3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA) * rq3[:, None] * f3
+        kr0 = k0 * f0
+        kr1 = k1 * f1
+        kr2 = k2 * f2
+        kr3 = k3 * f3
+        aq00, ak00 = _acc_pair(aq00, ak00, qr0, kr0, k0, G0, c0, ADT, PREC, EMU)
+        aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
+        aq11, ak11 = _acc_pair(aq11, ak11, qr1, kr1, k1, G1, c1, ADT, PREC, EMU)
+        aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
+        aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
+        aq22, ak22 = _acc_pair(aq22, ak22, qr2, kr2, k2, G2, c2, ADT, PREC, EMU)
+        aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
+        aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
+        aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
+        aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
+
+    aqk_h = aqk + h.to(tl.int64) * T_tot * 64
+    _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)
+    _store_blk(aqk_h, aq10 * scale, t0, n0, 1, 0)
+    _store_blk(aqk_h, tril(aq11, False) * scale, t0, n0, 1, 1)
+    _store_blk(aqk_h, aq20 * scale, t0, n0, 2, 0)
+    _store_blk(aqk_h, aq21 * scale, t0, n0, 2, 1)
+    _store_blk(aqk_h, tril(aq22, False) * scale, t0, n0, 2, 2)
+    _store_blk(aqk_h, aq30 * scale, t0, n0, 3, 0)
+    _store_blk(aqk_h, aq31 * scale, t0, n0, 3, 1)
+    _store_blk(aqk_h, aq32 * scale, t0, n0, 3, 2)
+    _store_blk(aqk_h, tril(aq33, False) * scale, t0, n0, 3, 3)
+
+    # ---- T = (I + L)^{-1}, L = Diag(beta) Akk, block by block ----
+    d0, d1, d2, d3 = inv_unit_lower4(
+        tril(ak00, True) * b0[:, None],
+        tril(ak11, True) * b1[:, None],
+        tril(ak22, True) * b2[:, None],
+        tril(ak33, True) * b3[:, None],
+    )
+    l10 = ak10 * b1[:, None]
+    l20 = ak20 * b2[:, None]
+    l21 = ak21 * b2[:, None]
+    l30 = ak30 * b3[:, None]
+    l31 = ak31 * b3[:, None]
+    l32 = ak32 * b3[:, None]
+    # T_ac = -T_aa sum_{c <= b < a} L_ab T_bc
+    t10 = -mm32(d1, mm32(l10, d0, PREC), PREC)
+    t21 = -mm32(d2, mm32(l21, d1, PREC), PREC)
+    t20 = -mm32(d2, mm32(l20, d0, PREC) + mm32(l21, t10, PREC), PREC)
+    t32 = -mm32(d3, mm32(l32, d2, PREC), PREC)
+    t31 = -mm32(d3, mm32(l31, d1, PREC) + mm32(l32, t21, PREC), PREC)
+    acc = mm32(l30, d0, PREC) + mm32(l31, t10, PREC) + mm32(l32, t20, PREC)
+    t30 = -mm32(d3, acc, PREC)
+    if SAVE:
+        tm_h = tm + h.to(tl.int64) * T_tot * 64
+        _store_blk(tm_h, d0, t0, n0, 0, 0)
+        _store_blk(tm_h, t10, t0, n0, 1, 0)
+        _store_blk(tm_h, d1, t0, n0, 1, 1)
+        _store_blk(tm_h, t20, t0, n0, 2, 0)
+        _store_blk(tm_h, t21, t0, n0, 2, 1)
+        _store_blk(tm_h, d2, t0, n0, 2, 2)
+        _store_blk(tm_h, t30, t0, n0, 3, 0)
+        _store_blk(tm_h, t31, t0, n0, 3, 1)
+        _store_blk(tm_h, t32, t0, n0, 3, 2)
+        _store_blk(tm_h, d3, t0, n0, 3, 3)
+
+    # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
+    w_h = w + h.to(tl.int64) * T_tot * K
+    qg_h = qg + h.to(tl.int64) * T_tot * K
+    kg_h = kg + h.to(tl.int64) * T_tot * K
+    for kk in range(0, K, BKW):
+        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKW)
+        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKW)
+        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKW)
+        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKW)
+        c1 = tl.sum(g0, 0)
+        c2 = c1 + tl.sum(g1, 0)
+        c3 = c2 + tl.sum(g2, 0)
+        gam = c3 + tl.sum(g3, 0)
+        G0 = tl.cumsum(g0, 0)
+        G1 = tl.cumsum(g1, 0) + c1[None, :]
+        G2 = tl.cumsum(g2, 0) + c2[None, :]
+        G3 = tl.cumsum(g3, 0) + c3[None, :]
+        e0 = tl.exp2(G0)
+        e1 = tl.exp2(G1)
+        e2 = tl.exp2(G2)
+        e3 = tl.exp2(G3)
+        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKW) * rk0[:, None]
+        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKW) * rk1[:, None]
+        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKW) * rk2[:, None]
+        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKW) * rk3[:, None]
+        q0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKW) * rq0[:, None]
+        q1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKW) * rq1[:, None]
+        q2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKW) * rq2[:, None]
+        q3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKW) * rq3[:, None]
+        store_tile(qg_h, q0 * e0 * scale, t0, n0, K, kk, K, 16, BKW)
+        store_tile(qg_h, q1 * e1 * scale, t0 + 16, n1, K, kk, K, 16, BKW)
+        store_tile(qg_h, q2 * e2 * scale, t0 + 32, n2, K, kk, K, 16, BKW)
+        store_tile(qg_h, q3 * e3 * scale, t0 + 48, n3, K, kk, K, 16, BKW)
+        store_tile(kg_h, k0 * tl.exp2(gam[None, :] - G0), t0, n0, K, kk, K, 16, BKW)
+        store_tile(kg_h, k1 * tl.exp2(gam[None, :] - G1), t0 + 16, n1, K, kk, K, 16, BKW)
+        store_tile(kg_h, k2 * tl.exp2(gam[None, :] - G2), t0 + 32, n2, K, kk, K, 16, BKW)
+        store_tile(kg_h, k3 * tl.exp2(gam[None, :] - G3), t0 + 48, n3, K, kk, K, 16, BKW)
+        x0 = k0 * e0 * b0[:, None]
+        x1 = k1 * e1 * b1[:, None]
+        x2 = k2 * e2 * b2[:, None]
+        x3 = k3 * e3 * b3[:, None]
+        store_tile(w_h, mm(d0, x0, IO, PREC, EMU), t0, n0, K, kk, K, 16, BKW)
+        store_tile(w_h, mm(t10, x0, IO, PREC, EMU) + mm(d1, x1, IO, PREC, EMU), t0 + 16, n1, K, kk, K, 16, BKW)
+        x = mm(t20, x0, IO, PREC, EMU) + mm(t21, x1, IO, PREC, EMU) + mm(d2, x2, IO, PREC, EMU)
+        store_tile(w_h, x, t0 + 32, n2, K, kk, K, 16, BKW)
+        x = mm(t30, x0, IO, PREC, EMU) + mm(t31, x1, IO, PREC, EMU) + mm(t32, x2, IO, PREC, EMU)
+        x += mm(d3, x3, IO, PREC, EMU)
+        store_tile(w_h, x, t0 + 48, n3, K, kk, K, 16, BKW)
+        cols = kk + tl.arange(0, BKW)
+        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
+
+    # ---- U = T Diag(beta) v, per V tile ----
+    u_h = u + h.to(tl.int64) * T_tot * V
+    vh = v + h * V
+    for vv in range(0, V, BV):
+        x0 = load_tile(vh, t0, n0, H * V, vv, V, 16, BV) * b0[:, None]
+        x1 = load_tile(vh, t0 + 16, n1, H * V, vv, V, 16, BV) * b1[:, None]
+        x2 = load_tile(vh, t0 + 32, n2, H * V, vv, V, 16, BV) * b2[:, None]
+        x3 = load_tile(vh, t0 + 48, n3, H * V, vv, V, 16, BV) * b3[:, None]
+        store_tile(u_h, mm(d0, x0, IO, PREC, EMU), t0, n0, V, vv, V, 16, BV)
+        store_tile(u_h, mm(t10, x0, IO, PREC, EMU) + mm(d1, x1, IO, PREC, EMU), t0 + 16, n1, V, vv, V, 16, BV)
+        x = mm(t20, x0, IO, PREC, EMU) + mm(t21, x1, IO, PREC, EMU) + mm(d2, x2, IO, PREC, EMU)
+        store_tile(u_h, x, t0 + 32, n2, V, vv, V, 16, BV)
+        x = mm(t30, x0, IO, PREC, EMU) + mm(t31, x1, IO, PREC, EMU) + mm(t32, x2, IO, PREC, EMU)
+        x += mm(d3, x3, IO, PREC, EMU)
+        store_tile(u_h, x, t0 + 48, n3, V, vv, V, 16, BV)
+
+
+def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
+    """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
+    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk (see allocate_fwd);
+    `dtypes` = (IO, ADT, PREC, EMU)."""
+    T_tot, H, K = q.shape
+    V = v.shape[-1]
+    IO, ADT, PREC, EMU = dtypes
+    BKA = min(32, max(16, triton.next_power_of_2(K)))
+    BKW = min(64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
+    _prep_kernel[(layout.n_chunks, H)](
+        q, k, v, g, beta, a_log, dt_bias,
+        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"],
+        cu, chunk_seq, chunk_tok,
+        scale, lower_bound, T, NT, T_tot,
+        H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
+        VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, SAVE=save,
+        IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
+    )  # fmt: skip

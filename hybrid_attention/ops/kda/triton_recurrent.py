@@ -1,0 +1,152 @@
+"""Fused recurrent KDA step for decoding: a few tokens per sequence from a float32 state, updated in place.
+
+Per (V tile, sequence, head) one program holds the [K, BV] slice of the state in registers and applies the
+recurrence of MATH.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
+o_t = scale S^T q_t), then writes the slice back. Decoding is bound by moving the state (read + write), so
+everything else (gate, L2 norm) is fused in and the state is touched exactly once per call.
+Registered as the custom op `hybrid_attention::kda_recurrent_step` (mutating `state`) so that compiled and
+CUDA-graphed decode loops can call it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hybrid_attention.ops.kda.triton_utils import L2_EPS, MAX_DIM, empty, interpreting
+
+
+@triton.jit
+def _step_kernel(
+    q, k, v, g, beta, a_log, dt_bias, state, o,  # q, k, g [B, T, H, K]; v, o [B, T, H, V]; state [B, H, K, V] f32
+    scale, lower_bound, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, L2NORM: tl.constexpr,
+):  # fmt: skip
+    iv = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    sp = state + (b * H + h).to(tl.int64) * K * V + rk[:, None] * V + rv[None, :]
+    smask = mk[:, None] & mv[None, :]
+    S = tl.load(sp, mask=smask, other=0.0)
+    if GATE:
+        bias = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+    for t in range(0, T):
+        row = ((b * T + t) * H + h).to(tl.int64)
+        qt = tl.load(q + row * K + rk, mask=mk, other=0.0).to(tl.float32)
+        kt = tl.load(k + row * K + rk, mask=mk, other=0.0).to(tl.float32)
+        gt = tl.load(g + row * K + rk, mask=mk, other=0.0).to(tl.float32)
+        vt = tl.load(v + row * V + rv, mask=mv, other=0.0).to(tl.float32)
+        bt = tl.load(beta + row).to(tl.float32)
+        if L2NORM:
+            qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + L2_EPS)
+            kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + L2_EPS)
+        if GATE:
+            gt = tl.where(mk, lower_bound * tl.sigmoid(rate * (gt + bias)), 0.0)
+        S = S * tl.exp(gt)[:, None]
+        vn = bt * (vt - tl.sum(S * kt[:, None], 0))  # beta_t (v_t - S^T k_t)
+        S = S + kt[:, None] * vn[None, :]
+        tl.store(o + row * V + rv, (scale * tl.sum(S * qt[:, None], 0)).to(o.dtype.element_ty), mask=mv)
+    tl.store(sp, S, mask=smask)
+
+
+@torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
+def _step_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
+    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
+) -> Tensor:  # fmt: skip
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = empty(v, B, T, H, V)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    _step_kernel[(triton.cdiv(V, BV), B, H)](
+        q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: unused pointer
+        scale, lower_bound, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, num_warps=4 if BK <= 128 else 8,
+    )  # fmt: skip
+    return o
+
+
+@_step_op.register_fake
+def _(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm):
+    return empty(v, *v.shape)
+
+
+def fused_recurrent_kda_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    *,
+    scale: float | None = None,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> Tensor:
+    """Advance `state` by T tokens (T small: decoding) and return their outputs; forward only.
+
+    Args:
+        q, k, g: [B, T, H, K] (g natural-log decay, or the raw logits z with A_log, dt_bias and lower_bound, as
+            in chunk_kda_triton).  v: [B, T, H, V].  beta: [B, T, H].  K, V <= 256.
+        state: [B, H, K, V] float32, contiguous; updated in place.
+        scale: defaults to K ** -0.5.  use_qk_l2norm: L2-normalise q and k inside the kernel.
+    Returns:
+        o: [B, T, H, V] in v.dtype.
+    """
+    name = "fused_recurrent_kda_step"
+    if q.dim() != 4:
+        raise ValueError(f"{name}: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if T < 1 or H < 1 or K < 1:
+        raise ValueError(f"{name}: q must have T, H, K >= 1, got shape {tuple(q.shape)}")
+    for label, t in (("k", k), ("g", g)):
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{name}: {label} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"{name}: v must be [B, T, H, V] = [{B}, {T}, {H}, V], got shape {tuple(v.shape)}")
+    V = v.shape[3]
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"{name}: beta must be [B, T, H] = {(B, T, H)}, got shape {tuple(beta.shape)}")
+    if tuple(state.shape) != (B, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(
+            f"{name}: state must be a contiguous float32 [B, H, K, V] = {(B, H, K, V)} tensor (it is updated in "
+            f"place), got {state.dtype} {tuple(state.shape)}{'' if state.is_contiguous() else ' non-contiguous'}"
+        )
+    if K > MAX_DIM or V < 1 or V > MAX_DIM:
+        raise ValueError(f"{name}: K and V must be in [1, {MAX_DIM}], got K = {K}, V = {V}")
+    for label, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name}: {label} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.device != state.device:
+            raise ValueError(f"{name}: {label} is on {t.device} but state is on {state.device}")
+    if not (state.is_cuda or (interpreting() and state.device.type == "cpu")):
+        raise ValueError(f"{name}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {state.device}")
+    given = [x is not None for x in (A_log, dt_bias, lower_bound)]
+    if any(given) and not all(given):
+        raise ValueError(f"{name}: the fused gate needs A_log, dt_bias and lower_bound together, got only some")
+    gate = all(given)
+    if gate:
+        if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) or lower_bound >= 0:
+            raise ValueError(f"{name}: lower_bound must be a finite number < 0, got {lower_bound!r}")
+        if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) not in ((H * K,), (H, K)):
+            raise ValueError(
+                f"{name}: A_log must be [H] = [{H}] and dt_bias [H*K] = [{H * K}], got {tuple(A_log.shape)} "
+                f"and {tuple(dt_bias.shape)}"
+            )
+        A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+    scale = K**-0.5 if scale is None else float(scale)
+    lb = float(lower_bound) if gate else 0.0
+    return _step_op(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, gate, bool(use_qk_l2norm))

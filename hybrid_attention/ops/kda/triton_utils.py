@@ -1,0 +1,245 @@
+"""Shared pieces of the Triton KDA kernels: tile loads/stores, the gate, the 16x16 inverse, chunk layout.
+
+Conventions used by every kernel (docs/kernels.md has the full story):
+  * Chunks of C = 64 tokens, split into four 16-token sub-chunks a = 0..3. Gates are handled in log2 units
+    (g * log2(e)) so every decay is an exp2; G is the inclusive cumulative sum of g inside the chunk.
+  * Pairwise decays exp(G_t - G_i) are split into a row factor exp2(G_t - c_a + SHIFT) and a column factor
+    exp2(c_a - SHIFT - G_i), where c_a is the cumulative gate just before sub-chunk a starts (it depends on
+    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range. With
+    g >= -5 per step a sub-chunk spans at most 16 * 5 / ln 2 = 115.4 in log2, so both factors stay within
+    2^(+-58): far from float32 (and bfloat16) overflow. Off-diagonal blocks only get smaller.
+  * Sequences are flattened to [T_total, H, *]; cu_seqlens (or B equal lengths) say where each starts.
+    Chunks never straddle sequences; rows past a sequence end are masked to zero (g = 0, k = q = v = 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+MAX_DIM = 256
+LOG2E = tl.constexpr(1.4426950408889634)
+SHIFT = tl.constexpr(57.7)  # half of the largest in-sub-chunk exponent span (115.4 in log2 for g >= -5)
+L2_EPS = tl.constexpr(1e-6)  # x / sqrt(sum x^2 + eps), as FLA's in-kernel l2norm
+
+
+def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every buffer of these kernels comes from here, through `torch.empty` looked up at call time, so a test can
+    poison them all (monkeypatch torch.empty to fill NaN) and catch any element a kernel forgets to write."""
+    return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
+    """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
+    them all, slowly) and when HA_KDA_AUTOTUNE=0 (read at call time: tests skip the tuning runs and compiles).
+    A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner."""
+    configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
+    if interpreting():
+        configs = configs[:1]
+
+    def prune(configs, named_args, **kwargs):
+        return configs[:1] if os.environ.get("HA_KDA_AUTOTUNE", "1") == "0" else configs
+
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
+
+
+def dot_setup(dtype: torch.dtype) -> tuple[str, bool, bool]:
+    """(PREC, EMU, A32) for kernels whose io dtype is `dtype`.
+
+    PREC: precision of float32 x float32 dots: "ieee" for float32 inputs (real float32 accuracy), "tf32" else.
+    EMU: the interpreter mis-multiplies bfloat16 dots, so there they run as float32 dots of bf16-rounded values.
+    A32: the anchored score dots (factors up to 2^58) run on float32 operands: float16 cannot hold the factors.
+    """
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    return prec, interpreting() and dtype == torch.bfloat16, dtype == torch.float16
+
+
+@triton.jit
+def mm(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """a @ b with both operands cast to DT (the io dtype, or float32), float32 accumulation."""
+    if EMU:
+        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def mm32(a, b, PREC: tl.constexpr):
+    """a @ b on float32 operands (small float32 block products such as the inverse merges)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def load_tile(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.constexpr):
+    """Rows row0 + [0, R) (valid below nrows) and columns col0 + [0, C) (valid below ncols) as float32."""
+    r = tl.arange(0, R)
+    c = col0 + tl.arange(0, C)
+    mask = (r < nrows)[:, None] & (c < ncols)[None, :]
+    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_raw(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.constexpr):
+    """As load_tile, in the stored dtype (operands that go straight into a dot)."""
+    r = tl.arange(0, R)
+    c = col0 + tl.arange(0, C)
+    mask = (r < nrows)[:, None] & (c < ncols)[None, :]
+    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_lower(ptr, row0, nrows):
+    """A chunk's [64, 64] block-lower matrix (Aqk or T) from its [rows, 64] storage; upper 16x16 blocks,
+    which are never written, read as zero, and so do columns past the valid rows."""
+    r = tl.arange(0, 64)
+    mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & (r < nrows)[:, None] & (r < nrows)[None, :]
+    offs = (row0 + r).to(tl.int64)[:, None] * 64 + r[None, :]
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(ptr, x, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = col0 + tl.arange(0, C)
+    mask = (r < nrows)[:, None] & (c < ncols)[None, :]
+    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
+    """One value per row (beta, rstd): [R] float32, zero past nrows."""
+    r = tl.arange(0, R)
+    return tl.load(ptr + (row0 + r).to(tl.int64) * stride, mask=r < nrows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
+              R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the bounded gate is applied here:
+    g = lower_bound * sigmoid(exp(A_log_h) * (z + dt_bias_hc)). Zero outside the valid rows and columns."""
+    x = load_tile(g, row0, nrows, stride, col0, K, R, C)
+    if GATE:
+        r = tl.arange(0, R)
+        c = col0 + tl.arange(0, C)
+        bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
+        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+        x = lower_bound * tl.sigmoid(rate * (x + bias[None, :]))
+        x = tl.where((r < nrows)[:, None] & (c < K)[None, :], x, 0.0)
+    return x * LOG2E
+
+
+@triton.jit
+def chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN: tl.constexpr):
+    """(sequence, first token, end of sequence) of chunk c; sequence -1 marks a spare grid slot (varlen)."""
+    if VARLEN:
+        seq = tl.load(chunk_seq + c)
+        t0 = tl.load(chunk_tok + c)
+        eos = tl.load(cu + tl.maximum(seq, 0) + 1)
+    else:
+        seq = c // NT
+        t0 = seq * T + (c % NT) * 64
+        eos = seq * T + T
+    return seq, t0, eos
+
+
+@triton.jit
+def seq_info(n, cu, chunk_off, T, NT, VARLEN: tl.constexpr):
+    """(first token, end, index of the first chunk) of sequence n."""
+    if VARLEN:
+        bos = tl.load(cu + n)
+        eos = tl.load(cu + n + 1)
+        c0 = tl.load(chunk_off + n)
+    else:
+        bos = n * T
+        eos = bos + T
+        c0 = n * NT
+    return bos, eos, c0
+
+
+@triton.jit
+def tril(x, STRICT: tl.constexpr):
+    """Lower triangle of a [16, 16] block (strict: below the diagonal)."""
+    r = tl.arange(0, 16)
+    if STRICT:
+        keep = r[:, None] > r[None, :]
+    else:
+        keep = r[:, None] >= r[None, :]
+    return tl.where(keep, x, 0.0)
+
+
+@triton.jit
+def inv_unit_lower4(L0, L1, L2, L3):
+    """(I + L_a)^{-1} for four strictly lower [16, 16] blocks, by forward substitution in float32.
+
+    Row i of X = (I + L)^{-1} is e_i - L[i, :] X: rows j < i are final and L[i, j >= i] = 0, so the
+    whole current X can be used. The four blocks are independent chains, interleaved for parallelism.
+    """
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X0 = eye
+    X1 = eye
+    X2 = eye
+    X3 = eye
+    for i in range(1, 16):
+        sel = r[:, None] == i
+        l0 = tl.sum(tl.where(sel, L0, 0.0), 0)
+        l1 = tl.sum(tl.where(sel, L1, 0.0), 0)
+        l2 = tl.sum(tl.where(sel, L2, 0.0), 0)
+        l3 = tl.sum(tl.where(sel, L3, 0.0), 0)
+        X0 = tl.where(sel, X0 - tl.sum(l0[:, None] * X0, 0)[None, :], X0)
+        X1 = tl.where(sel, X1 - tl.sum(l1[:, None] * X1, 0)[None, :], X1)
+        X2 = tl.where(sel, X2 - tl.sum(l2[:, None] * X2, 0)[None, :], X2)
+        X3 = tl.where(sel, X3 - tl.sum(l3[:, None] * X3, 0)[None, :], X3)
+    return X0, X1, X2, X3
+
+
+class ChunkLayout:
+    """Where the chunks of a (possibly packed) batch lie; built on the device without a host sync.
+
+    Attributes: n_seq (N), n_chunks (grid size of the per-chunk kernels; varlen uses the upper bound
+    T_total // 64 + N, spare slots get sequence -1), varlen, T (length of every sequence when not varlen),
+    nt (chunks per sequence when not varlen), and the int32 tensors cu [N + 1], chunk_seq / chunk_tok
+    [n_chunks] (sequence and first token of each chunk) and chunk_off [N] (index of each sequence's first chunk).
+    """
+
+    def __init__(self, B: int, T: int, device: torch.device, cu_seqlens: torch.Tensor | None):
+        self.varlen = cu_seqlens is not None
+        if not self.varlen:
+            self.n_seq, self.T, self.nt = B, T, triton.cdiv(T, CHUNK)
+            self.n_chunks = self.count(B, T, B, False)
+            dummy = torch.empty(1, dtype=torch.int32, device=device)  # never read: the kernels compute the layout
+            self.cu = self.chunk_seq = self.chunk_tok = self.chunk_off = dummy
+            return
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        self.n_seq, self.T, self.nt = cu.shape[0] - 1, 0, 0
+        self.n_chunks = self.count(B, T, self.n_seq, True)
+        nch = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK  # chunks per sequence
+        ends = torch.cumsum(nch, 0)
+        off = ends - nch
+        c = torch.arange(self.n_chunks, device=device, dtype=torch.int32)
+        seq = torch.searchsorted(ends, c, right=True)  # first sequence whose chunks end after c
+        seq_c = seq.clamp(max=self.n_seq - 1)
+        self.cu = cu
+        self.chunk_off = off.to(torch.int32)
+        self.chunk_seq = torch.where(c < ends[-1], seq_c, -1).to(torch.int32)
+        self.chunk_tok = (cu[seq_c] + CHUNK * (c - off[seq_c])).to(torch.int32)
+
+    @staticmethod
+    def count(B: int, T: int, n_seq: int, varlen: bool) -> int:
+        """Grid size of the per-chunk kernels (and rows of the per-chunk buffers), from shapes alone."""
+        return T // CHUNK + n_seq if varlen else B * triton.cdiv(T, CHUNK)
+
+    def args(self) -> tuple:
+        return self.cu, self.chunk_seq, self.chunk_tok, self.chunk_off, self.T, max(self.nt, 1)

@@ -1,0 +1,277 @@
+"""Triton KDA kernels on a CUDA GPU against `recurrent_kda` run in float64 on the same (rounded) values.
+
+Outputs, final states and every gradient (q, k, v, g or z, beta, initial state, A_log, dt_bias) for odd lengths
+(1, 63, 65, 1000, 4097), K, V of 64, 128, 100 x 60 and 256, varlen, the fused gate and l2norm, bf16 / fp16 /
+fp32; the gate at its bound for 16K tokens; bitwise prefix invariance; NaN-poisoned buffers; the decode step;
+torch.compile (inductor); and FLA 0.6.0 side by side when it is installed. Tolerances (relative L2 error):
+bf16 / fp16 1e-2 on outputs and states, 2e-2 on gradients; fp32 1e-5. Every error is printed (`-s`) and, with
+$HA_RESULTS set, appended there as a JSON line; a test asserts only after recording all of its numbers.
+
+    HA_RESULTS=kda_triton.jsonl python -m pytest -q -s tests/gpu/test_kda_triton.py
+
+HA_KDA_AUTOTUNE=0 (set below unless already set) keeps each kernel to its first config: far fewer compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_attention.ops.kda import kda_gate, recurrent_kda
+from tests.helpers import rel_err
+
+os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+HAS_FLA = importlib.util.find_spec("fla") is not None
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+TOL = {BF16: (1e-2, 2e-2), FP16: (1e-2, 2e-2), FP32: (1e-5, 1e-5)}
+NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
+
+
+def record(case, quantity, err, tol):
+    print(f"[kda_triton] {case:<44} {quantity:<10} rel_err={err:.3e} (tol {tol:.0e})")
+    path = os.environ.get("HA_RESULTS")
+    if path:
+        line = dict(test="kda_triton", case=case, quantity=quantity, rel_err=err, tol=tol,
+                    device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return quantity, err, tol
+
+
+def check(results):
+    failed = [f"{q}: {e:.3e} >= {t:.0e}" for q, e, t in results if not (e < t)]  # NaN / inf fail too
+    assert not failed, "; ".join(failed)
+
+
+def make_inputs(B, T, H, K, V, dtype, *, N=None, h0=True, gate=False, l2norm=False, seed=0):
+    """q, k unit vectors (raw when the kernel normalises), g in (-5, 0) or raw logits z with the gate,
+    beta in (0, 1), float32 start state; A_log, dt_bias near the layer's initialisation."""
+    torch.manual_seed(seed)
+    dev = "cuda"
+    q, k = torch.randn(B, T, H, K, device=dev), torch.randn(B, T, H, K, device=dev)
+    if not l2norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(B, T, H, V, device=dev)
+    if gate:
+        g = 2 * torch.randn(B, T, H, K, device=dev)
+        A_log = 0.3 * torch.randn(H, device=dev)
+        dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, device=dev))  # dt in [1e-3, 1e-1]
+        dt_bias = torch.log(torch.expm1(dt))  # inverse softplus, as the layer
+    else:
+        g = -5 * torch.rand(B, T, H, K, device=dev)
+        A_log = dt_bias = None
+    beta = torch.rand(B, T, H, device=dev)
+    s0 = torch.randn(B if N is None else N, H, K, V, device=dev) if h0 else None
+    return [x.to(dtype) for x in (q, k, v, g, beta)] + [s0, A_log, dt_bias]
+
+
+def run(fn, inputs, do, dS, **kw):
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
+    o, S = fn(*leaves, **kw)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum()
+    used = [(n, x) for n, x in zip(NAMES, leaves, strict=True) if x is not None]
+    grads = torch.autograd.grad(loss, [x for _, x in used])
+    return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
+
+
+def ours(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+
+    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
+                            use_qk_l2norm=l2norm, **gate)  # fmt: skip
+
+
+def reference(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if l2norm:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if A_log is not None:
+        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
+    h0 = None if h0 is None else h0.double()
+    return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def compare(case, inputs, fn=ours, **kw):
+    """Record (and return) the relative errors of fn against the float64 reference, forward and backward."""
+    q, v = inputs[0], inputs[2]
+    tol_o, tol_g = TOL[q.dtype]
+    N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+    do = torch.randn(v.shape, dtype=torch.float64, device="cuda")
+    dS = torch.randn(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64, device="cuda")
+    results = []
+    try:
+        o, S, grads = run(fn, inputs, do, dS, **kw)
+    except Exception as exc:  # report, then fail
+        record(case, f"ERROR {type(exc).__name__}", float("inf"), 0.0)
+        raise
+    ro, rS, rgrads = run(reference, inputs, do, dS, **kw)
+    results.append(record(case, "o", rel_err(o, ro), tol_o))
+    results.append(record(case, "final", rel_err(S, rS), tol_o))
+    for name, ref in rgrads.items():
+        tol = tol_g
+        if name == "A_log":  # a sum with cancellation: error of dz times the sum's condition number
+            terms = rgrads["g"] * (inputs[3].double() + inputs[7].double().view(q.shape[2], -1))
+            tol *= float((terms.abs().sum((0, 1, 3)) / ref.abs().clamp_min(1e-30)).max())
+        got = grads.get(name, torch.full_like(ref, float("nan")))
+        results.append(record(case, f"d{name}", rel_err(got, ref), tol))
+    return results
+
+
+SHAPES = [  # B, T, H, K, V, with initial state
+    (2, 1, 4, 128, 128, True),
+    (2, 63, 4, 128, 128, False),
+    (2, 65, 4, 128, 128, True),
+    (2, 1000, 4, 128, 128, True),
+    (1, 4097, 2, 128, 128, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[1]}" for s in SHAPES])
+def test_lengths(shape, dtype):
+    B, T, H, K, V, h0 = shape
+    check(compare(f"{dtype} B{B} T{T} H{H} K{K} V{V} h0={h0}", make_inputs(B, T, H, K, V, dtype, h0=h0, seed=T)))
+
+
+@pytest.mark.parametrize(
+    "dtype, K, V", [(BF16, 64, 64), (BF16, 100, 60), (BF16, 256, 256), (FP16, 128, 128), (FP32, 64, 64)]
+)
+def test_sizes_and_dtypes(dtype, K, V):
+    T = 300 if K <= 128 else 200
+    check(compare(f"{dtype} B1 T{T} H2 K{K} V{V}", make_inputs(1, T, 2, K, V, dtype, seed=K + V)))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_varlen(dtype):
+    cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
+    inputs = make_inputs(1, 2000, 4, 128, 128, dtype, N=5, seed=1)
+    check(compare(f"{dtype} varlen {cu.tolist()}", inputs, cu_seqlens=cu))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_fused_gate_and_l2norm(dtype):
+    inputs = make_inputs(2, 1000, 4, 128, 128, dtype, gate=True, l2norm=True, seed=2)
+    check(compare(f"{dtype} gate+l2norm B2 T1000", inputs, l2norm=True))
+
+
+def test_gate_at_bound_16k_stays_finite():
+    """z so large that every gate sits at lower_bound = -5 exactly, for 16K tokens: all finite, and the
+    forward still matches the reference."""
+    B, T, H, K, V = 1, 16384, 2, 128, 128
+    q, k, v, _, beta, h0, A_log, dt_bias = make_inputs(B, T, H, K, V, BF16, gate=True, l2norm=True, seed=3)
+    z = torch.full((B, T, H, K), 50.0, device="cuda", dtype=BF16)
+    inputs = [q, k, v, z, beta, h0, torch.zeros_like(A_log), torch.zeros_like(dt_bias)]
+    do = torch.randn(B, T, H, V, dtype=torch.float64, device="cuda")
+    dS = torch.randn(B, H, K, V, dtype=torch.float64, device="cuda")
+    o, S, grads = run(ours, inputs, do, dS, l2norm=True)
+    with torch.no_grad():
+        ro, rS = reference(*inputs, l2norm=True)
+    case = "gate at bound T16384"
+    results = [record(case, "o", rel_err(o, ro), 1e-2), record(case, "final", rel_err(S, rS), 1e-2)]
+    for name, x in grads.items():
+        results.append(record(case, f"d{name} finite", 0.0 if torch.isfinite(x).all() else 1.0, 0.5))
+    check(results)
+
+
+@pytest.mark.parametrize("t", [37, 150, 255])
+def test_prefix_invariance(t):
+    """Inputs after t changed, loss on outputs up to t: outputs and gradients up to t are bitwise unchanged."""
+    T = 300
+    base = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=4)
+    other = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=5)
+    changed = [x.clone() for x in base[:5]]
+    for x, y in zip(changed, other[:5], strict=True):
+        x[:, t + 1 :] = y[:, t + 1 :]
+    do = torch.randn(1, T, 2, 128, dtype=torch.float64, device="cuda")
+    do[:, t + 1 :] = 0
+    dS = torch.zeros(1, 2, 128, 128, dtype=torch.float64, device="cuda")
+    (o1, _, g1), (o2, _, g2) = (run(ours, x, do, dS, l2norm=True) for x in (base, changed + base[5:]))
+    same = {"o": torch.equal(o1[:, : t + 1], o2[:, : t + 1])}
+    same.update({n: torch.equal(g1[n][:, : t + 1], g2[n][:, : t + 1]) for n in ("q", "k", "v", "g", "beta")})
+    same.update({n: torch.equal(g1[n], g2[n]) for n in ("h0", "A_log", "dt_bias")})
+    check([record(f"prefix t={t}", n, 0.0 if ok else 1.0, 0.5) for n, ok in same.items()])
+    assert not torch.equal(o1, o2)
+
+
+def test_poisoned_buffers(monkeypatch):
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    cu = torch.tensor([0, 7, 64, 65, 500], device="cuda")
+    inputs = make_inputs(1, 500, 2, 128, 128, BF16, N=4, gate=True, l2norm=True, seed=6)
+    check(compare("bf16 NaN-poisoned varlen gate+l2norm", inputs, cu_seqlens=cu, l2norm=True))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_step(T):
+    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+
+    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(64, T, 4, 128, 128, BF16, gate=True, l2norm=True, seed=7)
+    state = h0.clone()
+    o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                 use_qk_l2norm=True)  # fmt: skip
+    ro, rS = reference(q, k, v, z, beta, h0, A_log, dt_bias, l2norm=True)
+    case = f"decode B64 T{T} gate+l2norm"
+    check([record(case, "o", rel_err(o, ro), 1e-2), record(case, "state", rel_err(state, rS), 1e-5)])
+
+
+def test_prefill_then_decode():
+    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+
+    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(4, 203, 4, 128, 128, BF16, gate=True, l2norm=True, seed=8)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
+    with torch.no_grad():
+        full, _ = chunk_kda_triton(q, k, v, z, beta, initial_state=h0, **gate)
+        pre, state = chunk_kda_triton(q[:, :200], k[:, :200], v[:, :200], z[:, :200], beta[:, :200],
+                                      initial_state=h0, output_final_state=True, **gate)  # fmt: skip
+        steps = [fused_recurrent_kda_step(*(x[:, t : t + 1] for x in (q, k, v, z, beta)), state, **gate)
+                 for t in range(200, 203)]  # fmt: skip
+    check([record("prefill 200 + 3 decode steps", "o", rel_err(torch.cat([pre, *steps], 1), full), 1e-2)])
+
+
+def test_torch_compile_inductor():
+    """The custom ops inside a compiled function (inductor, fullgraph): same values as eager."""
+    inputs = make_inputs(2, 500, 4, 128, 128, BF16, gate=True, l2norm=True, seed=9)
+
+    def fn(q, k, v, g, beta, h0, A_log, dt_bias):
+        o, S = ours(q * 2, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)  # exact pre/post ops: bitwise equal
+        return o * 2, S
+
+    do = torch.randn(2, 500, 4, 128, dtype=torch.float64, device="cuda")
+    dS = torch.randn(2, 4, 128, 128, dtype=torch.float64, device="cuda")
+    eo, eS, eg = run(fn, inputs, do, dS)
+    co, cS, cg = run(torch.compile(fn, fullgraph=True), inputs, do, dS)
+    case = "torch.compile (inductor) vs eager"
+    results = [record(case, "o", rel_err(co, eo), 1e-6), record(case, "final", rel_err(cS, eS), 1e-6)]
+    results += [record(case, f"d{n}", rel_err(cg[n], x), 1e-6) for n, x in eg.items()]
+    check(results)
+
+
+@pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention (fla) not installed")
+def test_against_fla():
+    """FLA 0.6.0 chunk_kda in its fastest configuration, and ours, both against the float64 reference."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    def fla_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm):
+        assert l2norm  # FLA normalises q and k in its kernel, as we do here
+        flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+        return fla_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
+                             dt_bias=dt_bias, **flags)  # fmt: skip
+
+    inputs = make_inputs(2, 1000, 4, 128, 128, BF16, gate=True, l2norm=True, seed=10)
+    mine = compare("ours bf16 gate+l2norm (FLA config)", inputs, l2norm=True)
+    theirs = compare("FLA 0.6.0 bf16 gate+l2norm", inputs, fn=fla_fn, l2norm=True)
+    del theirs  # FLA's errors are recorded for comparison only
+    check(mine)

@@ -1,0 +1,255 @@
+"""Triton KDA kernels on the CPU (Triton interpreter, set up by tests/conftest.py) or a GPU, at tiny shapes.
+
+Against `recurrent_kda` in float64 on the same values: outputs, final states and every gradient (q, k, v, g or
+z, beta, initial state, A_log, dt_bias), for lengths that cover one, two and partial chunks and sub-chunks,
+varlen with an empty sequence, the fused gate and l2norm; plus bitwise prefix invariance (forward and
+backward), NaN-poisoned buffers, the decode kernel, the custom ops under torch.compile and input errors.
+The interpreter is slow: every case is one or two chunks, H <= 2, K, V <= 32. bfloat16 is left to
+tests/gpu/test_kda_triton.py: the interpreter truncates float32 -> bfloat16 casts instead of rounding them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+from tests.helpers import assert_close, rel_err
+
+if not torch.cuda.is_available():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it; without it the kernels cannot run on CPU
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL32 = 1e-5  # float32 paths (DESIGN.md)
+NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
+
+
+def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dtype=torch.float32, seed=0):
+    """q, k unit vectors (raw Gaussians when the kernel normalises), g in (-5, 0) (raw logits z with the gate),
+    beta in (0, 1), a random float32 start state; A_log and dt_bias as the layer initialises them, perturbed."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not l2norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if gate:
+        g = 2 * rnd(B, T, H, K)
+        A_log = 0.3 * rnd(H)
+        dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, generator=gen, dtype=torch.float64))  # in [1e-3, 1e-1]
+        dt_bias = torch.log(torch.expm1(dt))  # inverse softplus
+    else:
+        g = -5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+        A_log = dt_bias = None
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    h0 = rnd(B if N is None else N, H, K, V).float() if h0 else None
+    x = [t.to(dtype).to(DEV) for t in (q, k, rnd(B, T, H, V), g, beta)]
+    extra = [None if t is None else t.float().to(DEV) for t in (A_log, dt_bias)]
+    return x + [None if h0 is None else h0.to(DEV)] + extra
+
+
+def run(fn, inputs, do, dS, **kw):
+    """o, S and the gradients of loss = <o, do> + <S, dS> w.r.t. every input that is not None."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
+    o, S = fn(*leaves, **kw)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum()
+    used = [(n, x) for n, x in zip(NAMES, leaves, strict=True) if x is not None]
+    grads = torch.autograd.grad(loss, [x for _, x in used])
+    return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
+
+
+def triton_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
+                            use_qk_l2norm=l2norm, **gate)  # fmt: skip
+
+
+def reference_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    """recurrent_kda in float64, with the gate and the l2norm written out in torch."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if l2norm:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if A_log is not None:
+        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
+    h0 = None if h0 is None else h0.double()
+    return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def compare(inputs, tol_o, tol_g, **kw):
+    q, v, h0 = inputs[0], inputs[2], inputs[5]
+    N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+    do = torch.randn(v.shape, dtype=torch.float64, device=DEV)
+    dS = torch.randn(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64, device=DEV)
+    o, S, grads = run(triton_fn, inputs, do, dS, **kw)
+    ro, rS, rgrads = run(reference_fn, inputs, do, dS, **kw)
+    assert o.dtype == v.dtype and S.dtype == torch.float32
+    assert_close("o", o, ro, tol_o)
+    assert_close("final state", S, rS, tol_o)
+    assert set(grads) == set(rgrads) and (h0 is None) == ("h0" not in grads)
+    for name, ref in rgrads.items():
+        tol = tol_g
+        if name == "A_log":  # a sum over (t, c) with cancellation: its error is that of dz times the sum's condition
+            terms = rgrads["g"].double() * (inputs[3].double() + inputs[7].double().view(q.shape[2], -1))
+            tol = tol_g * float((terms.abs().sum((0, 1, 3)) / ref.double().abs().clamp_min(1e-30)).max())
+        assert_close(f"d{name}", grads[name], ref, tol)
+    return o, grads
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, h0",
+    [(1, 1, 1, 16, 16, True), (1, 20, 2, 16, 32, False), (2, 70, 1, 32, 16, True)],
+)
+def test_matches_reference_float32(B, T, H, K, V, h0):
+    compare(make_inputs(B, T, H, K, V, h0=h0, seed=T), TOL32, TOL32)
+
+
+def test_varlen_with_empty_sequence():
+    cu = torch.tensor([0, 5, 5, 70, 90], device=DEV)
+    compare(make_inputs(1, 90, 1, 16, 16, N=4, seed=3), TOL32, TOL32, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("K", [16, 80], ids=["K16-one-tile", "K80-two-tiles"])
+def test_fused_gate_and_l2norm(K):
+    # K <= 64 finishes the l2norm backward in the q/k/g kernel, K = 80 (two K tiles, masked) in its own kernel.
+    compare(make_inputs(1, 40, 2 if K == 16 else 1, K, 16, gate=True, l2norm=True, seed=4), TOL32, TOL32, l2norm=True)
+
+
+def test_float16():
+    # Half precision: the tolerances of DESIGN.md for bf16 kernels (float16 has 3 more mantissa bits).
+    compare(make_inputs(1, 70, 1, 32, 32, dtype=torch.float16, seed=5), 1e-2, 2e-2)
+
+
+def test_no_grad_forward_default_scale_and_dispatch():
+    q, k, v, g, beta, h0, _, _ = make_inputs(1, 20, 1, 16, 16, seed=6)
+    with torch.no_grad():
+        o, S = chunk_kda_triton(q, k, v, g, beta, initial_state=h0)
+        o1, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, scale=1.0)
+        o2, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, backend="triton")  # the dispatcher routes here
+    ro, _ = recurrent_kda(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=h0.double())
+    assert S is None
+    assert_close("o", o, ro, TOL32)
+    assert torch.equal(o2, o)
+    assert rel_err(o1, o) > 0.1  # the scale is applied
+
+
+def test_prefix_invariance_forward_and_backward():
+    """Changing inputs after t changes no output at or before t, nor (with a loss on those outputs) any gradient
+    at or before t, bit for bit. t sits inside a sub-chunk so later rows of its own sub-chunk change too."""
+    t = 37
+    base = make_inputs(1, 70, 1, 16, 16, gate=True, l2norm=True, seed=7)
+    other = make_inputs(1, 70, 1, 16, 16, gate=True, l2norm=True, seed=8)
+    changed = [b.clone() for b in base[:5]]
+    for c, o in zip(changed, other[:5], strict=True):
+        c[:, t + 1 :] = o[:, t + 1 :]
+    do = torch.randn(1, 70, 1, 16, dtype=torch.float64, device=DEV)
+    do[:, t + 1 :] = 0
+    results = []
+    for x in (base, changed + base[5:]):
+        o, _, grads = run(triton_fn, x, do, torch.zeros(1, 1, 16, 16, dtype=torch.float64, device=DEV), l2norm=True)
+        results.append((o, grads))
+    (o1, g1), (o2, g2) = results
+    assert not torch.equal(o1, o2)  # the change is visible after t
+    assert torch.equal(o1[:, : t + 1], o2[:, : t + 1])
+    for name in ("q", "k", "v", "g", "beta"):
+        assert torch.equal(g1[name][:, : t + 1], g2[name][:, : t + 1]), name
+    for name in ("h0", "A_log", "dt_bias"):
+        assert torch.equal(g1[name], g2[name]), name
+
+
+def test_poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN: an element they forget to write shows up."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    cu = torch.tensor([0, 17, 70], device=DEV)
+    _, grads = compare(make_inputs(1, 70, 1, 16, 16, N=2, gate=True, l2norm=True, seed=9), TOL32, TOL32,
+                       cu_seqlens=cu, l2norm=True)  # fmt: skip
+    assert all(torch.isfinite(x).all() for x in grads.values())
+
+
+@pytest.mark.parametrize("gate, l2norm, T", [(False, False, 1), (True, True, 3)])
+def test_decode_step(gate, l2norm, T):
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(3, T, 2, 32, 16, gate=gate, l2norm=l2norm, seed=10)
+    state = h0.clone()
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
+    o = fused_recurrent_kda_step(q, k, v, g, beta, state, use_qk_l2norm=l2norm, **kw)
+    ro, rS = reference_fn(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=l2norm)
+    assert_close("o", o, ro, TOL32)
+    assert_close("state (in place)", state, rS, TOL32)
+
+
+def test_prefill_then_decode_equals_one_pass():
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 22, 1, 16, 16, gate=True, l2norm=True, seed=11)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    with torch.no_grad():
+        full, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True, **gate)
+        pre, state = chunk_kda_triton(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], initial_state=h0,
+                                      output_final_state=True, use_qk_l2norm=True, **gate)  # fmt: skip
+        steps = [
+            fused_recurrent_kda_step(
+                q[:, t : t + 1],
+                k[:, t : t + 1],
+                v[:, t : t + 1],
+                g[:, t : t + 1],
+                beta[:, t : t + 1],
+                state,
+                use_qk_l2norm=True,
+                **gate,
+            )  # fmt: skip
+            for t in (20, 21)
+        ]
+    assert_close("prefill + decode", torch.cat([pre, *steps], 1), full, TOL32)
+
+
+def test_compiles_without_graph_breaks():
+    inputs = make_inputs(1, 20, 1, 16, 16, N=2, gate=True, l2norm=True, seed=12)
+    cu = torch.tensor([0, 9, 20], device=DEV)
+    do = torch.randn(1, 20, 1, 16, dtype=torch.float64, device=DEV)
+    dS = torch.randn(2, 1, 16, 16, dtype=torch.float64, device=DEV)
+    fn = lambda *x, **kw: triton_fn(*x, l2norm=True, cu_seqlens=cu, **kw)
+    o, S, grads = run(fn, inputs, do, dS)
+    co, cS, cgrads = run(torch.compile(fn, backend="aot_eager", fullgraph=True), inputs, do, dS)
+    assert torch.equal(o, co) and torch.equal(S, cS)
+    for name, x in grads.items():
+        assert torch.equal(x, cgrads[name]), name
+
+
+def test_fake_implementations():
+    from hybrid_attention.ops.kda.triton_chunk import _fwd_op
+
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 20, 1, 16, 16, gate=True, seed=13)
+    args = (q, k, v, g, beta, h0, None, A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, True, True)
+    torch.library.opcheck(_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_inputs():
+    q, k, v, g, beta, h0, _, _ = make_inputs(1, 20, 1, 16, 16, seed=14)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda_triton(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(ValueError, match="float64"):
+        chunk_kda_triton(q.double(), k.double(), v.double(), g.double(), beta.double())
+    big = torch.zeros(1, 4, 1, 257, device=DEV)
+    with pytest.raises(ValueError, match="K and V"):
+        chunk_kda_triton(big, big, v[:, :4], big, beta[:, :4])
+    A_log, dt_bias = torch.zeros(1, device=DEV), torch.zeros(16, device=DEV)
+    with pytest.raises(ValueError, match="together"):
+        chunk_kda_triton(q, k, v, g, beta, A_log=A_log)
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-6.0)
+    with pytest.raises(ValueError, match="dt_bias"):
+        chunk_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias[:8], lower_bound=-5.0)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda_triton(q, k, v, g, beta, initial_state=h0.double())
+    with pytest.raises(ValueError, match="state"):
+        fused_recurrent_kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], h0.double())
+    with pytest.raises(ValueError, match="beta"):
+        fused_recurrent_kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta, h0.clone())
