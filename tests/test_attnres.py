@@ -178,6 +178,17 @@ def test_two_phase_gradcheck():
         assert_close(f"grad {name}", g, r, 1e-12)
 
 
+def test_mixed_dtypes_promote_like_a_residual_sum():
+    """Under autocast a float32 embedding meets bf16 sublayer outputs: they promote, as `h + f(h)` would."""
+    query, key_weight = params()
+    sources = [s.float() for s in make_sources(3)]
+    mixed = [sources[0], sources[1].bfloat16(), sources[2].bfloat16()]
+    out = attn_res(mixed, query.float(), key_weight.float())
+    assert out.dtype == torch.float32
+    ref = attn_res([s.float() for s in mixed], query.float(), key_weight.float())
+    assert torch.equal(out, ref)
+
+
 def test_bad_inputs():
     query, key_weight = params()
     sources = make_sources(2)
@@ -185,8 +196,6 @@ def test_bad_inputs():
         attn_res([], query, key_weight)
     with pytest.raises(ValueError, match="same shape"):
         attn_res([sources[0], sources[1][:, :3]], query, key_weight)
-    with pytest.raises(ValueError, match="same dtype"):
-        attn_res([sources[0], sources[1].float()], query, key_weight)
     with pytest.raises(ValueError, match=rf"query must have shape \[{D}\]"):
         attn_res(sources, torch.zeros(D + 1, dtype=torch.float64), key_weight)
     with pytest.raises(ValueError, match="key_weight"):

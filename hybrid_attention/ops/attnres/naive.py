@@ -15,6 +15,7 @@ online-softmax update (`attn_res_merge`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -35,10 +36,9 @@ def _stack(sources: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.T
     shapes = {tuple(s.shape) for s in sources}
     if len(shapes) != 1:
         raise ValueError(f"{name}: all sources must have the same shape, got {sorted(shapes)}")
-    dtypes = {s.dtype for s in sources}
-    if len(dtypes) != 1:
-        raise ValueError(f"{name}: all sources must have the same dtype, got {sorted(str(d) for d in dtypes)}")
-    return torch.stack(list(sources))
+    # Mixed dtypes (a float32 embedding beside bf16 sublayer outputs under autocast) promote, as `h + f(h)` would.
+    dtype = functools.reduce(torch.promote_types, [s.dtype for s in sources])
+    return torch.stack([s.to(dtype) for s in sources])
 
 
 def _check_params(name: str, D: int, query: torch.Tensor, key_weight: torch.Tensor | None, queries_ok: bool) -> None:
