@@ -1,14 +1,27 @@
-"""Generation: prefill the prompt once, then decode one token at a time with the cache.
+"""Generation: prefill the prompt (in chunks), then decode one token at a time with the cache (docs/inference.md).
 
 `generate_stream` yields each new token as it is produced (the CLI streams text from it); `generate` collects them.
 Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus), in that order.
+
+- Long prompts are prefilled in chunks (`prefill_chunk_size` tokens per sequence per call), so activation memory
+  stays bounded; chunked prefill is exact (KDA carries its state, MLA attends to the cached prefix).
+- On CUDA the decode step is captured once in a CUDA graph (`graphs.DecodeStep`) and replayed per token; elsewhere,
+  or when capture fails, it runs eagerly. Both run the same kernels, so greedy tokens are identical.
+- Prompts of different lengths (a list of 1-D prompts, or `[B, T]` with a left- or right-padded `attention_mask`)
+  are prefilled one at a time, each exactly as it would be alone, into its row of the batched cache; the batch then
+  decodes together with per-sequence lengths, so every row equals one-at-a-time generation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 
 import torch
+
+from hybrid_attention.graphs import DecodeStep
+
+Prompts = torch.Tensor | Sequence[torch.Tensor]
 
 
 def sample_next_token(
@@ -36,9 +49,78 @@ def sample_next_token(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p) -> None:
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"generate: expected a non-empty prompt [B, T], got shape {tuple(input_ids.shape)}")
+def default_prefill_chunk_size(batch_size: int) -> int:
+    """Tokens per sequence per prefill call: about 8192 tokens per call in all, a multiple of 64."""
+    return max(64, (8192 // batch_size) // 64 * 64)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, cache, *, chunk_size: int | None = None) -> torch.Tensor:
+    """Feed input_ids [B, T] into `cache` in chunks of `chunk_size` tokens (None: `default_prefill_chunk_size`);
+    returns the logits of the last position [B, vocab]."""
+    B, T = input_ids.shape
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"prefill: chunk_size={chunk_size!r}; expected None or an integer >= 1")
+    chunk = chunk_size or default_prefill_chunk_size(B)
+    logits = None
+    for start in range(0, T, chunk):
+        logits = model(input_ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    return logits
+
+
+def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | None:
+    """Validate the prompts; return them one by one (1-D) when their lengths differ, None for a plain [B, T] batch."""
+    vocab = model.config.vocab_size
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise ValueError(f"generate: expected a non-empty prompt [B, T], got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            prompts = None
+            tokens = [input_ids]
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids "
+                    f"{tuple(input_ids.shape)}"
+                )
+            mask = attention_mask.to("cpu")
+            if not ((mask == 0) | (mask == 1)).all():
+                raise ValueError("generate: attention_mask must hold only 0 (padding) and 1 (token)")
+            prompts = []
+            for b, row in enumerate(mask.bool()):
+                where = row.nonzero().flatten().tolist()
+                if not where:
+                    raise ValueError(f"generate: attention_mask row {b} is all padding; every prompt needs a token")
+                if where[-1] - where[0] + 1 != len(where):
+                    raise ValueError(
+                        f"generate: attention_mask row {b} has holes; expected one run of ones (left or right padding)"
+                    )
+                prompts.append(input_ids[b, where[0] : where[-1] + 1])
+            tokens = prompts
+    else:
+        prompts = list(input_ids)
+        if not prompts:
+            raise ValueError("generate: the list of prompts is empty")
+        for b, p in enumerate(prompts):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"generate: prompt {b} must be a non-empty 1-D tensor, got {getattr(p, 'shape', p)}")
+            if p.device != prompts[0].device:
+                raise ValueError(f"generate: prompts are on different devices ({prompts[0].device}, {p.device})")
+        if attention_mask is not None:
+            raise ValueError("generate: attention_mask is for a padded [B, T] tensor, not a list of prompts")
+        tokens = prompts
+    for t in tokens:
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"generate: prompt token ids must be integers, got {t.dtype}")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got [{lo}, {hi}]")
+    if isinstance(input_ids, torch.Tensor) and attention_mask is not None and bool(attention_mask.all()):
+        return None  # no padding after all: one batched prefill
+    return prompts
+
+
+def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; expected an integer >= 0")
     if temperature < 0:
@@ -47,53 +129,114 @@ def _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p) -> 
         raise ValueError(f"generate: top_k={top_k}; expected None or >= 1")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p={top_p}; expected None or in (0, 1]")
-    vocab = model.config.vocab_size
-    if input_ids.min() < 0 or input_ids.max() >= vocab:
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got [{lo}, {hi}]")
+
+
+def _decode_step(model, cache, cuda_graph: bool | None) -> DecodeStep:
+    """The decode step: captured in a CUDA graph on CUDA (cuda_graph None or True), eager otherwise or on failure."""
+    on_cuda = model.embed.weight.is_cuda
+    if cuda_graph and not on_cuda:
+        raise ValueError(f"generate: cuda_graph=True needs a CUDA model, got {model.embed.weight.device}")
+    if cuda_graph is False or not on_cuda:
+        return DecodeStep(model, cache, cuda_graph=False)
+    try:
+        return DecodeStep(model, cache, cuda_graph=True)
+    except Exception as exc:  # any capture problem: same tokens, only slower
+        if cuda_graph:
+            raise
+        warnings.warn(f"generate: CUDA-graph capture failed, decoding eagerly: {exc!r}", RuntimeWarning, stacklevel=3)
+        cache.reset()
+        return DecodeStep(model, cache, cuda_graph=False)
 
 
 @torch.no_grad()
 def generate_stream(
     model,
-    input_ids: torch.Tensor,
+    input_ids: Prompts,
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    cuda_graph: bool | None = None,
+    prefill_chunk_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yields one LongTensor [B] per new token. Stops early once every sequence has produced `eos_token_id`
-    (sequences that finished earlier keep emitting eos)."""
-    _check_args(model, input_ids, max_new_tokens, temperature, top_k, top_p)
+    (sequences that finished earlier keep emitting eos).
+
+    input_ids: [B, T], or a list of B 1-D prompts of any lengths. attention_mask: [B, T] of 0/1 marking the real
+    tokens of a padded batch (one run of ones per row: left or right padding). cuda_graph: None = on CUDA models,
+    True = required, False = never. prefill_chunk_size: tokens per sequence per prefill call.
+    """
+    _check_args(max_new_tokens, temperature, top_k, top_p)
+    prompts = _split_prompts(model, input_ids, attention_mask)
     if max_new_tokens == 0:
         return
-    batch_size, prompt_len = input_ids.shape
-    cache = model.make_cache(batch_size, prompt_len + max_new_tokens)
-    logits = model(input_ids, cache=cache).logits[:, -1]
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
-    for step in range(max_new_tokens):
+    if prompts is None:
+        batch_size, longest = input_ids.shape
+        device = input_ids.device
+    else:
+        batch_size, longest = len(prompts), max(p.numel() for p in prompts)
+        device = prompts[0].device
+    cache = model.make_cache(batch_size, longest + max_new_tokens)
+    # Built before the prefill: warm-up and capture need the empty cache (and reset it).
+    step = _decode_step(model, cache, cuda_graph if max_new_tokens > 1 else False)
+    if prompts is None:
+        logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
+    else:
+        rows = []
+        for b, p in enumerate(prompts):
+            single = model.make_cache(1, p.numel())
+            rows.append(prefill(model, p[None], single, chunk_size=prefill_chunk_size))
+            cache.load_sequence(b, single)
+            del single
+        logits = torch.cat(rows, dim=0)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
         yield token
-        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
             return
-        logits = model(token[:, None], cache=cache).logits[:, -1]
+        logits = step(token)
 
 
 def generate(
     model,
-    input_ids: torch.Tensor,
+    input_ids: Prompts,
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """input_ids [B, T] -> [B, T + new] with new <= max_new_tokens (fewer when every sequence hit eos)."""
-    new = list(generate_stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator))
-    return torch.cat([input_ids, *[t[:, None] for t in new]], dim=1)
+    *,
+    attention_mask: torch.Tensor | None = None,
+    cuda_graph: bool | None = None,
+    prefill_chunk_size: int | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """input_ids [B, T] -> [B, T + new] with new <= max_new_tokens (fewer when every sequence hit eos); the new
+    tokens follow the (padded) prompt block. A list of 1-D prompts -> a list of 1-D tensors, prompt + new tokens."""
+    new = list(
+        generate_stream(
+            model,
+            input_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            generator,
+            attention_mask=attention_mask,
+            cuda_graph=cuda_graph,
+            prefill_chunk_size=prefill_chunk_size,
+        )
+    )
+    if isinstance(input_ids, torch.Tensor):
+        return torch.cat([input_ids, *[t[:, None] for t in new]], dim=1)
+    columns = torch.stack(new, dim=1) if new else None
+    return [p if columns is None else torch.cat([p, columns[b].to(p.device)]) for b, p in enumerate(input_ids)]

@@ -32,6 +32,7 @@ from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.ops.attnres.fused import attn_res_norm
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
@@ -212,11 +213,17 @@ class DecoderLayer(nn.Module):
             self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
+    def normed_sublayers(self, cache) -> list[tuple[Any, RMSNorm, Any]]:
+        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h))."""
+        mixer = lambda x: self.mixer(x, cache=cache)
+        return [
+            (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
+            (getattr(self, "mlp_res", None), self.mlp_norm, self.mlp),
+        ]
+
     def sublayers(self, cache) -> list[tuple[Any, Any]]:
         """[(attn_res or None, f)] for the two sublayers, f(h) = Sublayer(PreNorm(h))."""
-        mixer = lambda h: self.mixer(self.mixer_norm(h), cache=cache)
-        mlp = lambda h: self.mlp(self.mlp_norm(h))
-        return [(getattr(self, "mixer_res", None), mixer), (getattr(self, "mlp_res", None), mlp)]
+        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache)]
 
 
 class HybridLM(nn.Module):
@@ -251,22 +258,26 @@ class HybridLM(nn.Module):
         """
         self._check_inputs(input_ids, labels, cache)
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
-        sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
         h = self.embed(input_ids)
         residual = self.config.residual
-        if residual == "standard":
-            for _, f in sublayers:
-                h = h + f(h)
-        elif residual == "attnres":
-            sources = [h]
-            for res, f in sublayers:
-                sources.append(f(res(sources)))
-            h = self.final_res(sources)
+        if residual == "attnres" and not torch.is_grad_enabled():
+            h_out = self._attnres_inference(h, layer_caches)  # already through the output norm
         else:
-            h = self._block_attnres(h, sublayers)
+            sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
+            if residual == "standard":
+                for _, f in sublayers:
+                    h = h + f(h)
+            elif residual == "attnres":
+                sources = [h]
+                for res, f in sublayers:
+                    sources.append(f(res(sources)))
+                h = self.final_res(sources)
+            else:
+                h = self._block_attnres(h, sublayers)
+            h_out = self.norm(h)
         if cache is not None:
-            cache.seq_len += input_ids.shape[1]
-        logits = self.lm_head(self.norm(h))
+            cache.advance(input_ids.shape[1])  # device lengths (in place, graph-safe) and host counters
+        logits = self.lm_head(h_out)
         loss = None
         if labels is not None:
             # Cross-entropy in float32 at least (float64 models keep float64).
@@ -274,6 +285,29 @@ class HybridLM(nn.Module):
             shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
             loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
         return ModelOutput(logits=logits, loss=loss)
+
+    def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:
+        """Full AttnRes without autograd (inference, decoding): the same function as the list path, but the sources
+        live in one preallocated [S, B, T, D] buffer (each written once, by the AttnRes that first reads it, never
+        restacked) and every AttnRes is fused with the RMSNorm that reads it (`attn_res_norm`: one Triton kernel on
+        CUDA). Returns FinalNorm(h_final)."""
+        steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+        steps.append((self.final_res, self.norm, None))
+        sources = embedding.new_empty(len(steps), *embedding.shape)  # (S, B, T, D)
+        latest = embedding  # the newest source, stored into its slot by the next AttnRes (no separate copy)
+        for i, (res, norm, g) in enumerate(steps, start=1):
+            x = attn_res_norm(
+                sources[:i],
+                res.query,
+                res.key_norm.weight,
+                res.eps,
+                norm_weight=norm.weight,
+                norm_eps=norm.eps,
+                latest=latest,
+            )
+            if g is None:
+                return x
+            latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
 
     def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
         # Sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and, unless it opens a block,
@@ -330,13 +364,33 @@ class HybridLM(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Prefill once, then decode with the cache. input_ids [B, T] -> [B, T + new] (new <= max_new_tokens)."""
+        *,
+        attention_mask: torch.Tensor | None = None,
+        cuda_graph: bool | None = None,
+        prefill_chunk_size: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Prefill (in chunks), then decode with the cache. input_ids [B, T] -> [B, T + new] (new <= max_new_tokens).
+
+        Prompts of different lengths: a list of 1-D prompts (returns a list), or [B, T] with a padded
+        `attention_mask`. cuda_graph: None = CUDA-graph decoding on CUDA models. See `generate.generate`.
+        """
         # The decoding loop lives in generate.py (it owns sampling and CUDA graphs); imported here to keep
         # `model.generate(...)` as the one-line entry point users expect.
         from hybrid_attention.generate import generate
 
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        return generate(
+            self,
+            input_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            generator,
+            attention_mask=attention_mask,
+            cuda_graph=cuda_graph,
+            prefill_chunk_size=prefill_chunk_size,
+        )
 
     # ------------------------------------------------------------------------------------------------- accounting
     def num_parameters(self) -> int:

@@ -1,10 +1,16 @@
-"""Generation: greedy decoding with the cache equals recomputing the full forward; sampling controls; bad input."""
+"""Generation: greedy decoding with the cache equals recomputing the full forward; sampling controls; batched
+prompts of different lengths (list or padded with a mask) equal one-at-a-time generation; chunked prefill; the eager
+decode step; bad input. (CUDA-graph decoding is tested in tests/gpu/test_generate_gpu.py.)"""
+
+import copy
 
 import pytest
 import torch
 
-from hybrid_attention.generate import generate_stream, sample_next_token
+from hybrid_attention.generate import generate_stream, prefill, sample_next_token
+from hybrid_attention.graphs import DecodeStep
 from hybrid_attention.model import HybridConfig, HybridLM
+from tests.helpers import assert_close
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +73,112 @@ def test_bad_generation_input(model):
         model.generate(torch.full((1, 3), 256), 2)
     with pytest.raises(ValueError, match="top_p"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 2, top_p=1.5)
+
+
+def _singles(model, prompts, n, **kw):
+    return [model.generate(p[None], n, temperature=0, **kw)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_batched_prompts_of_different_lengths_equal_one_at_a_time(model, dtype):
+    m = copy.deepcopy(model).to(dtype)
+    prompts = [torch.randint(0, 256, (n,)) for n in (5, 1, 17, 12)]
+    batched = m.generate(prompts, 9, temperature=0)
+    assert isinstance(batched, list) and len(batched) == 4
+    for b, (out, ref) in enumerate(zip(batched, _singles(m, prompts, 9), strict=True)):
+        assert torch.equal(out, ref), f"prompt {b}: batched tokens differ from one-at-a-time generation"
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_with_attention_mask(model, side):
+    prompts = [torch.randint(0, 256, (n,)) for n in (6, 11, 2)]
+    T = 11
+    ids = torch.full((3, T), 7)  # a real token id as padding: the mask alone must keep it out
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        cols = slice(T - len(p), T) if side == "left" else slice(0, len(p))
+        ids[b, cols], mask[b, cols] = p, 1
+    out = model.generate(ids, 8, temperature=0, attention_mask=mask)
+    assert out.shape == (3, T + 8) and torch.equal(out[:, :T], ids)
+    for b, ref in enumerate(_singles(model, prompts, 8)):
+        assert torch.equal(out[b, T:], ref[len(prompts[b]) :]), f"row {b} ({side} padding)"
+    # A mask of ones is the plain batch.
+    full = model.generate(ids, 4, temperature=0, attention_mask=torch.ones_like(mask))
+    assert torch.equal(full, model.generate(ids, 4, temperature=0))
+
+
+def test_batched_eos_and_streaming(model):
+    prompts = [torch.randint(0, 256, (n,)) for n in (3, 8)]
+    first = _singles(model, prompts, 1)
+    eos = int(first[0][-1])  # prompt 0 stops at once; prompt 1 keeps going (unless it happens to pick eos too)
+    steps = list(generate_stream(model, prompts, 6, temperature=0, eos_token_id=eos))
+    assert all(s.shape == (2,) for s in steps)
+    assert all(int(s[0]) == eos for s in steps)
+    alone = _singles(model, prompts[1:], 6)[0][8:]
+    stream = torch.stack(steps)[:, 1]
+    assert torch.equal(stream, alone[: len(stream)])
+
+
+def test_chunked_prefill_is_exact(model):
+    ids = torch.randint(0, 256, (2, 29))
+    whole = model.make_cache(2, 30)
+    chunked = model.make_cache(2, 30)
+    a = prefill(model, ids, whole, chunk_size=None)
+    b = prefill(model, ids, chunked, chunk_size=4)  # 7 chunks of 4 and one of 1 (the one-token decode path)
+    assert_close("last logits", b, a, 1e-10)
+    assert chunked.seq_len == whole.seq_len == 29
+    for x, y in zip(whole.layers, chunked.layers, strict=True):
+        for name in ("rows", "state", "conv_q", "conv_k", "conv_v"):
+            if hasattr(x, name):
+                ref = getattr(x, name)[:, :29] if name == "rows" else getattr(x, name)
+                got = getattr(y, name)[:, :29] if name == "rows" else getattr(y, name)
+                assert_close(f"cache {name}", got, ref, 1e-10)
+    out = model.generate(ids, 6, temperature=0, prefill_chunk_size=5)
+    assert torch.equal(out, model.generate(ids, 6, temperature=0))
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefill(model, ids, model.make_cache(2, 30), chunk_size=0)
+
+
+def test_decode_step_eager_equals_model_forward(model):
+    """DecodeStep without a graph (what runs on CPU) is the plain model forward on the static buffers."""
+    ids = torch.randint(0, 256, (2, 12))
+    cache = model.make_cache(2, 12)
+    step = DecodeStep(model, cache, cuda_graph=False)
+    with torch.no_grad():
+        full = model(ids).logits
+        model(ids[:, :6], cache=cache)
+        outs = [step(ids[:, t]) for t in range(6, 12)]
+    assert_close("decode steps", torch.stack(outs, dim=1), full[:, 6:], 1e-10)
+    assert cache.seq_len == 12
+    with pytest.raises(ValueError, match="cache is full"):
+        step(ids[:, 0])
+    with pytest.raises(ValueError, match=r"tokens of shape \[2\]"):
+        step(ids[:1, 0])
+    with pytest.raises(ValueError, match="empty cache"):
+        DecodeStep(model, cache, cuda_graph=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeStep(model, model.make_cache(1, 4), cuda_graph=True)
+    with pytest.raises(ValueError, match="no CUDA graph"):
+        DecodeStep(model, model.make_cache(1, 4), cuda_graph=False).replay()
+
+
+def test_bad_batched_input(model):
+    ids = torch.randint(0, 256, (2, 5))
+    with pytest.raises(ValueError, match="cuda_graph=True"):
+        model.generate(ids, 3, cuda_graph=True)
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        model.generate(ids, 3, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="holes"):
+        model.generate(ids, 3, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="all padding"):
+        model.generate(ids, 3, attention_mask=torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="only 0"):
+        model.generate(ids, 3, attention_mask=torch.full((2, 5), 2))
+    with pytest.raises(ValueError, match="list of prompts is empty"):
+        model.generate([], 3)
+    with pytest.raises(ValueError, match="prompt 1 must be a non-empty 1-D"):
+        model.generate([ids[0], ids[1, :0]], 3)
+    with pytest.raises(ValueError, match="not a list"):
+        model.generate([ids[0]], 3, attention_mask=torch.ones(1, 5))
+    with pytest.raises(ValueError, match="token ids"):
+        model.generate([ids[0], torch.tensor([1, 300])], 3)

@@ -307,3 +307,102 @@ def test_bad_inputs():
         absorbed_attention(q, torch.randn(2, 2, 12, dtype=torch.float64), value_dim=8, scale=0.3)
     with pytest.raises(ValueError, match="value_dim"):
         absorbed_attention(q, torch.randn(2, 6, 12, dtype=torch.float64), value_dim=13, scale=0.3)
+
+
+def test_sequences_of_different_lengths_decode_together():
+    """Three sequences with 2, 9 and 5 cached tokens take decode steps and a 3-token chunk in one batch; each row
+    equals that sequence's own full forward (rows past every length are NaN and never read)."""
+    layer = make_layer(6, seed=12)
+    lens, extra = [2, 9, 5], 5
+    xs = [torch.randn(1, n + extra, SIZES["hidden_size"], dtype=torch.float64) for n in lens]
+    with torch.no_grad():
+        fulls = [layer(x) for x in xs]
+        cache = layer.empty_cache(3, max(lens) + extra)
+        cache.rows.copy_(poisoned_like(cache.rows))
+        for b, (x, n) in enumerate(zip(xs, lens, strict=True)):  # prefill each sequence alone into its row
+            single = layer.empty_cache(1, n)
+            layer(x[:, :n], cache=single)
+            cache.rows[b, :n] = single.rows[0]
+        cache.lengths.copy_(torch.tensor(lens, dtype=torch.int32))
+        cache.length = max(lens)
+        outs = []
+        for start, size in [(0, 1), (1, 3), (4, 1)]:
+            step = torch.cat([x[:, n + start : n + start + size] for x, n in zip(xs, lens, strict=True)])
+            outs.append(layer(step, cache=cache))
+    out = torch.cat(outs, dim=1)
+    assert cache.lengths.tolist() == [n + extra for n in lens] and cache.length == max(lens) + extra
+    for b, (full, n) in enumerate(zip(fulls, lens, strict=True)):
+        assert_close(f"sequence {b}", out[b : b + 1], full[:, n:], 1e-10)
+
+
+def test_long_chunk_in_query_blocks(monkeypatch):
+    """A score budget smaller than one query row's scores forces blocks of a single query: still exact."""
+    import hybrid_attention.layers.mla as mla
+
+    layer = make_layer(None, seed=13)
+    x = torch.randn(2, 21, SIZES["hidden_size"], dtype=torch.float64)
+    calls = []
+    original = mla.mla_decode
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(mla, "_TORCH_SCORE_BUDGET", 2 * SIZES["num_heads"] * 24 * 2)  # two queries per block
+    monkeypatch.setattr(mla, "mla_decode", counting)
+    with torch.no_grad():
+        out, _ = decode_in_chunks(layer, x, [6, 11, 1, 3])
+    assert calls == [2] * 5 + [1] + [1] + [2, 1], calls  # the 6-token prefill takes the decompressed path
+    assert_close("blocked chunks vs reference", out, reference_forward(layer, x), 1e-10)
+
+
+def test_one_token_on_an_empty_cache_takes_the_absorbed_path():
+    """The first token alone decodes through mla_decode (so a captured one-token step never depends on the host
+    counter) and equals the full forward of that token."""
+    layer = make_layer(None, seed=14)
+    x = torch.randn(2, 1, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        cache = layer.empty_cache(2, 4)
+        layer._prefill_attention = None  # the decompressed path must not run
+        out = layer(x, cache=cache)
+        del layer._prefill_attention
+        assert_close("first token", out, layer(x), 1e-12)
+
+
+@pytest.mark.parametrize("d_s", [3, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_one_token_append_equals_eager(d_s, dtype, monkeypatch):
+    """The Triton append (interpreter on CPU) writes the same rows at each sequence's length as the eager path, and
+    the layer's decode outputs match (float32 to 1e-5; float16 exactly the same rows up to one rounding)."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    import hybrid_attention.layers.mla as mla
+    from hybrid_attention.ops.mla.triton_decode import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(15)
+    layer = GatedMLA(**{**SIZES, "qk_shared_head_dim": d_s}).to(dev, dtype)
+    with torch.no_grad():
+        layer.kv_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 4, SIZES["hidden_size"], device=dev, dtype=dtype)
+    lens = torch.tensor([2, 0, 5], dtype=torch.int32, device=dev)
+    start_rows = torch.randn(3, 9, SIZES["kv_lora_rank"] + d_s, device=dev).to(dtype)  # the same for both runs
+    caches = {}
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(mla, "_fused_append_ok", lambda x, fused=fused: fused)
+        cache = layer.empty_cache(3, 9)
+        cache.rows.copy_(start_rows)
+        cache.lengths.copy_(lens)
+        cache.length = 5
+        with torch.no_grad():
+            outs[fused] = torch.cat([layer(x[:, t : t + 1], cache=cache) for t in range(4)], dim=1)
+        caches[fused] = cache
+    f, e = caches[True], caches[False]
+    assert f.lengths.tolist() == e.lengths.tolist() == [6, 4, 9] and f.length == e.length == 9
+    for b, n in enumerate([6, 4, 9]):
+        assert torch.equal(f.rows[b, n:], start_rows[b, n:]), f"sequence {b}: a row past its length was written"
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert_close("appended rows", f.rows.float(), e.rows.float(), tol)
+    assert_close("decode outputs", outs[True].float(), outs[False].float(), tol)

@@ -9,11 +9,15 @@
 
 A `KDACache` carries the conv tails and the recurrent state between calls, so a prompt can be fed whole,
 in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
-preallocated buffers can be captured by CUDA graphs; they carry values, not gradients.
+preallocated buffers can be captured by CUDA graphs; they carry values, not gradients. Decoding one token on CUDA
+(no autograd) runs three Triton kernels around the projections: inputs (`ops.kda.decode_fused`), the recurrent
+step (`ops.kda.triton_recurrent`) and the gated output norm, instead of about 75 small kernels.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -22,7 +26,7 @@ from torch import nn
 
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
-from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda, resolve_backend
+from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
 
 
 @dataclass
@@ -39,10 +43,24 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 (float64), returned in x.dtype."""
-    xf = x.to(_state_dtype(x.dtype))
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _fused_recurrent_step():
+    """The Triton decode step `fused_recurrent_kda_step` (ops/kda/triton_recurrent.py), or None without it."""
+    try:
+        from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+    except ImportError:
+        return None
+    return fused_recurrent_kda_step
+
+
+def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
+    """The fused one-token decode kernels run on CUDA with Triton, 16/32-bit floats and a conv of size >= 2."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and conv_size >= 2 and _have_triton()
 
 
 class KimiDeltaAttention(nn.Module):
@@ -161,28 +179,64 @@ class KimiDeltaAttention(nn.Module):
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size) and not torch.is_grad_enabled():
+            return self._decode_fused(x, cache)
         conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
 
-        q = _l2_normalize(self.q_conv(self.q_proj(x), conv_q).view(B, T, H, D))
-        k = _l2_normalize(self.k_conv(self.k_proj(x), conv_k).view(B, T, H, D))
+        q = self.q_conv(self.q_proj(x), conv_q).view(B, T, H, D)
+        k = self.k_conv(self.k_proj(x), conv_k).view(B, T, H, D)
         v = self.v_conv(self.v_proj(x), conv_v).view(B, T, H, D)
         beta = torch.sigmoid(self.b_proj(x).to(_state_dtype(x.dtype)))  # [B, T, H]
-        g = kda_gate(self.f_up(self.f_down(x)).view(B, T, H, D), self.A_log, self.dt_bias, lower_bound=self.lower_bound)
+        z = self.f_up(self.f_down(x)).view(B, T, H, D)  # raw decay logits
 
         if cache is None:
-            o, _ = chunk_kda(q, k, v, g, beta, backend=self.backend)
-        elif T <= 16 and not torch.is_grad_enabled():
-            o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
-            cache.state.copy_(state)
+            # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA.
+            gate_args = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+            o, _ = chunk_kda(q, k, v, z, beta, backend=self.backend, use_qk_l2norm=True, **gate_args)
         else:
-            # Clone: autograd may keep the initial state for backward, and the cache is overwritten below.
-            o, state = chunk_kda(
-                q, k, v, g, beta, initial_state=cache.state.clone(), output_final_state=True, backend=self.backend
-            )
+            q, k = l2_normalize(q), l2_normalize(k)
+            g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.lower_bound)
+            if T <= 16 and not torch.is_grad_enabled():
+                o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            else:
+                # Clone: autograd may keep the initial state for backward, and the cache is overwritten below.
+                initial_state = cache.state.clone()
+                o, state = chunk_kda(
+                    q, k, v, g, beta, initial_state=initial_state, output_final_state=True, backend=self.backend
+                )
             cache.state.copy_(state.detach())
 
         gate = self.g_up(self.g_down(x)).view(B, T, H, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
+
+    def _decode_fused(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
+        """One-token decode on CUDA: the same computation as the eager path, with conv + SiLU + L2 norm + gate + beta
+        in one Triton kernel and the gated output norm in another (`ops.kda.decode_fused`); the recurrence is the
+        fused Triton step (`ops.kda.triton_recurrent`, state updated in place) when available, else `recurrent_kda`.
+        x [B, 1, hidden] -> [B, 1, hidden]."""
+        from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
+
+        q, k, v, g, beta = kda_decode_inputs(
+            self.q_proj(x),
+            self.k_proj(x),
+            self.v_proj(x),
+            self.b_proj(x),
+            self.f_up(self.f_down(x)),
+            (cache.conv_q, cache.conv_k, cache.conv_v),
+            (self.q_conv.weight, self.k_conv.weight, self.v_conv.weight),
+            self.A_log,
+            self.dt_bias,
+            num_heads=self.num_heads,
+            lower_bound=self.lower_bound,
+        )
+        step = _fused_recurrent_step()
+        if step is not None:
+            o = step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
+        else:
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            cache.state.copy_(state)
+        y = kda_gated_output_norm(o, self.g_up(self.g_down(x)), self.o_norm.weight, self.o_norm.eps, dtype=x.dtype)
+        return self.o_proj(y)
 
     def extra_repr(self) -> str:
         return (

@@ -9,12 +9,15 @@ Two paths compute the same function:
 - prefill (no cache, or an empty one): decompress per-head K and V and call SDPA, which is cheaper in FLOPs;
 - decode / chunked prefill on a non-empty cache: weight absorption. W_UK is folded into the query and W_UV is
   applied after attending in latent space, so the only per-token data read is the cache row `[c ; k_s]`
-  (d_c + d_s numbers for all heads together) and no per-head key or value is ever built.
+  (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The attention itself is
+  `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
 There is no rotary embedding anywhere, so cache rows do not depend on their position.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import warnings
 from dataclasses import dataclass
 
@@ -23,19 +26,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.mla.naive import absorbed_attention
+from hybrid_attention.ops.mla.decode import mla_decode
+
+# Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
+# the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
+_TORCH_SCORE_BUDGET = 1 << 24
 
 
 @dataclass
 class MLACache:
-    """Latent cache of one MLA layer: rows `[c ; k_s]` for every token seen so far.
+    """Latent cache of one MLA layer: rows `[c ; k_s]` for every token seen so far, per sequence.
 
-    rows: `[B, max_seq_len, d_c + d_s]`, preallocated; only `rows[:, :length]` is meaningful.
-    length: number of tokens filled. Writes go in place into `rows` (slice assignment), never reallocate.
+    rows: `[B, max_seq_len, d_c + d_s]`, preallocated; only `rows[b, :lengths[b]]` is meaningful, the rest may hold
+        anything (NaN included) and is never read.
+    length: host-side counter, the longest sequence's filled length (capacity checks without a device sync).
+    lengths: int32 `[B]` on the rows' device, tokens filled per sequence (zeros, or `length`, when not given).
+        Appends go to `rows[b, lengths[b] + t]` and attention reads `lengths` on the device, so a decode step
+        needs no host sync and stays valid inside a CUDA graph while the lengths advance.
     """
 
     rows: torch.Tensor
     length: int = 0
+    lengths: torch.Tensor | None = None
+
+    def __post_init__(self):
+        B = self.rows.shape[0]
+        if self.lengths is None:
+            self.lengths = torch.full((B,), self.length, dtype=torch.int32, device=self.rows.device)
+        if self.lengths.shape != (B,) or self.lengths.dtype != torch.int32 or self.lengths.device != self.rows.device:
+            raise ValueError(
+                f"MLACache: lengths must be int32 [B={B}] on {self.rows.device}, got {self.lengths.dtype} "
+                f"{tuple(self.lengths.shape)} on {self.lengths.device}"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -50,13 +72,18 @@ class MLACache:
         """Bytes stored per token (per sequence) for this layer: `(d_c + d_s) * element_size`."""
         return self.rows.shape[-1] * self.rows.element_size()
 
-    def append(self, new_rows: torch.Tensor) -> torch.Tensor:
-        """Write `new_rows` [B, T, d_c + d_s] after the filled part; return the filled view [B, length, d_c + d_s]."""
+    def append(self, new_rows: torch.Tensor) -> None:
+        """Write `new_rows` [B, T, d_c + d_s] at positions `lengths[b] + t` and advance the lengths by T.
+
+        The positions are computed on the device (a scatter), so sequences of different lengths append in one call
+        and nothing syncs with the host; capacity is checked against the host counter `length`.
+        """
         B, T, width = new_rows.shape
         self._check_append(B, T, width)
-        self.rows[:, self.length : self.length + T] = new_rows
+        pos = self.lengths.long()[:, None] + torch.arange(T, device=self.rows.device)  # (B, T)
+        self.rows.scatter_(1, pos[:, :, None].expand(B, T, width), new_rows.to(self.rows.dtype))
+        self.lengths += T
         self.length += T
-        return self.rows[:, : self.length]
 
     def _check_append(self, batch_size: int, num_tokens: int, width: int) -> None:
         if batch_size != self.batch_size:
@@ -70,6 +97,16 @@ class MLACache:
                 f"MLACache: capacity is {self.max_seq_len} tokens, but appending {num_tokens} to the {self.length} "
                 f"already cached needs {self.length + num_tokens}"
             )
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fused_append_ok(x: torch.Tensor) -> bool:
+    """The fused one-token cache append (`ops.mla.append`) runs on CUDA with Triton and 16/32-bit floats."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and _have_triton()
 
 
 class GatedMLA(nn.Module):
@@ -175,24 +212,45 @@ class GatedMLA(nn.Module):
         )  # (B, H, T, d_v)
         return o.transpose(1, 2)
 
-    def _absorbed_attention(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T of Tk tokens), rows [B, Tk, d_c + d_s]
-        -> o [B, T, H, d_v]. Reads k_up / v_up weights only; never builds per-head keys or values."""
-        H, d_n, d_c, d_v = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
+    def _absorbed_attention(self, q: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), rows
+        [B, max_len, d_c + d_s] of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
+
+        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (the Triton
+        flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); queries go in blocks
+        so that a long chunk never materialises more than about `_TORCH_SCORE_BUDGET` scores, and each block sees
+        only the keys up to its last query (bottom-right causal, exact)."""
+        B, T, H, _ = q.shape
+        d_n, d_c, d_v = self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
         q_n, q_s = q.split([d_n, self.qk_shared_head_dim], dim=-1)
         w_uk = self.k_up.weight.view(H, d_n, d_c)
         w_uv = self.v_up.weight.view(H, d_v, d_c)
         q_lat = torch.einsum("bthn,hnc->bthc", q_n, w_uk)  # (B, T, H, d_c): W_UK,h^T q_n,h
-        q_abs = torch.cat([q_lat, q_s], dim=-1)  # (B, T, H, d_c + d_s)
-        o_lat = absorbed_attention(q_abs, rows.to(q.dtype), value_dim=d_c, scale=self.scale, causal=True)
+        # The kernel takes one dtype: queries follow the cache (the cache is what is large).
+        q_abs = torch.cat([q_lat, q_s], dim=-1).to(rows.dtype)  # (B, T, H, d_c + d_s)
+        backend = "auto" if q.is_cuda else "torch"  # "auto" = Triton on CUDA unless a gradient is needed
+        if q.is_cuda:
+            block = T  # the kernel keeps only the output: one launch covers the whole chunk
+        else:
+            block = max(1, _TORCH_SCORE_BUDGET // (B * H * rows.shape[1]))
+        outs = []
+        for start in range(0, T, block):
+            end = min(T, start + block)
+            # Queries [start, end) are the last (end - start) tokens of a sequence seq_lens - (T - end) long.
+            lens = seq_lens if end == T else seq_lens - (T - end)
+            outs.append(mla_decode(q_abs[:, start:end], rows, lens, value_dim=d_c, scale=self.scale, backend=backend))
+        o_lat = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(q.dtype)  # (B, T, H, d_c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, d_v): W_UV,h o_lat,h
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden].
 
-        With `cache`, the new rows are appended in place (cache.length grows by T) and the queries attend to
-        everything cached so far. An empty cache takes the decompressed prefill path; a non-empty one (one-token
-        decoding or chunked prefill) takes the absorbed path with a bottom-right causal mask.
+        With `cache`, the new rows are appended in place at each sequence's length (cache.lengths grows by T) and
+        the queries attend to everything cached so far. A multi-token call on an empty cache takes the decompressed
+        prefill path; anything else (one-token decoding, chunked prefill on a non-empty cache, sequences of
+        different lengths) takes the absorbed path with a bottom-right causal mask over each sequence's length.
+        One-token calls always take the absorbed path, so a captured decode step does not depend on the host
+        counter `cache.length`.
         """
         if x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"GatedMLA: expected x of shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
@@ -204,14 +262,31 @@ class GatedMLA(nn.Module):
             cache._check_append(B, T, self.latent_dim)
 
         q = self._query(x)  # (B, T, H, d_n + d_s)
+        if cache is not None and T == 1 and _fused_append_ok(x) and not torch.is_grad_enabled():
+            # Decoding on CUDA: norm + row + write + length advance in one kernel (same values as the eager append).
+            from hybrid_attention.ops.mla.append import append_latent_row
+
+            append_latent_row(
+                self.kv_down(x), self.k_shared(x), self.kv_norm.weight, self.kv_norm.eps, cache.rows, cache.lengths
+            )
+            cache.length += 1
+            o = self._absorbed_attention(q, cache.rows, cache.lengths)
+            return self._output(x, o)
         new_rows = self._latent_rows(x)  # (B, T, d_c + d_s)
         if cache is None:
             o = self._prefill_attention(q, new_rows)
-        elif cache.length == 0:
+        elif cache.length == 0 and T > 1:
+            cache.append(new_rows)
             # Read the rows back from the cache so prefill and decode see the same (possibly rounded) values.
-            o = self._prefill_attention(q, cache.append(new_rows).to(q.dtype))
+            o = self._prefill_attention(q, cache.rows[:, :T].to(q.dtype))
         else:
-            o = self._absorbed_attention(q, cache.append(new_rows))
+            cache.append(new_rows)
+            o = self._absorbed_attention(q, cache.rows, cache.lengths)
+        return self._output(x, o)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden], per-head outputs o [B, T, H, d_v] -> W_o (sigmoid(W_g x) * concat_h o_h)."""
+        B, T, _ = x.shape
         gate = torch.sigmoid(self.g_proj(x))  # (B, T, H*d_v)
         return self.o_proj(gate * o.reshape(B, T, self.num_heads * self.v_head_dim))
 

@@ -1,0 +1,100 @@
+"""A whole-model decode step (embedding -> logits) over a static cache, captured once in a CUDA graph and replayed.
+
+At batch 1 a decode step is a few hundred small kernels whose launch cost dwarfs their work; replaying them from a
+CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). What makes the step capturable:
+- every tensor it touches is preallocated and updated in place: the `HybridCache` (MLA rows, KDA states and conv
+  tails, int32 lengths on the device) and the static token buffer of this class;
+- the step branches only on shapes, never on values: one-token MLA calls always take the absorbed path over the
+  device lengths, KDA always takes its recurrent step, and nothing syncs with the host;
+- the host counters (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
+  device lengths.
+Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the empty cache,
+which is reset afterwards; that is why the step must be built before the prompt is prefilled. Sampling stays
+outside the graph (it needs the generator and is cheap).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_attention.cache import HybridCache
+
+
+class DecodeStep:
+    """One decoding step of `model` for the `B` sequences of `cache`: tokens [B] -> logits [B, vocab].
+
+    Args:
+        model: a `HybridLM` (inference: its weights must not change while this step is used).
+        cache: the static cache it decodes into; must be empty (seq_len 0) when the step is built.
+        cuda_graph: capture the step in a CUDA graph (CUDA models only); False runs the same step eagerly.
+        warmup_steps: eager steps run before capture.
+
+    The logits returned by a graph replay live in a static buffer that the next call overwrites.
+    """
+
+    def __init__(self, model, cache: HybridCache, *, cuda_graph: bool, warmup_steps: int = 2):
+        if cache.seq_len != 0:
+            raise ValueError(
+                f"DecodeStep: build it on an empty cache (warm-up and capture write into the cache, which is reset "
+                f"afterwards); this one already holds {cache.seq_len} tokens"
+            )
+        device = model.embed.weight.device
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"DecodeStep: cuda_graph=True needs a model on a CUDA device, got {device}")
+        if cache.device != device:
+            raise ValueError(f"DecodeStep: the cache is on {cache.device} but the model is on {device}")
+        self.model = model
+        self.cache = cache
+        self.cuda_graph = cuda_graph
+        self.tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)  # static input
+        self.logits: torch.Tensor | None = None  # static output of the graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if cuda_graph:
+            self._capture(max(1, min(warmup_steps, cache.max_seq_len)))
+
+    @torch.no_grad()
+    def _capture(self, warmup_steps: int) -> None:
+        model, cache = self.model, self.cache
+        current = torch.cuda.current_stream(self.tokens.device)
+        side = torch.cuda.Stream(self.tokens.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(warmup_steps):
+                    model(self.tokens, cache=cache)
+            current.wait_stream(side)
+            cache.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = model(self.tokens, cache=cache).logits[:, -1]  # (B, vocab)
+            self.graph = graph
+        finally:
+            # Warm-up really ran; capture only recorded (but advanced the host counters once): start clean.
+            torch.cuda.current_stream(self.tokens.device).synchronize()
+            cache.reset()
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (one new token per sequence) -> logits [B, vocab] for the next position; the cache advances."""
+        cache = self.cache
+        if tokens.shape != (cache.batch_size,):
+            raise ValueError(f"DecodeStep: expected tokens of shape [{cache.batch_size}], got {tuple(tokens.shape)}")
+        if cache.seq_len + 1 > cache.max_seq_len:
+            raise ValueError(
+                f"DecodeStep: the cache is full ({cache.seq_len} of max_seq_len {cache.max_seq_len} tokens)"
+            )
+        self.tokens[:, 0].copy_(tokens)
+        if self.graph is None:
+            return self.model(self.tokens, cache=cache).logits[:, -1]
+        self.graph.replay()
+        cache.advance_host(1)
+        return self.logits
+
+    def replay(self) -> None:
+        """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counters."""
+        if self.graph is None:
+            raise ValueError("DecodeStep.replay: no CUDA graph was captured (cuda_graph=False)")
+        if self.cache.seq_len + 1 > self.cache.max_seq_len:
+            raise ValueError(f"DecodeStep.replay: the cache is full (max_seq_len {self.cache.max_seq_len} tokens)")
+        self.graph.replay()
+        self.cache.advance_host(1)

@@ -1,0 +1,261 @@
+"""Fused inference AttnRes: the depth softmax over stacked sources and the next sublayer's RMSNorm in one kernel.
+
+    h   = sum_i softmax_i(w . (gamma * v_i / rms(v_i))) v_i           (MATH.md, "Attention Residuals")
+    out = norm_weight * h / rms(h)                                    (the PreNorm of the sublayer that reads h)
+
+Only the normalised `out` is ever used by a Full-AttnRes model (the sublayer sees PreNorm(h), the head sees
+FinalNorm(h_final)), so fusing the two saves a round trip and about twenty small kernels per sublayer when decoding.
+The sources are read from one preallocated `[S, B, T, D]` buffer (a view of its first S slots), never restacked;
+the newest source (the output of the sublayer just run) can be passed separately, and the kernel stores it into its
+slot while reading it, so the buffer costs no copy kernel.
+
+`attn_res_norm` dispatches to a Triton kernel (CUDA, or the interpreter on CPU when asked for) or to the PyTorch
+composition of `naive.attn_res` and an RMSNorm, which is the reference. Inference only: there is no backward.
+Kernel: one program per token row; a [BLOCK_S, BLOCK_D] tile of all sources at once, in D-chunks when the tile would
+be too large: pass 1 accumulates each source's sum of squares and its dot product with w * gamma, then the softmax
+over the S logits, pass 2 the mixture (rounded to the output dtype, as the unfused composition rounds h before the
+norm), pass 3 (chunked case only) the RMSNorm scaling of what pass 2 wrote.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybrid_attention.ops.attnres.naive import attn_res
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch path still works
+    triton = None
+
+_BACKENDS = ("auto", "torch", "triton")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_TILE = 16384  # fp32 elements of one [BLOCK_S, BLOCK_D] tile: 64 registers per thread at 8 warps
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The same operations as layers.norm.rms_norm (ops do not import layers), so both paths round identically.
+    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    hf = h.to(dtype)
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)
+    return y.to(h.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_res_norm_kernel(
+        src_ptr,  # [S, M, D] (row stride stride_m, source stride stride_s, unit stride in D)
+        latest_ptr,  # [M, D] contiguous: source S - 1, stored into src slot S - 1 here (HAS_LATEST only)
+        query_ptr,  # [D]
+        key_w_ptr,  # [D]
+        norm_w_ptr,  # [D] (unused without HAS_NORM)
+        out_ptr,  # [M, D] contiguous
+        S,
+        D,
+        stride_s,
+        stride_m,
+        eps,
+        norm_eps,
+        HAS_NORM: tl.constexpr,
+        HAS_LATEST: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < S
+        is_latest = offs_s == S - 1
+        if HAS_LATEST:
+            from_buffer = offs_s < S - 1
+        else:
+            from_buffer = s_ok
+        tile = src_ptr + row * stride_m + offs_s.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+        slot = src_ptr + row * stride_m + (S - 1) * stride_s  # where the latest source is stored
+        out_row = out_ptr + row * D
+
+        if ONE_CHUNK:
+            # Every source of the row fits one tile: a single read, everything else in registers.
+            d_ok = offs_d < D
+            v = tl.load(tile, mask=from_buffer[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_LATEST:
+                lat = tl.load(latest_ptr + row * D + offs_d, mask=d_ok, other=0.0)
+                tl.store(slot + offs_d, lat, mask=d_ok)
+                v = tl.where(is_latest[:, None], lat.to(tl.float32)[None, :], v)
+            w = tl.load(query_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            w = w * tl.load(key_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # gamma folded into w
+            logits = tl.sum(v * w[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+            logits = tl.where(s_ok, logits, float("-inf"))
+            p = tl.exp(logits - tl.max(logits, axis=0))
+            p = p / tl.sum(p, axis=0)
+            h = tl.sum(p[:, None] * v, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
+            if HAS_NORM:
+                nw = tl.load(norm_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps) * nw
+            tl.store(out_row + offs_d, h.to(out_ptr.dtype.element_ty), mask=d_ok)
+        else:
+            # Pass 1: per source, sum of squares and dot product with w * gamma.
+            sq = tl.zeros([BLOCK_S], tl.float32)
+            dot = tl.zeros([BLOCK_S], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d_ok = d0 + offs_d < D
+                v = tl.load(tile + d0, mask=from_buffer[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                if HAS_LATEST:
+                    lat = tl.load(latest_ptr + row * D + d0 + offs_d, mask=d_ok, other=0.0)
+                    tl.store(slot + d0 + offs_d, lat, mask=d_ok)
+                    v = tl.where(is_latest[:, None], lat.to(tl.float32)[None, :], v)
+                w = tl.load(query_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                w = w * tl.load(key_w_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                sq += tl.sum(v * v, axis=1)
+                dot += tl.sum(v * w[None, :], axis=1)
+            logits = tl.where(s_ok, dot * tl.rsqrt(sq / D + eps), float("-inf"))
+            p = tl.exp(logits - tl.max(logits, axis=0))
+            p = p / tl.sum(p, axis=0)
+            # Pass 2: the mixture chunk by chunk (written unnormalised) and the sum of squares of the rounded h.
+            # It re-reads the latest source from its slot, written in pass 1 by this program: order the two.
+            tl.debug_barrier()
+            hh = tl.zeros([BLOCK_D], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d_ok = d0 + offs_d < D
+                v = tl.load(tile + d0, mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                h = tl.sum(p[:, None] * v, axis=0).to(out_ptr.dtype.element_ty)
+                tl.store(out_row + d0 + offs_d, h, mask=d_ok)
+                hf = h.to(tl.float32)
+                hh += hf * hf
+            if HAS_NORM:
+                # Pass 3: scale what pass 2 wrote (the barrier orders this program's own stores and loads).
+                tl.debug_barrier()
+                inv = tl.rsqrt(tl.sum(hh, axis=0) / D + norm_eps)
+                for d0 in range(0, D, BLOCK_D):
+                    d_ok = d0 + offs_d < D
+                    h = tl.load(out_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                    nw = tl.load(norm_w_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                    tl.store(out_row + d0 + offs_d, (h * inv * nw).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _check(sources, query, key_weight, norm_weight, latest) -> None:
+    if not isinstance(sources, torch.Tensor) or sources.dim() < 2 or sources.shape[0] == 0:
+        raise ValueError(
+            f"attn_res_norm: sources must be a stacked tensor [S, ..., D] with S >= 1, got "
+            f"{tuple(getattr(sources, 'shape', ()))}"
+        )
+    D = sources.shape[-1]
+    for label, t in (("query", query), ("key_weight", key_weight), ("norm_weight", norm_weight)):
+        if t is not None and tuple(t.shape) != (D,):
+            raise ValueError(f"attn_res_norm: {label} must have shape [{D}], got {tuple(t.shape)}")
+    if query is None or key_weight is None:
+        raise ValueError("attn_res_norm: query and key_weight are required tensors [D]")
+    if not sources.is_floating_point():
+        raise ValueError(f"attn_res_norm: sources must be floating point, got {sources.dtype}")
+    if latest is not None and (latest.shape != sources.shape[1:] or latest.dtype != sources.dtype):
+        raise ValueError(
+            f"attn_res_norm: latest must be {sources.dtype} {tuple(sources.shape[1:])} (one source slot), got "
+            f"{latest.dtype} {tuple(latest.shape)}"
+        )
+
+
+def attn_res_norm(
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    key_weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    latest: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """AttnRes over stacked sources, then (with `norm_weight`) an RMSNorm, for inference.
+
+    Args:
+        sources: [S, B, T, D] (any [S, ..., D]; a view of the first S slots of a larger buffer is fine).
+        latest: [B, T, D], the newest source: it is written into `sources[S - 1]` (which may hold anything before)
+            and used as that source, in the same kernel (saves a copy per sublayer).
+        query, key_weight: [D], the AttnRes pseudo-query and key-norm weight; eps is the key norm's epsilon.
+        norm_weight: [D] weight of the RMSNorm applied to the mixture (None: return the mixture itself).
+        norm_eps: that norm's epsilon.
+        backend: "triton" (CUDA, or CPU with TRITON_INTERPRET=1; no autograd), "torch" (the reference
+            composition, differentiable), "auto" (Triton on CUDA when no gradient is needed, else PyTorch).
+
+    Returns:
+        [B, T, D] in sources.dtype: `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)`,
+        with norms, logits and softmax in float32 (float64 for float64 sources).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"attn_res_norm: backend must be one of {_BACKENDS}, got {backend!r}")
+    _check(sources, query, key_weight, norm_weight, latest)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (sources, query, key_weight, norm_weight, latest)
+    )
+    can_triton = (
+        triton is not None
+        and sources.dtype in _TRITON_DTYPES
+        and (sources.is_cuda or (sources.device.type == "cpu" and _interpreting()))
+    )
+    if backend == "auto":
+        backend = "triton" if sources.is_cuda and can_triton and not needs_grad else "torch"
+    if backend == "torch":
+        if latest is not None:
+            sources[-1] = latest
+        h = attn_res(sources, query, key_weight, eps)
+        return h if norm_weight is None else _rms_norm_torch(h, norm_weight, norm_eps)
+    if needs_grad:
+        raise ValueError("attn_res_norm: backend='triton' is inference-only; use backend='torch' for gradients")
+    if not can_triton:
+        raise ValueError(
+            f"attn_res_norm: backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of dtype "
+            f"in {_TRITON_DTYPES}; got {sources.dtype} on {sources.device}"
+        )
+    return _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps, latest=latest)
+
+
+def _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps, *, latest=None, block_d=None):
+    S, D = sources.shape[0], sources.shape[-1]
+    out_shape = sources.shape[1:]
+    # [S, M, D] without copying when the slots are row-contiguous (the preallocated buffer is).
+    src = sources.reshape(S, -1, D)
+    if src.stride(-1) != 1 or src.stride(1) != D:
+        if latest is not None:  # the kernel writes into the buffer: a copy would silently drop that write
+            raise ValueError("attn_res_norm: with `latest`, sources must be row-contiguous slots of one buffer")
+        src = src.contiguous()
+    M = src.shape[1]
+    lat = None if latest is None else latest.reshape(M, D).contiguous()
+    out = torch.empty(M, D, device=sources.device, dtype=sources.dtype)
+    if M == 0:
+        return out.view(out_shape)
+    block_s = triton.next_power_of_2(S)
+    full_d = triton.next_power_of_2(D)
+    if block_d is None:
+        block_d = full_d if block_s * full_d <= MAX_TILE else max(16, MAX_TILE // block_s)
+    block_d = min(block_d, full_d)
+    tile = block_s * block_d
+    _attn_res_norm_kernel[(M,)](
+        src,
+        lat if lat is not None else src,
+        query,
+        key_weight,
+        norm_weight if norm_weight is not None else query,
+        out,
+        S,
+        D,
+        src.stride(0),
+        src.stride(1),
+        float(eps),
+        float(norm_eps),
+        HAS_NORM=norm_weight is not None,
+        HAS_LATEST=lat is not None,
+        ONE_CHUNK=block_d >= D,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=8 if tile >= 8192 else 4,
+    )
+    return out.view(out_shape)

@@ -1,0 +1,102 @@
+"""Fused one-token append to the MLA latent cache: RMSNorm of the latent, the row [c ; k_s], the write at each
+sequence's length and the length increment, in one Triton kernel (inference, CUDA; MATH.md "Gated MLA").
+
+    c = RMSNorm(W_DKV x) (float32 math, rounded to the activation dtype as the eager RMSNorm does)
+    rows[b, lengths[b]] = [c ; k_s]        lengths[b] += 1
+
+The eager path (`GatedMLA._latent_rows` + `MLACache.append`) is about a dozen small kernels per layer and token.
+Positions are read on the device, so the kernel is CUDA-graph safe; a length already at capacity writes nothing
+(capacity is checked on the host before the call, this only keeps a bad length from writing out of bounds).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _append_kernel(
+    kv_ptr,  # [B, d_c] latent before its norm (stride stride_kv), activation dtype
+    ks_ptr,  # [B, d_s] shared key part (stride stride_ks)
+    w_ptr,  # [d_c] RMSNorm weight
+    rows_ptr,  # [B, max_len, d_c + d_s]
+    lengths_ptr,  # [B] int32, advanced by one here
+    stride_kv,
+    stride_ks,
+    stride_rb,
+    stride_rn,
+    max_len,
+    eps,
+    DC: tl.constexpr,
+    DS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    length = tl.load(lengths_ptr + b)
+    row = rows_ptr + b * stride_rb + length.to(tl.int64) * stride_rn
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = (offs_c < DC) & (offs_c * 0 + length < max_len)  # a full sequence writes nothing
+    x = tl.load(kv_ptr + b * stride_kv + offs_c, mask=offs_c < DC, other=0.0)
+    xf = x.to(tl.float32)
+    c = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / DC + eps) * tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    tl.store(row + offs_c, c.to(x.dtype).to(rows_ptr.dtype.element_ty), mask=c_ok)
+    if DS > 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = (offs_s < DS) & (offs_s * 0 + length < max_len)
+        ks = tl.load(ks_ptr + b * stride_ks + offs_s, mask=s_ok, other=0.0)
+        tl.store(row + DC + offs_s, ks.to(rows_ptr.dtype.element_ty), mask=s_ok)
+    tl.store(lengths_ptr + b, length + 1)
+
+
+def append_latent_row(
+    kv: torch.Tensor,
+    k_shared: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Append one token per sequence to the latent cache, in place.
+
+    Args:
+        kv: [B, 1, d_c] latent projection W_DKV x (before the norm); k_shared: [B, 1, d_s] (d_s may be 0).
+        norm_weight: [d_c] weight of the latent RMSNorm, eps its epsilon.
+        rows: [B, max_len, d_c + d_s] the cache rows (last-dim stride 1); lengths: int32 [B], incremented.
+    """
+    B, _, d_c = kv.shape
+    d_s = k_shared.shape[-1]
+    if rows.shape[0] != B or rows.shape[-1] != d_c + d_s or rows.stride(-1) != 1:
+        raise ValueError(
+            f"append_latent_row: rows must be [B={B}, max_len, {d_c + d_s}] with unit last stride, "
+            f"got {tuple(rows.shape)} strides {rows.stride()}"
+        )
+    if kv.shape[1] != 1 or k_shared.shape[:2] != (B, 1) or lengths.shape != (B,) or lengths.dtype != torch.int32:
+        raise ValueError(
+            f"append_latent_row: expected kv [B, 1, d_c], k_shared [B, 1, d_s], int32 lengths [B]; got "
+            f"{tuple(kv.shape)}, {tuple(k_shared.shape)}, {lengths.dtype} {tuple(lengths.shape)}"
+        )
+    kv2 = kv.reshape(B, d_c)
+    ks2 = k_shared.reshape(B, d_s) if d_s > 0 else kv2
+    kv2 = kv2 if kv2.stride(-1) == 1 else kv2.contiguous()
+    ks2 = ks2 if ks2.stride(-1) == 1 else ks2.contiguous()
+    _append_kernel[(B,)](
+        kv2,
+        ks2,
+        norm_weight,
+        rows,
+        lengths,
+        kv2.stride(0),
+        ks2.stride(0),
+        rows.stride(0),
+        rows.stride(1),
+        rows.shape[1],
+        float(eps),
+        DC=d_c,
+        DS=d_s,
+        BLOCK_C=triton.next_power_of_2(d_c),
+        BLOCK_S=triton.next_power_of_2(max(d_s, 1)),
+        num_warps=4,
+    )
