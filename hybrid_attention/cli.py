@@ -1,0 +1,321 @@
+"""The `hybrid-attention` command: train, generate, eval, info. Thin: parse flags, call train.py / data.py, print.
+
+Bad input (flags, paths, run directories) ends with one line on stderr and a non-zero exit, never a traceback;
+set HYBRID_ATTENTION_TRACEBACK=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla")  # hybrid_attention.model.PRESETS, without importing torch
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, low, *, inclusive=True, high=None):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        ok = math.isfinite(value) and (value >= low if inclusive else value > low) and (high is None or value <= high)
+        if not ok:
+            bound = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"expected a value {bound}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1)
+non_negative_int = _number(int, 0)
+positive_float = _number(float, 0.0, inclusive=False)
+non_negative_float = _number(float, 0.0)
+
+
+def _data_spec(text: str) -> str:
+    """Local paths are stored absolute, so a resumed run finds its data from any directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path or hf:NAME, got an empty string")
+    return text if text.startswith("hf:") or text == "builtin" else str(Path(text).expanduser().resolve())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info}")
+
+    t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
+    t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps (tiny: 250, larger presets: 300)")
+    t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (tiny: 8, larger: 16)")
+    t.add_argument("--seq-len", type=positive_int, help="tokens per sequence (tiny: 128, larger: 2048)")
+    t.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step (default 1)")
+    t.add_argument("--lr", type=positive_float, help="peak learning rate (tiny: 3e-3, larger: 1e-3)")
+    t.add_argument("--warmup", type=non_negative_int, help="linear warm-up steps before the cosine decay")
+    t.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw (default), or muon for 2-D hidden weights")
+    t.add_argument("--weight-decay", type=non_negative_float, help="decoupled weight decay on matrices (default 0.1)")
+    t.add_argument("--clip", type=non_negative_float, help="gradient norm clip, 0 = off (default 1.0)")
+    t.add_argument("--data", type=_data_spec, help="file, folder of .txt/.md/.py, hf:NAME[:CONFIG], or builtin")
+    t.add_argument("--data-max-bytes", type=positive_int, help="cap on text read (built-in, hf: 4e6; paths: none)")
+    t.add_argument("--tokenizer", choices=("byte", "bpe"), help="byte (default) or a BPE trained on the train split")
+    t.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
+    t.add_argument("--seed", type=non_negative_int, help="seed of the initialisation and the batches (default 0)")
+    t.add_argument("--out", help="run directory (default runs/PRESET)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
+    t.add_argument("--time-limit", type=positive_float, help="save and stop after this many minutes of training")
+    t.add_argument("--eval-every", type=positive_int, help="validate, plot and checkpoint every N steps")
+    t.add_argument("--eval-batches", type=positive_int, help="validation batches per evaluation (default 8)")
+    t.add_argument("--log-every", type=positive_int, help="append to log.jsonl every N steps (default 10)")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
+    t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
+    t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    t.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), help="chunk_kda backend (default auto)")
+    t.set_defaults(func=_train)
+
+    g = sub.add_parser("generate", help="stream text from a trained run")
+    g.add_argument("--ckpt", required=True, help="run directory written by `train`")
+    g.add_argument("--prompt", help="prompt text (default: read from stdin)")
+    g.add_argument("--max-new-tokens", type=non_negative_int, default=200, help="tokens to generate (default 200)")
+    g.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=_number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA")
+    g.set_defaults(func=_generate)
+
+    e = sub.add_parser("eval", help="validation loss and bits per byte of a trained run")
+    e.add_argument("--ckpt", required=True, help="run directory written by `train`")
+    e.add_argument("--data", type=_data_spec, help="evaluate on this data's validation split (default: the run's)")
+    e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
+    e.add_argument("--batch-size", type=positive_int, help="default: the run's")
+    e.add_argument("--seq-len", type=positive_int, help="default: the run's")
+    e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
+    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    e.set_defaults(func=_eval)
+
+    i = sub.add_parser("info", help="parameters, layer table and cache sizes of a preset or a run")
+    src = i.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=PRESETS, help="a model preset (default tiny)")
+    src.add_argument("--ckpt", help="run directory written by `train`")
+    i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
+    i.set_defaults(func=_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from hybrid_attention.train import flush_denormals
+
+        with flush_denormals():
+            return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("hybrid-attention: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `hybrid-attention generate ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
+        return 0
+    except (ValueError, OSError) as err:
+        if os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
+            raise
+        print(f"hybrid-attention {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        if "out of memory" not in str(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
+            raise
+        print(f"hybrid-attention {args.command}: error: out of memory; try a smaller --batch-size", file=sys.stderr)
+        return 1
+
+
+def _train(args) -> int:
+    from dataclasses import fields
+
+    from hybrid_attention import checkpoint
+    from hybrid_attention.train import TrainConfig, train
+
+    given = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
+    saved = None
+    if args.resume:
+        out = args.out or f"runs/{args.preset or 'tiny'}"
+        saved = checkpoint.load_config(out)["train"]
+        given["out"] = out
+    config = TrainConfig.create(saved, **given)
+    start = time.perf_counter()
+    try:
+        s = train(config, resume=args.resume)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: {config.out} keeps its last checkpoint; continue with "
+            f"`hybrid-attention train --resume --out {config.out}`",
+            file=sys.stderr,
+        )
+        return 130
+    minutes, seconds = divmod(time.perf_counter() - start, 60)
+    print(f"done: step {s['step']}/{s['steps']} in {int(minutes)}m{seconds:04.1f}s, {s['tokens_per_s']:,.0f} tokens/s")
+    if s["step"] < s["steps"]:
+        print(f"stopped early; continue with `hybrid-attention train --resume --out {config.out}`")
+    if s["val_loss"] is not None:
+        print(
+            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte); "
+            f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
+        )
+    if s["peak_memory_bytes"] is not None:
+        print(
+            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; model FLOPs utilisation "
+            f"{s['mfu_vs_989tf_datasheet']:.1%} of 989 TFLOP/s (H200 bf16 datasheet), "
+            f"{s['mfu_vs_784tf_measured']:.1%} of 784 TFLOP/s (measured matmul peak)"
+        )
+    print(f"run directory: {config.out}; sample with `hybrid-attention generate --ckpt {config.out} --prompt 'def '`")
+    return 0
+
+
+def _device_and_dtype(args):
+    import torch
+
+    from hybrid_attention.train import resolve_device
+
+    device = resolve_device(args.device)
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, args.dtype)
+
+
+def _generate(args) -> int:
+    import torch
+
+    from hybrid_attention.checkpoint import load_run
+    from hybrid_attention.generate import generate_stream
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ValueError("no prompt: pass --prompt TEXT or pipe text on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise ValueError("the prompt is empty; generation needs at least one token to start from")
+    device, dtype = _device_and_dtype(args)
+    model, _, tokenizer = load_run(args.ckpt, device)
+    model.to(dtype)
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    start = time.perf_counter()
+    first = None
+    count = 0
+    stream = generate_stream(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, None, generator)
+    for token in stream:
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(decoder.decode(tokenizer.token_bytes(int(token[0]))))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    sys.stdout.flush()
+    end = time.perf_counter()
+    total = ids.shape[1] + count
+    cache_bytes = model.make_cache(1, total).nbytes()
+    rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
+    print(
+        f"[{count} tokens in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
+        f"{(first or end) - start:.3f} s, then {rate:,.1f} tokens/s; cache {cache_bytes:,} bytes for {total} tokens "
+        f"({model.cache_bytes_per_token(dtype):,} bytes/token of MLA latent + "
+        f"{model.state_bytes_per_sequence(dtype):,} bytes of KDA state, {str(dtype).replace('torch.', '')})]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _eval(args) -> int:
+    from hybrid_attention.checkpoint import load_run
+    from hybrid_attention.data import load_corpus
+    from hybrid_attention.train import autocast_for, evaluate
+
+    device, _ = _device_and_dtype(args)
+    model, config, tokenizer = load_run(args.ckpt, device)
+    run = config["train"]
+    if args.data is None:
+        data, max_bytes = run.get("data"), args.data_max_bytes or run.get("data_max_bytes")
+    else:
+        data, max_bytes = args.data, args.data_max_bytes
+    corpus = load_corpus(data, max_bytes=max_bytes)
+    tokens = tokenizer.encode_documents(corpus.val).to(device)
+    batch_size, seq_len = args.batch_size or run["batch_size"], args.seq_len or run["seq_len"]
+    if tokens.numel() < seq_len:
+        raise ValueError(f"the validation split of {corpus.source} has {tokens.numel()} tokens, fewer than {seq_len}")
+    windows = tokens.numel() // seq_len
+    num_batches = None if windows <= args.max_batches * batch_size else args.max_batches
+    autocast = autocast_for(device, args.dtype)
+    loss, bpb = evaluate(
+        model,
+        tokens,
+        tokenizer.byte_lengths().to(device),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        num_batches=num_batches,
+        autocast=autocast,
+    )
+    evaluated = min(windows, args.max_batches * batch_size) * seq_len
+    print(
+        f"{args.ckpt} on {corpus.source} (validation split, {evaluated:,} of {tokens.numel():,} tokens, "
+        f"windows of {seq_len}): loss {loss:.4f} nats/token, {bpb:.4f} bits/byte"
+    )
+    return 0
+
+
+def _info(args) -> int:
+    import torch
+
+    from hybrid_attention.checkpoint import load_run
+
+    if args.ckpt:
+        model, _, _ = load_run(args.ckpt, weights=False)
+        source = args.ckpt
+    else:
+        from hybrid_attention.model import HybridConfig, HybridLM
+
+        preset = args.preset or "tiny"
+        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        with torch.device("meta"):  # shapes only: no memory, no initialisation time
+            model = HybridLM(HybridConfig.from_preset(preset, **overrides))
+        source = f"preset {preset}"
+    c = model.config
+    total = model.num_parameters()
+    embed = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    layers = model.layer_table()
+    in_layers = sum(row["parameters"] for row in layers)
+    print(f"{source}: hidden {c.hidden_size}, {c.num_layers} layers, vocabulary {c.vocab_size}, residual {c.residual}")
+    print(
+        f"parameters: {total:,} total; {embed:,} embedding; {in_layers:,} in decoder layers; "
+        f"{total - embed - in_layers:,} in the head, final norm and final AttnRes"
+    )
+    print(f"{'layer':>5}  {'type':<4}  {'parameters':>12}")
+    for row in layers:
+        print(f"{row['index']:>5}  {row['type']:<4}  {row['parameters']:>12,}")
+    per_token = model.cache_bytes_per_token(torch.bfloat16)
+    state = model.state_bytes_per_sequence(torch.bfloat16)
+    num_mla = sum(t == "mla" for t in c.layer_types)
+    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {num_mla} MLA layers)")
+    print(
+        f"constant state per sequence: {state:,} bytes (fp32 KDA state + bf16 conv tails, "
+        f"{c.num_layers - num_mla} KDA layers)"
+    )
+    for context in (4096, 131072):
+        print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
+    return 0

@@ -1,0 +1,288 @@
+"""Training text and token batches: the built-in corpus, local files, Hugging Face datasets; windows and baselines.
+
+Sources (the `spec` of `load_corpus`):
+- `None`: the built-in corpus, the `*.py` sources of the running interpreter's standard library
+  (`sysconfig.get_paths()["stdlib"]`, without site-packages). Nothing is downloaded.
+- a path: one text file, or a directory searched recursively for `.txt`, `.md` and `.py` files (UTF-8).
+- `hf:NAME` or `hf:NAME:CONFIG`: a dataset read through the optional `datasets` package (local files and
+  caches work offline); the text column is `text`, or the only string column.
+
+Documents go to the validation split when a hash of their name (the path relative to the root, through hashlib,
+so the split does not depend on PYTHONHASHSEED) falls in the first `val_fraction` of the hash range. A single
+document, or a collection where the hash leaves one split empty, is split by text instead: the last
+`val_fraction` of it, at a line boundary, is validation.
+
+Batches are contiguous windows of `seq_len` tokens whose starts are drawn from a generator seeded by
+(seed, step, micro-batch), so any step's batch can be rebuilt without replaying the ones before it: a resumed run
+sees exactly the data it would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+VAL_FRACTION = 0.05
+BUILTIN_MAX_BYTES = 4_000_000  # plenty for the tiny preset; reading it takes well under a second
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass
+class Corpus:
+    """Documents of the two splits and a short description of where they came from."""
+
+    train: list[str]
+    val: list[str]
+    source: str
+    train_names: list[str] = field(default_factory=list)  # document names (relative paths) when there are any
+    val_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> tuple[int, int]:
+        """UTF-8 bytes of (train, val)."""
+        return _utf8_len(self.train), _utf8_len(self.val)
+
+
+def _utf8_len(docs: list[str]) -> int:
+    return sum(len(d.encode("utf-8")) for d in docs)
+
+
+def name_hash(name: str) -> float:
+    """A stable number in [0, 1) for a document name (sha256, not Python's salted hash())."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def in_validation(name: str, val_fraction: float = VAL_FRACTION) -> bool:
+    """Whether the document called `name` belongs to the validation split."""
+    return name_hash(name) < val_fraction
+
+
+def load_corpus(spec: str | None, *, max_bytes: int | None = None, val_fraction: float = VAL_FRACTION) -> Corpus:
+    """Read the text named by `spec` (see the module docstring) and split it into train and validation.
+
+    `max_bytes` caps how much is read: whole files up to `(1 - val_fraction) * max_bytes` for train and the rest
+    for validation (a single file is cut at `max_bytes`; `hf:` rows are read in order until the share is reached).
+    `None` means `BUILTIN_MAX_BYTES` for the built-in corpus and `hf:` datasets, everything for a local path.
+    Raises ValueError for a missing, empty or undecodable source.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"the data byte cap must be a positive number of bytes, got {max_bytes}")
+    if spec is None or spec == "builtin":
+        return _builtin_corpus(max_bytes or BUILTIN_MAX_BYTES, val_fraction)
+    if spec.startswith("hf:"):
+        return _hf_corpus(spec, max_bytes or BUILTIN_MAX_BYTES, val_fraction)
+    return _path_corpus(Path(spec), max_bytes, val_fraction)
+
+
+def _builtin_corpus(max_bytes: int, val_fraction: float) -> Corpus:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ValueError(f"the built-in corpus needs the standard library sources, but {root} is not a directory")
+    names = _walk(root, (".py",))
+    # Hash order spreads a capped read over the whole library instead of its alphabetically first modules.
+    names.sort(key=lambda rel: (name_hash(rel), rel))
+    docs = _read_named(root, names, max_bytes, val_fraction, strict=False)
+    return _finish(docs, val_fraction, f"Python {sysconfig.get_python_version()} standard library ({root})")
+
+
+def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corpus:
+    if not path.exists():
+        raise ValueError(f"--data {path}: no such file or directory")
+    if path.is_file():
+        docs = [(path.name, _read_text(path, strict=True))]
+        if max_bytes is not None:
+            docs = [(path.name, _cap_text(docs[0][1], max_bytes))]
+        return _finish(docs, val_fraction, str(path))
+    names = _walk(path, TEXT_SUFFIXES)
+    if not names:
+        raise ValueError(f"--data {path}: the directory holds no {'/'.join(TEXT_SUFFIXES)} files")
+    docs = _read_named(path, names, max_bytes, val_fraction, strict=True)
+    return _finish(docs, val_fraction, f"{path} ({len(names)} files)")
+
+
+def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
+    """Relative POSIX paths of files under `root` ending in `suffixes`, sorted, skipping installed packages."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in filenames:
+            if name.endswith(suffixes):
+                found.append(Path(dirpath, name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def _read_text(path: Path, *, strict: bool) -> str | None:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not strict:
+            return None  # the standard library keeps a few deliberately non-UTF-8 test files
+        raise ValueError(f"--data: {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def _cap_text(text: str, max_bytes: int) -> str:
+    return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def _read_named(
+    root: Path, names: list[str], max_bytes: int | None, val_fraction: float, *, strict: bool
+) -> list[tuple[str, str]]:
+    """Read files in the given order, each split filled up to its share of `max_bytes` with whole files.
+
+    Files that would overflow a split's share are skipped (a smaller one may still fit); a split that no file fits
+    gets its smallest file, so neither is empty just because of the cap.
+    """
+    budget = {False: math.inf, True: math.inf}
+    if max_bytes is not None:
+        budget = {False: (1.0 - val_fraction) * max_bytes, True: val_fraction * max_bytes}
+    used = {False: 0, True: 0}
+    smallest: dict[bool, tuple[int, str]] = {}
+    docs = []
+    for rel in names:
+        split = in_validation(rel, val_fraction)
+        size = (root / rel).stat().st_size
+        if used[split] + size > budget[split]:
+            smallest[split] = min(smallest.get(split, (size, rel)), (size, rel))
+            continue
+        text = _read_text(root / rel, strict=strict)
+        if text:
+            docs.append((rel, text))
+            used[split] += size
+    for split, (_, rel) in smallest.items():
+        if used[split] == 0 and (text := _read_text(root / rel, strict=strict)):
+            docs.append((rel, text))
+    return docs
+
+
+def _finish(docs: list[tuple[str, str]], val_fraction: float, source: str) -> Corpus:
+    """Split named documents by name hash, or by text when that leaves a split empty."""
+    docs = [(name, text) for name, text in docs if text.strip()]
+    if not docs:
+        raise ValueError(f"the data source {source} holds no text")
+    train = [(name, text) for name, text in docs if not in_validation(name, val_fraction)]
+    val = [(name, text) for name, text in docs if in_validation(name, val_fraction)]
+    if not train or not val:
+        head, tail = _split_text("\n".join(text for _, text in docs), val_fraction)
+        if not head or not tail:
+            raise ValueError(f"the data source {source} is too small to split into train and validation")
+        return Corpus(train=head, val=tail, source=f"{source}, split by text")
+    return Corpus(
+        train=[t for _, t in train], val=[t for _, t in val], source=source,
+        train_names=[n for n, _ in train], val_names=[n for n, _ in val],
+    )  # fmt: skip
+
+
+def _split_text(text: str, val_fraction: float) -> tuple[list[str], list[str]]:
+    """The last `val_fraction` of the text is validation, cut at a line boundary when there is one nearby."""
+    cut = int(len(text) * (1.0 - val_fraction))
+    newline = text.rfind("\n", 0, cut)
+    if newline > cut // 2:
+        cut = newline + 1
+    head, tail = text[:cut], text[cut:]
+    return ([head] if head.strip() else []), ([tail] if tail.strip() else [])
+
+
+def _hf_corpus(spec: str, max_bytes: int, val_fraction: float) -> Corpus:
+    parts = spec[len("hf:") :].split(":")
+    if not parts[0] or len(parts) > 2:
+        raise ValueError(f"--data {spec}: expected hf:NAME or hf:NAME:CONFIG")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"--data {spec} needs the optional `datasets` package: pip install 'hybrid-attention[hf]'"
+        ) from None
+    try:
+        loaded = datasets.load_dataset(*parts)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, its own errors)
+        raise ValueError(f"--data {spec}: datasets could not load it: {type(e).__name__}: {e}") from None
+    splits = list(loaded.keys())
+    if "train" not in splits:
+        raise ValueError(f"--data {spec}: the dataset has no 'train' split (it has {splits})")
+    val_name = next((s for s in ("validation", "valid", "test") if s in splits), None)
+    train = _hf_texts(spec, loaded["train"], (1.0 - val_fraction) * max_bytes if val_name else max_bytes)
+    if val_name is None:
+        docs = [(f"row-{i}", text) for i, text in enumerate(train)]
+        return _finish(docs, val_fraction, spec)
+    val = _hf_texts(spec, loaded[val_name], val_fraction * max_bytes)
+    if not train or not val:
+        raise ValueError(f"--data {spec}: the train or {val_name} split holds no text")
+    return Corpus(train=train, val=val, source=f"{spec} (train, {val_name})")
+
+
+def _hf_texts(spec: str, rows, max_bytes: float) -> list[str]:
+    """Rows of the text column, in order, until `max_bytes` of UTF-8 is read."""
+    names = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
+    column = "text" if "text" in names else None
+    if column is None and len(rows):
+        strings = [n for n in names if isinstance(rows[0][n], str)]
+        column = strings[0] if len(strings) == 1 else None
+    if column is None:
+        raise ValueError(f"--data {spec}: no 'text' column and not exactly one string column (columns: {names})")
+    texts, used = [], 0
+    for row in rows:
+        text = row[column]
+        if text and text.strip():
+            texts.append(text)
+            used += len(text.encode("utf-8"))
+            if used >= max_bytes:
+                break
+    return texts
+
+
+def _step_seed(seed: int, step: int, micro: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{step}:{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
+def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, *, seed: int, step: int, micro: int = 0):
+    """`batch_size` contiguous windows of `seq_len` tokens, drawn from a generator seeded by (seed, step, micro).
+
+    tokens: [N] integer ids. Returns a LongTensor [batch_size, seq_len] on the device of `tokens`.
+    """
+    n = tokens.numel()
+    if n < seq_len:
+        raise ValueError(f"the training split has {n} tokens, fewer than one window of --seq-len {seq_len}")
+    gen = torch.Generator().manual_seed(_step_seed(seed, step, micro))
+    starts = torch.randint(0, n - seq_len + 1, (batch_size,), generator=gen)
+    index = starts[:, None] + torch.arange(seq_len)  # (B, T)
+    return tokens[index.to(tokens.device)].long()
+
+
+def eval_batches(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, num_batches: int | None = None
+) -> Iterator[torch.Tensor]:
+    """Fixed validation windows [batch_size, seq_len] (long), the same at every evaluation.
+
+    With `num_batches`, `num_batches * batch_size` windows evenly spaced over the split (non-overlapping when the
+    split is long enough; every batch full, so a compiled model sees one shape). Without it, every
+    non-overlapping window in order, the last batch possibly smaller.
+    """
+    n = tokens.numel()
+    if n < seq_len:
+        raise ValueError(f"the validation split has {n} tokens, fewer than one window of --seq-len {seq_len}")
+    if num_batches is None:
+        starts = torch.arange(0, n - seq_len + 1, seq_len)
+    else:
+        starts = torch.linspace(0, n - seq_len, num_batches * batch_size).round().long()
+    for i in range(0, starts.numel(), batch_size):
+        index = starts[i : i + batch_size, None] + torch.arange(seq_len)
+        yield tokens[index.to(tokens.device)].long()
+
+
+def unigram_loss(train_tokens: torch.Tensor, val_tokens: torch.Tensor, vocab_size: int) -> float:
+    """Cross-entropy (nats per token) of the validation tokens under add-one-smoothed train unigram frequencies."""
+    counts = torch.bincount(train_tokens.long().flatten(), minlength=vocab_size).double() + 1.0
+    log_p = counts.log() - counts.sum().log()
+    return float(-log_p[val_tokens.long().flatten()].mean())

@@ -1,0 +1,445 @@
+"""Training: settings, optimizers (AdamW or Muon + AdamW), warm-up + cosine schedule, the loop, evaluation, FLOPs.
+
+`train(config, resume=...)` runs one job end to end and returns a summary dict. Everything that can fail on user
+input (flags, data, tokenizer, model config, an occupied run directory, a checkpoint that does not match) is
+checked before the first byte is written. The loop is deterministic given the seed: batches come from
+`data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
+`--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybrid_attention import checkpoint as ckpt
+from hybrid_attention.data import BUILTIN_MAX_BYTES, eval_batches, load_corpus, sample_batch, unigram_loss
+from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
+
+H200_PEAK_FLOPS = 989e12  # dense bf16, datasheet
+H200_MEASURED_FLOPS = 784e12  # bf16 matmul 8192^3 measured on our H200 (design/ANCHORS.md)
+KDA_CHUNK = 64
+
+# Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes.
+_TINY = dict(steps=250, batch_size=8, seq_len=128, lr=3e-3, warmup=25, eval_every=50, eval_batches=8, log_every=10)
+_SCALED = dict(steps=300, batch_size=16, seq_len=2048, lr=1e-3, warmup=50, eval_every=100, eval_batches=8, log_every=10)
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run. Fields in RUN_ONLY may change on --resume; the others are the run's own."""
+
+    preset: str = "tiny"
+    steps: int = _TINY["steps"]
+    batch_size: int = _TINY["batch_size"]
+    seq_len: int = _TINY["seq_len"]
+    grad_accum: int = 1
+    lr: float = _TINY["lr"]
+    min_lr_ratio: float = 0.1
+    warmup: int = _TINY["warmup"]
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    data: str | None = None
+    data_max_bytes: int | None = None
+    tokenizer: str = "byte"
+    vocab_size: int | None = None
+    seed: int = 0
+    out: str = "runs/tiny"
+    eval_every: int = _TINY["eval_every"]
+    eval_batches: int = _TINY["eval_batches"]
+    log_every: int = _TINY["log_every"]
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    kda_backend: str | None = None  # None: the model config's ("auto")
+    stop_after: int | None = None
+    time_limit: float | None = None  # minutes
+
+    @classmethod
+    def create(cls, saved: dict | None = None, **given) -> TrainConfig:
+        """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
+
+        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError.
+        """
+        given = {k: v for k, v in given.items() if v is not None}
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown settings {unknown}")
+        if saved is not None:
+            changed = [
+                f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
+                for k in sorted(given)
+                if k not in RUN_ONLY and given[k] != saved.get(k)
+            ]
+            if changed:
+                free = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RUN_ONLY - {"out"}))
+                raise ValueError(f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change")
+            once = {"stop_after", "time_limit"}  # they describe one invocation, not the run
+            values = {k: v for k, v in saved.items() if k in {f.name for f in fields(cls)} and k not in once}
+            return cls(**{**values, **given}).validate()
+        preset = given.get("preset", "tiny")
+        defaults = _TINY if preset == "tiny" else _SCALED
+        merged = {"out": f"runs/{preset}", **defaults, **given}
+        if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
+            merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
+        return cls(**merged).validate()
+
+    def validate(self) -> TrainConfig:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2 (one prediction per window), got {self.seq_len}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.weight_decay >= 0 or not self.clip >= 0:
+            raise ValueError(f"--weight-decay and --clip must be >= 0, got {self.weight_decay} and {self.clip}")
+        checks = (("optimizer", OPTIMIZERS), ("tokenizer", ("byte", "bpe")), ("device", ("auto", "cpu", "cuda")))
+        for name, choices in (*checks, ("dtype", tuple(DTYPES))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
+            raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
+        if self.data_max_bytes is not None and self.data_max_bytes < 1:
+            raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
+        return self
+
+
+_WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
+_WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
+RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
+OPTIMIZERS = ("adamw", "muon")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build or machine has no CUDA device")
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device, dtype: str):
+    """bf16 autocast on CUDA by default; float32 (no autocast) on CPU unless --dtype bfloat16."""
+    target = DTYPES[dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if target == torch.float32:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=target)
+
+
+# ------------------------------------------------------------------------------------------------------ optimizers
+def _embedding_and_head(model: nn.Module) -> set[int]:
+    """ids of the embedding tables and of the LM head (a direct nn.Linear child projecting to the vocabulary)."""
+    vocab = model.config.vocab_size
+    found = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    found |= {id(m.weight) for m in model.children() if isinstance(m, nn.Linear) and m.out_features == vocab}
+    return found
+
+
+def param_groups(model: nn.Module, weight_decay: float, *, muon: bool) -> tuple[list[dict], list[nn.Parameter]]:
+    """AdamW groups (decay: matrices; no decay: ndim < 2 and `_no_weight_decay`), plus the Muon matrices.
+
+    With `muon`, 2-D hidden weights go to Muon; embeddings, the LM head, norms, gates and biases stay with AdamW.
+    """
+    special = _embedding_and_head(model)
+    decay, no_decay, matrices = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or getattr(p, "_no_weight_decay", False):
+            no_decay.append(p)
+        elif muon and p.ndim == 2 and id(p) not in special:
+            matrices.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]], matrices
+
+
+def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
+    """[AdamW] or [Muon, AdamW]. Muon uses AdamW-matched update RMS, so one --lr serves both."""
+    groups, matrices = param_groups(model, config.weight_decay, muon=config.optimizer == "muon")
+    fused = next(model.parameters()).is_cuda
+    adamw = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    if config.optimizer == "adamw":
+        return [adamw]
+    if not hasattr(torch.optim, "Muon"):
+        raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
+    muon = torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return [muon, adamw]
+
+
+def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
+    """Multiplier of --lr for the update that follows `step` completed steps: linear warm-up, cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_schedulers(optimizers, config: TrainConfig) -> list[torch.optim.lr_scheduler.LambdaLR]:
+    factor = lambda step: lr_factor(step, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
+    return [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs, evaluation
+def non_embedding_parameters(model: nn.Module) -> int:
+    """Parameters doing matmuls: all but input embedding tables (a lookup) unless they double as the LM head."""
+    head = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
+    return model.num_parameters() - sum(n for i, n in lookups.items() if i not in head)
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward).
+
+    6 N for the N non-embedding parameters, plus sequence mixing, which N does not count:
+    - MLA, causal softmax (mean context T/2): forward 2 H (d_qk + d_v) T/2 per token;
+    - KDA, chunkwise with C = 64 (Kimi Linear report): forward 6 K^2 + 3 C K + C^2 per token and head.
+    """
+    c = model.config
+    num_mla = sum(kind == "mla" for kind in c.layer_types)
+    num_kda = c.num_layers - num_mla
+    d_qk = c.mla_qk_nope_head_dim + c.mla_qk_shared_head_dim
+    mla = num_mla * 2 * c.mla_num_heads * (d_qk + c.mla_v_head_dim) * seq_len / 2
+    K = c.kda_head_dim
+    kda = num_kda * c.kda_num_heads * (6 * K * K + 3 * KDA_CHUNK * K + KDA_CHUNK * KDA_CHUNK)
+    return 6.0 * non_embedding_parameters(model) + 3.0 * (mla + kda)
+
+
+@torch.no_grad()
+def evaluate(model, tokens: torch.Tensor, byte_lengths: torch.Tensor, *, batch_size, seq_len, num_batches, autocast):
+    """Mean loss (nats per predicted token) and bits per byte over fixed validation windows."""
+    was_training = model.training
+    model.eval()
+    device = byte_lengths.device
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    count, nbytes = 0, torch.zeros((), dtype=torch.long, device=device)
+    for x in eval_batches(tokens, batch_size, seq_len, num_batches):
+        x = x.to(device, non_blocking=True)
+        with autocast():
+            loss = model(x, labels=x).loss
+        n = x[:, 1:].numel()
+        nll += loss.double() * n
+        count += n
+        nbytes += byte_lengths[x[:, 1:]].sum()
+    model.train(was_training)
+    loss = float(nll) / count
+    return loss, float(nll) / math.log(2) / max(1, int(nbytes))
+
+
+# ------------------------------------------------------------------------------------------------------- training
+def prepare(config: TrainConfig, *, resume: bool):
+    """Everything a run needs, checked, before anything is written. Returns a dict of the pieces."""
+    run_dir = Path(config.out)
+    saved = None
+    if resume:
+        saved = ckpt.load_config(run_dir)
+    elif run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a directory")
+    elif ckpt.holds_run(run_dir):
+        raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
+    device = resolve_device(config.device)
+    max_bytes = config.data_max_bytes
+    corpus = load_corpus(config.data, max_bytes=max_bytes)
+    if saved is not None:
+        tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
+        model_config = HybridConfig.from_dict(saved["model"])
+        if config.kda_backend is not None:
+            model_config = HybridConfig.from_dict({**saved["model"], "kda_backend": config.kda_backend})
+    else:
+        if config.tokenizer == "bpe":
+            tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)
+        else:
+            tokenizer = ByteTokenizer()
+        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
+        model_config = HybridConfig.from_preset(config.preset, vocab_size=tokenizer.vocab_size, **backend)
+    if model_config.vocab_size != tokenizer.vocab_size:
+        raise ValueError(
+            f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
+            f"{tokenizer.vocab_size}"
+        )
+    train_tokens = tokenizer.encode_documents(corpus.train)
+    val_tokens = tokenizer.encode_documents(corpus.val)
+    for name, toks in (("training", train_tokens), ("validation", val_tokens)):
+        if toks.numel() < config.seq_len:
+            raise ValueError(
+                f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
+            )
+    torch.manual_seed(config.seed)
+    model = HybridLM(model_config).to(device)
+    optimizers = build_optimizers(model, config)
+    schedulers = build_schedulers(optimizers, config)
+    step = 0
+    if saved is not None:
+        step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
+    data_info = {"spec": config.data, "max_bytes": max_bytes or (None if config.data else BUILTIN_MAX_BYTES)}
+    return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
+                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
+                data_info=data_info)  # fmt: skip
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Flush denormal floats to zero on CPU inside the block (off again after it, torch's default).
+
+    The chunkwise KDA reference produces denormals from long decay products; on CPU they slow a training step down
+    up to 25x. Flushing them changes results by less than float32 resolution.
+    """
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
+    """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU)."""
+    with flush_denormals():
+        return _train(config, resume, echo)
+
+
+def _train(config: TrainConfig, resume: bool, echo) -> dict:
+    from tqdm import tqdm
+
+    p = prepare(config, resume=resume)
+    run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
+    optimizers, schedulers = p["optimizers"], p["schedulers"]
+    # ---- from here on, the run directory is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
+        rows = ckpt.read_log(run_dir, up_to_step=start)  # drop lines logged after the checkpoint
+        ckpt.write_log(run_dir, rows)
+    else:
+        rows = []
+        if tokenizer.kind == "bpe":
+            ckpt.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
+        ckpt.save_config(
+            run_dir,
+            {
+                "model": model.config.to_dict(),
+                "tokenizer": tokenizer.to_dict(),
+                "data": p["data_info"],
+                "train": asdict(config),
+            },
+        )
+    autocast = autocast_for(device, config.dtype)
+    step_fn = torch.compile(model) if config.compile else model
+    train_tokens, val_tokens = p["train_tokens"], p["val_tokens"]
+    unigram = unigram_loss(train_tokens, val_tokens, tokenizer.vocab_size)
+    unigram_bpb = unigram * val_tokens.numel() / math.log(2) / int(tokenizer.byte_lengths()[val_tokens.long()].sum())
+    byte_lengths = tokenizer.byte_lengths().to(device)
+    train_tokens, val_tokens = train_tokens.to(device), val_tokens.to(device)
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+    n_train, n_val = p["corpus"].num_bytes
+    echo(
+        f"data: {p['corpus'].source}: {n_train:,} train / {n_val:,} validation bytes; "
+        f"{train_tokens.numel():,} / {val_tokens.numel():,} {tokenizer.kind} tokens"
+    )
+    echo(
+        f"model: {config.preset}, {model.num_parameters():,} parameters, {device}, dtype {config.dtype}; "
+        f"run directory {run_dir}" + (f"; resuming at step {start}" if start else "")
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    end = config.stop_after or config.steps
+    deadline = time.perf_counter() + 60 * config.time_limit if config.time_limit else math.inf
+    params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
+    clip = config.clip if config.clip > 0 else math.inf
+    eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
+    timed_tokens, timed_s, last_val, step = 0, 0.0, None, start
+    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    model.train()
+    tick, interval_tokens = time.perf_counter(), 0
+    for step in range(start + 1, end + 1):
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(config.grad_accum):
+            x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
+            with autocast():
+                loss = step_fn(x, labels=x).loss / config.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        lr = schedulers[-1].get_last_lr()[0]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        for opt in optimizers:
+            opt.step()
+        for sched in schedulers:
+            sched.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        interval_tokens += tokens_per_step
+        bar.update(1)
+        stopping = step == end or time.perf_counter() >= deadline
+        do_eval = step % config.eval_every == 0 or stopping
+        if not (do_eval or step % config.log_every == 0):
+            continue
+        loss_value = float(loss_sum)  # synchronises, so the interval time below is real
+        elapsed = time.perf_counter() - tick
+        row = {
+            "step": step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": step * tokens_per_step,
+            "tokens_per_s": interval_tokens / elapsed,
+        }
+        if rows and rows[-1]["step"] > start:  # a process's first interval holds compilation and warm-up
+            timed_tokens, timed_s = timed_tokens + interval_tokens, timed_s + elapsed
+        if do_eval:
+            last_val = evaluate(step_fn, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
+            row["val_loss"], row["val_bpb"] = last_val
+        rows.append(row)
+        ckpt.append_log(run_dir, row)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        if do_eval:
+            bar.write(
+                f"step {step}: train loss {loss_value:.4f}, validation loss {last_val[0]:.4f} "
+                f"({last_val[1]:.3f} bits/byte); unigram baseline {unigram:.4f}"
+            )
+            ckpt.plot_losses(run_dir, rows)
+            ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+        if stopping:
+            break
+        tick, interval_tokens = time.perf_counter(), 0
+    bar.close()
+    tokens_per_s = timed_tokens / timed_s if timed_s else (rows[-1]["tokens_per_s"] if rows else 0.0)
+    fpt = flops_per_token(model, config.seq_len)
+    summary = {
+        "run_dir": str(run_dir),
+        "step": step,
+        "steps": config.steps,
+        "train_loss": rows[-1]["loss"] if rows else None,
+        "val_loss": last_val[0] if last_val else None,
+        "val_bpb": last_val[1] if last_val else None,
+        "unigram_loss": unigram,
+        "unigram_bpb": unigram_bpb,
+        "parameters": model.num_parameters(),
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt,
+        "mfu_vs_989tf_datasheet": fpt * tokens_per_s / H200_PEAK_FLOPS,
+        "mfu_vs_784tf_measured": fpt * tokens_per_s / H200_MEASURED_FLOPS,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,243 @@
+"""Data sources, splits, batches, baselines and tokenizers (hybrid_attention/data.py, tokenizer.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_attention import data
+from hybrid_attention.data import eval_batches, in_validation, load_corpus, sample_batch, unigram_loss
+from hybrid_attention.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet, tokenizer_from_dict
+
+SAMPLE = "héllo wörld 🙂\n\tdef f(x):\n        return x ** 2  # naïve\n"
+
+
+def _sha_fraction(name: str) -> float:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2.0**64
+
+
+# ------------------------------------------------------------------------------------------------- built-in corpus
+def test_builtin_corpus_split_by_hashlib_of_relative_path_and_capped():
+    cap = 150_000
+    corpus = load_corpus(None, max_bytes=cap)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert corpus.train and corpus.val and corpus.train_names and corpus.val_names
+    for name in corpus.train_names + corpus.val_names:
+        assert name.endswith(".py") and not Path(name).is_absolute()
+        assert "site-packages" not in name and "dist-packages" not in name
+        assert (root / name).is_file()
+    assert all(_sha_fraction(n) < data.VAL_FRACTION for n in corpus.val_names)
+    assert all(_sha_fraction(n) >= data.VAL_FRACTION for n in corpus.train_names)
+    assert not set(corpus.train_names) & set(corpus.val_names)
+    # Whole files, read exactly as they are on disk.
+    assert corpus.train[0] == (root / corpus.train_names[0]).read_text(encoding="utf-8")
+    n_train, n_val = corpus.num_bytes
+    assert 0 < n_train <= (1 - data.VAL_FRACTION) * cap and 0 < n_val
+    assert load_corpus(None, max_bytes=cap).val_names == corpus.val_names  # deterministic
+
+
+def test_builtin_split_does_not_depend_on_python_hash_seed():
+    code = "from hybrid_attention.data import load_corpus; print(load_corpus(None, max_bytes=60000).val_names)"
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True))
+    assert outs[0].stdout == outs[1].stdout == f"{load_corpus(None, max_bytes=60000).val_names}\n"
+
+
+def test_default_cap_applies_to_builtin_only():
+    corpus = load_corpus(None)
+    assert sum(corpus.num_bytes) <= data.BUILTIN_MAX_BYTES
+
+
+# ------------------------------------------------------------------------------------------------------ local data
+def test_directory_corpus_reads_text_files_recursively(tmp_path):
+    names = [f"d{i % 3}/file{i}.{('txt', 'md', 'py')[i % 3]}" for i in range(40)]
+    for i, name in enumerate(names):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"document {i}\n" * (i + 1), encoding="utf-8")
+    (tmp_path / "ignored.bin").write_bytes(b"\xff\x00" * 100)
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.txt").write_text("hidden\n")
+    corpus = load_corpus(str(tmp_path))
+    assert sorted(corpus.train_names + corpus.val_names) == sorted(names)
+    assert all(in_validation(n) for n in corpus.val_names) and not any(in_validation(n) for n in corpus.train_names)
+    by_name = dict(zip(corpus.train_names + corpus.val_names, corpus.train + corpus.val, strict=True))
+    assert by_name["d1/file7.md"] == "document 7\n" * 8
+
+
+def test_single_file_is_split_by_text_at_a_line(tmp_path):
+    lines = [f"line {i} {'x' * (i % 7)}" for i in range(500)]
+    path = tmp_path / "one.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    corpus = load_corpus(str(path))
+    (train,), (val,) = corpus.train, corpus.val
+    assert train + val == path.read_text()
+    assert train.endswith("\n") and 0.03 < len(val) / (len(train) + len(val)) < 0.07
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("missing.txt", None, "no such file or directory"),
+        ("empty.txt", b"", "holds no text"),
+        ("blank.txt", b" \n\n ", "holds no text"),
+        ("latin1.txt", b"ok\n\xe9t\xe9\n", r"latin1.txt is not UTF-8 text \(byte 0xe9 at offset 3\)"),
+        ("x.txt", b"x", "too small to split"),
+    ],
+)
+def test_bad_data_files_raise_value_error(tmp_path, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_corpus(str(tmp_path / name))
+
+
+def test_directory_without_text_files_raises(tmp_path):
+    (tmp_path / "a.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds no .txt/.md/.py files"):
+        load_corpus(str(tmp_path))
+
+
+def test_invalid_cap_and_fraction_raise():
+    with pytest.raises(ValueError, match="byte cap"):
+        load_corpus(None, max_bytes=0)
+    with pytest.raises(ValueError, match="val_fraction"):
+        load_corpus(None, val_fraction=1.0)
+
+
+# ------------------------------------------------------------------------------------------------ hf: (faked here)
+def test_hf_data_reads_text_column_through_datasets(monkeypatch):
+    rows = lambda prefix, n: [{"text": f"{prefix} row {i}\n" * 3, "id": i} for i in range(n)]
+    calls = []
+    fake = types.SimpleNamespace(
+        load_dataset=lambda *a: calls.append(a) or {"train": rows("train", 50), "validation": rows("val", 5)}
+    )
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    corpus = load_corpus("hf:someone/corpus:small")
+    assert calls == [("someone/corpus", "small")]
+    assert corpus.train == [r["text"] for r in rows("train", 50)] and corpus.val == [r["text"] for r in rows("val", 5)]
+    capped = load_corpus("hf:someone/corpus", max_bytes=400)
+    assert 0 < len(capped.train) < 50 and sum(capped.num_bytes) <= 400 + 2 * len(rows("train", 1)[0]["text"])
+
+
+def test_hf_data_without_validation_split_is_split_by_row_hash(monkeypatch):
+    fake = types.SimpleNamespace(load_dataset=lambda *a: {"train": [{"body": f"doc {i}\n"} for i in range(400)]})
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    corpus = load_corpus("hf:local")
+    assert len(corpus.train) + len(corpus.val) == 400 and 0 < len(corpus.val) < 60
+    assert corpus.val_names == [f"row-{i}" for i in range(400) if in_validation(f"row-{i}")]
+
+
+def test_hf_data_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as when the package is not installed
+    with pytest.raises(
+        ValueError, match=r"needs the optional `datasets` package: pip install 'hybrid-attention\[hf\]'"
+    ):
+        load_corpus("hf:anything")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: {"test": []}))
+    with pytest.raises(ValueError, match="no 'train' split"):
+        load_corpus("hf:x")
+    with pytest.raises(ValueError, match="expected hf:NAME or hf:NAME:CONFIG"):
+        load_corpus("hf:")
+
+    def offline(*a):
+        raise ConnectionError("offline and not cached")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(ValueError, match="could not load it: ConnectionError: offline and not cached"):
+        load_corpus("hf:x")
+
+
+# ---------------------------------------------------------------------------------------------------------- batches
+def test_sample_batch_is_contiguous_and_a_function_of_seed_and_step():
+    tokens = torch.arange(1000, dtype=torch.int32)
+    a = sample_batch(tokens, 6, 17, seed=3, step=5)
+    assert a.shape == (6, 17) and a.dtype == torch.long
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(6, 16, dtype=torch.long))  # contiguous windows
+    assert int(a.min()) >= 0 and int(a.max()) <= 999
+    assert torch.equal(a, sample_batch(tokens, 6, 17, seed=3, step=5))
+    torch.manual_seed(123)  # the global RNG plays no part
+    assert torch.equal(a, sample_batch(tokens, 6, 17, seed=3, step=5))
+    for other in (dict(seed=4, step=5), dict(seed=3, step=6), dict(seed=3, step=5, micro=1)):
+        assert not torch.equal(a, sample_batch(tokens, 6, 17, **other))
+    # Every start is reachable, including the last one (n - seq_len).
+    starts = torch.cat([sample_batch(torch.arange(20), 64, 18, seed=0, step=s)[:, 0] for s in range(20)])
+    assert set(starts.tolist()) == {0, 1, 2}
+    with pytest.raises(ValueError, match="fewer than one window of --seq-len 21"):
+        sample_batch(torch.arange(20), 2, 21, seed=0, step=1)
+
+
+def test_eval_batches_fixed_windows():
+    tokens = torch.arange(10_000)
+    batches = list(eval_batches(tokens, 4, 50, num_batches=3))
+    assert [b.shape for b in batches] == [(4, 50)] * 3
+    starts = torch.cat([b[:, 0] for b in batches])
+    assert starts[0] == 0 and starts[-1] == 10_000 - 50 and bool((starts[1:] - starts[:-1] >= 50).all())
+    assert all(torch.equal(x, y) for x, y in zip(batches, eval_batches(tokens, 4, 50, num_batches=3), strict=True))
+    every = list(eval_batches(torch.arange(1030), 8, 100))
+    assert [b.shape[0] for b in every] == [8, 2]
+    assert torch.equal(torch.cat(every).flatten(), torch.arange(1000))
+
+
+def test_unigram_loss_matches_direct_computation():
+    train = torch.tensor([0, 0, 0, 1, 2, 2], dtype=torch.int32)
+    val = torch.tensor([0, 2, 3])
+    counts = [3 + 1, 1 + 1, 2 + 1, 0 + 1]
+    expected = -sum(math.log(counts[t] / sum(counts)) for t in val.tolist()) / 3
+    assert abs(unigram_loss(train, val, 4) - expected) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------------- tokenizers
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode(SAMPLE)
+    assert ids == list(SAMPLE.encode()) and tok.decode(ids) == SAMPLE
+    joined = tok.encode_documents(["ab", "é"])
+    assert joined.dtype == torch.int32 and joined.tolist() == list(b"ab\n\xc3\xa9\n")
+    assert b"".join(tok.token_bytes(i) for i in ids) == SAMPLE.encode()
+    assert tok.byte_lengths().tolist() == [1] * 256
+
+
+def test_byte_alphabet_matches_tokenizers_library():
+    from tokenizers import pre_tokenizers
+
+    table = byte_alphabet()
+    assert sorted(table) == list(range(256)) and len(set(table.values())) == 256
+    assert set(table.values()) == set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_bpe_train_round_trip_save_load(tmp_path):
+    docs = load_corpus(None, max_bytes=120_000).train
+    tok = BPETokenizer.train(docs, 600)
+    assert tok.vocab_size == 600
+    for text in (SAMPLE, docs[0][:2000], "\x00\x01 odd \r\n bytes \u2028"):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert len(tok.encode(docs[0])) < 0.6 * len(docs[0].encode())  # it actually merges
+    lengths = tok.byte_lengths()
+    ids = tok.encode(SAMPLE)
+    assert int(lengths[ids].sum()) == len(SAMPLE.encode())
+    (tmp_path / "tokenizer.json").write_text(tok.to_json())
+    again = tokenizer_from_dict(tok.to_dict(), tmp_path)
+    assert again.encode(SAMPLE) == ids
+    assert torch.equal(again.encode_documents(docs[:3]), tok.encode_documents(docs[:3]))
+    with pytest.raises(ValueError, match="has 600 tokens but config.json says 700"):
+        tokenizer_from_dict({**tok.to_dict(), "vocab_size": 700}, tmp_path)
+    with pytest.raises(ValueError, match="at least 256"):
+        BPETokenizer.train(docs, 100)
+    with pytest.raises(ValueError, match="unknown tokenizer kind 'word'"):
+        tokenizer_from_dict({"kind": "word"}, tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not a valid tokenizers file"):
+        tokenizer_from_dict(tok.to_dict(), tmp_path)

@@ -1,0 +1,194 @@
+"""Training: schedule, optimizer split, FLOPs, evaluation, checkpoints and exact resume (hybrid_attention/train.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid_attention import checkpoint as ckpt
+from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.train import (
+    TrainConfig,
+    build_optimizers,
+    build_schedulers,
+    evaluate,
+    flops_per_token,
+    lr_factor,
+    param_groups,
+    train,
+)
+
+needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+SMALL = dict(steps=6, batch_size=2, seq_len=32, eval_every=3, eval_batches=2, log_every=1, data_max_bytes=40_000)
+
+
+def _tiny_model(**overrides) -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig.from_preset("tiny", **overrides))
+
+
+@needs_muon
+def test_lr_schedule_warmup_then_cosine_to_min_ratio():
+    f = lambda s: lr_factor(s, warmup=4, steps=20, min_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and abs(f(12) - 0.55) < 1e-12 and abs(f(20) - 0.1) < 1e-12 and abs(f(25) - 0.1) < 1e-12
+    assert all(f(s) >= f(s + 1) for s in range(4, 20))
+    config = TrainConfig.create(steps=20, warmup=4, lr=0.01, optimizer="muon")
+    optimizers = build_optimizers(_tiny_model(), config)
+    schedulers = build_schedulers(optimizers, config)
+    for step in range(20):
+        for opt in optimizers:
+            assert all(abs(g["lr"] - 0.01 * f(step)) < 1e-15 for g in opt.param_groups)
+            opt.step()
+        for sched in schedulers:
+            sched.step()
+
+
+def test_param_groups_muon_gets_hidden_matrices_only():
+    model = _tiny_model()
+    groups, matrices = param_groups(model, 0.1, muon=True)
+    decay, no_decay = groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    everything = decay["params"] + no_decay["params"] + matrices
+    assert sorted(map(id, everything)) == sorted(id(p) for p in model.parameters())  # each exactly once
+    muon_names = {names[id(p)] for p in matrices}
+    assert "embed.weight" not in muon_names and "lm_head.weight" not in muon_names
+    assert "layers.0.mixer.q_proj.weight" in muon_names and "layers.3.mlp.down_proj.weight" in muon_names
+    assert all(p.ndim == 2 and not getattr(p, "_no_weight_decay", False) for p in matrices)
+    convs = {n for n, p in model.named_parameters() if p.ndim == 3}  # depthwise conv kernels [C, 1, W]: AdamW
+    assert convs and {names[id(p)] for p in decay["params"]} == {"embed.weight", "lm_head.weight"} | convs
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    for p in no_decay["params"]:
+        assert p.ndim < 2 or getattr(p, "_no_weight_decay", False)
+    flagged = [n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)]
+    assert flagged and all(any(p is q for q in no_decay["params"]) for n, p in model.named_parameters() if n in flagged)
+    assert any(n.endswith("A_log") for n in flagged) and any(n.endswith("dt_bias") for n in flagged)
+    adamw_groups, none = param_groups(model, 0.1, muon=False)
+    assert none == [] and sum(len(g["params"]) for g in adamw_groups) == len(list(model.parameters()))
+
+
+def test_muon_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    with pytest.raises(ValueError, match=r"--optimizer muon needs torch.optim.Muon \(torch >= 2.9\)"):
+        build_optimizers(_tiny_model(), TrainConfig.create(optimizer="muon"))
+
+
+def test_flops_per_token_by_hand():
+    model = _tiny_model()
+    c = model.config
+    n = model.num_parameters() - c.vocab_size * c.hidden_size  # the embedding is a lookup
+    mla = 1 * 2 * 2 * (16 + 16 + 32) * 100 / 2  # one MLA layer, 2 heads, d_qk 32, d_v 32, T = 100
+    kda = 3 * 2 * (6 * 32 * 32 + 3 * 64 * 32 + 64 * 64)  # three KDA layers, 2 heads of 32, chunk 64
+    assert flops_per_token(model, 100) == 6 * n + 3 * (mla + kda)
+
+
+def test_evaluate_matches_direct_cross_entropy_and_bits_per_byte():
+    model = _tiny_model().eval()
+    tokens = torch.randint(0, 256, (700,), generator=torch.Generator().manual_seed(1))
+    loss, bpb = evaluate(
+        model, tokens, torch.ones(256, dtype=torch.long), batch_size=3, seq_len=50, num_batches=None,
+        autocast=lambda: torch.autocast("cpu", enabled=False),
+    )  # fmt: skip
+    windows = tokens[: 14 * 50].view(14, 50).long()
+    with torch.no_grad():
+        logits = model(windows).logits
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten())
+    assert abs(loss - ref.item()) < 1e-5 * ref.item()
+    assert abs(bpb - loss / math.log(2)) < 1e-12  # one byte per token
+
+
+def _run(tmp_path, name, **overrides):
+    config = TrainConfig.create(out=str(tmp_path / name), **{**SMALL, **overrides})
+    return train(config, echo=lambda *a: None)
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in ckpt.read_log(run_dir)}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), pytest.param(dict(optimizer="muon", grad_accum=2), marks=needs_muon)],
+    ids=["adamw", "muon-accum2"],
+)
+def test_resume_is_exact(tmp_path, options):
+    full = _run(tmp_path, "full", **options)
+    first = _run(tmp_path, "split", stop_after=3, **options)
+    assert first["step"] == 3 and full["step"] == 6
+    saved = ckpt.load_config(tmp_path / "split")["train"]
+    second = train(TrainConfig.create(saved, out=str(tmp_path / "split")), resume=True, echo=lambda *a: None)
+    assert second["step"] == 6
+    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(v) for v in a.values())
+    assert a == b  # bitwise: same data, same optimizer states, same schedule
+    wa, wb = load_file(tmp_path / "full" / ckpt.WEIGHTS), load_file(tmp_path / "split" / ckpt.WEIGHTS)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert full["val_loss"] == second["val_loss"]
+
+
+def test_run_directory_contents(tmp_path):
+    summary = _run(tmp_path, "run", steps=4, eval_every=2, log_every=3)
+    run = tmp_path / "run"
+    for name in ("config.json", "model.safetensors", "train_state.pt", "log.jsonl", "loss.png", "summary.json"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = ckpt.read_log(run)
+    assert [r["step"] for r in rows] == [2, 3, 4]  # evaluations, log_every and the final step
+    assert all({"step", "loss", "tokens_per_s"} <= r.keys() for r in rows) and "val_loss" in rows[-1]
+    config = ckpt.load_config(run)
+    assert HybridConfig.from_dict(config["model"]) == HybridConfig.from_preset("tiny")
+    assert config["train"]["steps"] == 4 and config["tokenizer"] == {"kind": "byte", "vocab_size": 256}
+    state = ckpt.load_train_state(run)
+    assert state["step"] == 4 and ckpt.weights_step(run) == 4
+    assert summary["val_loss"] == rows[-1]["val_loss"] and summary["unigram_loss"] > 0
+    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+
+
+def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    _run(tmp_path, "run", steps=2, eval_every=2)
+    run = tmp_path / "run"
+    before = {name: (run / name).read_bytes() for name in (ckpt.WEIGHTS, ckpt.TRAIN_STATE)}
+
+    def dies_halfway(model, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "save_model", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_training(run, _tiny_model(), [], [], 99)
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+
+
+def test_resume_refuses_weights_and_state_from_different_steps(tmp_path):
+    _run(tmp_path, "run", stop_after=3)
+    run = tmp_path / "run"
+    state = ckpt.load_train_state(run)
+    ckpt.save_train_state(run, {**state, "step": 2})
+    with pytest.raises(ValueError, match=r"weights \(step 3\) and train_state.pt \(step 2\) disagree"):
+        train(TrainConfig.create(ckpt.load_config(run)["train"]), resume=True)
+
+
+def test_resume_drops_log_lines_after_the_checkpoint(tmp_path):
+    _run(tmp_path, "run", stop_after=3)
+    run = tmp_path / "run"
+    with open(run / ckpt.LOG, "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 123.0, "tokens_per_s": 1.0}) + "\n" + '{"step": 5, "lo')
+    train(TrainConfig.create(ckpt.load_config(run)["train"], out=str(run)), resume=True, echo=lambda *a: None)
+    rows = ckpt.read_log(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[3]["loss"] != 123.0
+
+
+def test_weights_from_another_config_are_refused(tmp_path):
+    ckpt.save_weights(tmp_path, _tiny_model(), 1)
+    with pytest.raises(ValueError, match=r"does not match the model in config.json: .*\(256, 64\) vs \(256, 48\)"):
+        ckpt.load_weights(tmp_path, _tiny_model(hidden_size=48))
+    with pytest.raises(ValueError, match="does not match the model in config.json"):
+        ckpt.load_weights(tmp_path, _tiny_model(layer_types=("kda", "kda", "kda", "mla", "mla")))
