@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from hybrid_attention.ops.kda import chunk_kda, recurrent_kda
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 from tests.helpers import assert_close, rel_err
+from tests.kda_triton_cases import reference_kda, run, triton_kda
 
 if not torch.cuda.is_available():
     import os
@@ -27,7 +28,6 @@ if not torch.cuda.is_available():
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL32 = 1e-5  # float32 paths (DESIGN.md)
-NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 
 
 def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dtype=torch.float32, seed=0):
@@ -53,40 +53,13 @@ def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dty
     return x + [None if h0 is None else h0.to(DEV)] + extra
 
 
-def run(fn, inputs, do, dS, **kw):
-    """o, S and the gradients of loss = <o, do> + <S, dS> w.r.t. every input that is not None."""
-    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
-    o, S = fn(*leaves, **kw)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum()
-    used = [(n, x) for n, x in zip(NAMES, leaves, strict=True) if x is not None]
-    grads = torch.autograd.grad(loss, [x for _, x in used])
-    return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
-
-
-def triton_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
-    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
-    return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
-                            use_qk_l2norm=l2norm, **gate)  # fmt: skip
-
-
-def reference_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
-    """recurrent_kda in float64, with the gate and the l2norm written out in torch."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    if l2norm:
-        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    if A_log is not None:
-        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
-    h0 = None if h0 is None else h0.double()
-    return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-
-
 def compare(inputs, tol_o, tol_g, **kw):
     q, v, h0 = inputs[0], inputs[2], inputs[5]
     N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
     do = torch.randn(v.shape, dtype=torch.float64, device=DEV)
     dS = torch.randn(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64, device=DEV)
-    o, S, grads = run(triton_fn, inputs, do, dS, **kw)
-    ro, rS, rgrads = run(reference_fn, inputs, do, dS, **kw)
+    o, S, grads = run(triton_kda, inputs, do, dS, **kw)
+    ro, rS, rgrads = run(reference_kda, inputs, do, dS, **kw)
     assert o.dtype == v.dtype and S.dtype == torch.float32
     assert_close("o", o, ro, tol_o)
     assert_close("final state", S, rS, tol_o)
@@ -150,7 +123,7 @@ def test_prefix_invariance_forward_and_backward():
     do[:, t + 1 :] = 0
     results = []
     for x in (base, changed + base[5:]):
-        o, _, grads = run(triton_fn, x, do, torch.zeros(1, 1, 16, 16, dtype=torch.float64, device=DEV), l2norm=True)
+        o, _, grads = run(triton_kda, x, do, torch.zeros(1, 1, 16, 16, dtype=torch.float64, device=DEV), l2norm=True)
         results.append((o, grads))
     (o1, g1), (o2, g2) = results
     assert not torch.equal(o1, o2)  # the change is visible after t
@@ -182,7 +155,7 @@ def test_decode_step(gate, l2norm, T):
     state = h0.clone()
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
     o = fused_recurrent_kda_step(q, k, v, g, beta, state, use_qk_l2norm=l2norm, **kw)
-    ro, rS = reference_fn(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=l2norm)
+    ro, rS = reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=l2norm)
     assert_close("o", o, ro, TOL32)
     assert_close("state (in place)", state, rS, TOL32)
 
@@ -215,7 +188,7 @@ def test_compiles_without_graph_breaks():
     cu = torch.tensor([0, 9, 20], device=DEV)
     do = torch.randn(1, 20, 1, 16, dtype=torch.float64, device=DEV)
     dS = torch.randn(2, 1, 16, 16, dtype=torch.float64, device=DEV)
-    fn = lambda *x, **kw: triton_fn(*x, l2norm=True, cu_seqlens=cu, **kw)
+    fn = lambda *x, **kw: triton_kda(*x, l2norm=True, cu_seqlens=cu, **kw)
     o, S, grads = run(fn, inputs, do, dS)
     co, cS, cgrads = run(torch.compile(fn, backend="aot_eager", fullgraph=True), inputs, do, dS)
     assert torch.equal(o, co) and torch.equal(S, cS)

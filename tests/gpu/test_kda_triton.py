@@ -22,15 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_attention.ops.kda import kda_gate, recurrent_kda
 from tests.helpers import rel_err
+from tests.kda_triton_cases import reference_kda, run, triton_kda
 
 os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HAS_FLA = importlib.util.find_spec("fla") is not None
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 TOL = {BF16: (1e-2, 2e-2), FP16: (1e-2, 2e-2), FP32: (1e-5, 1e-5)}
-NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 
 
 def record(case, quantity, err, tol):
@@ -71,35 +70,8 @@ def make_inputs(B, T, H, K, V, dtype, *, N=None, h0=True, gate=False, l2norm=Fal
     return [x.to(dtype) for x in (q, k, v, g, beta)] + [s0, A_log, dt_bias]
 
 
-def run(fn, inputs, do, dS, **kw):
-    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
-    o, S = fn(*leaves, **kw)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum()
-    used = [(n, x) for n, x in zip(NAMES, leaves, strict=True) if x is not None]
-    grads = torch.autograd.grad(loss, [x for _, x in used])
-    return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
-
-
-def ours(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
-    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
-
-    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
-    return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
-                            use_qk_l2norm=l2norm, **gate)  # fmt: skip
-
-
-def reference(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    if l2norm:
-        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    if A_log is not None:
-        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
-    h0 = None if h0 is None else h0.double()
-    return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-
-
-def compare(case, inputs, fn=ours, **kw):
-    """Record (and return) the relative errors of fn against the float64 reference, forward and backward."""
+def compare(case, inputs, fn=triton_kda, **kw):
+    """Record (and return) the relative errors of fn against the float64 reference_kda, forward and backward."""
     q, v = inputs[0], inputs[2]
     tol_o, tol_g = TOL[q.dtype]
     N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
@@ -111,7 +83,7 @@ def compare(case, inputs, fn=ours, **kw):
     except Exception as exc:  # report, then fail
         record(case, f"ERROR {type(exc).__name__}", float("inf"), 0.0)
         raise
-    ro, rS, rgrads = run(reference, inputs, do, dS, **kw)
+    ro, rS, rgrads = run(reference_kda, inputs, do, dS, **kw)
     results.append(record(case, "o", rel_err(o, ro), tol_o))
     results.append(record(case, "final", rel_err(S, rS), tol_o))
     for name, ref in rgrads.items():
@@ -163,16 +135,16 @@ def test_fused_gate_and_l2norm(dtype):
 
 def test_gate_at_bound_16k_stays_finite():
     """z so large that every gate sits at lower_bound = -5 exactly, for 16K tokens: all finite, and the
-    forward still matches the reference."""
+    forward still matches the reference_kda."""
     B, T, H, K, V = 1, 16384, 2, 128, 128
     q, k, v, _, beta, h0, A_log, dt_bias = make_inputs(B, T, H, K, V, BF16, gate=True, l2norm=True, seed=3)
     z = torch.full((B, T, H, K), 50.0, device="cuda", dtype=BF16)
     inputs = [q, k, v, z, beta, h0, torch.zeros_like(A_log), torch.zeros_like(dt_bias)]
     do = torch.randn(B, T, H, V, dtype=torch.float64, device="cuda")
     dS = torch.randn(B, H, K, V, dtype=torch.float64, device="cuda")
-    o, S, grads = run(ours, inputs, do, dS, l2norm=True)
+    o, S, grads = run(triton_kda, inputs, do, dS, l2norm=True)
     with torch.no_grad():
-        ro, rS = reference(*inputs, l2norm=True)
+        ro, rS = reference_kda(*inputs, l2norm=True)
     case = "gate at bound T16384"
     results = [record(case, "o", rel_err(o, ro), 1e-2), record(case, "final", rel_err(S, rS), 1e-2)]
     for name, x in grads.items():
@@ -192,7 +164,7 @@ def test_prefix_invariance(t):
     do = torch.randn(1, T, 2, 128, dtype=torch.float64, device="cuda")
     do[:, t + 1 :] = 0
     dS = torch.zeros(1, 2, 128, 128, dtype=torch.float64, device="cuda")
-    (o1, _, g1), (o2, _, g2) = (run(ours, x, do, dS, l2norm=True) for x in (base, changed + base[5:]))
+    (o1, _, g1), (o2, _, g2) = (run(triton_kda, x, do, dS, l2norm=True) for x in (base, changed + base[5:]))
     same = {"o": torch.equal(o1[:, : t + 1], o2[:, : t + 1])}
     same.update({n: torch.equal(g1[n][:, : t + 1], g2[n][:, : t + 1]) for n in ("q", "k", "v", "g", "beta")})
     same.update({n: torch.equal(g1[n], g2[n]) for n in ("h0", "A_log", "dt_bias")})
@@ -221,7 +193,7 @@ def test_decode_step(T):
     state = h0.clone()
     o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                                  use_qk_l2norm=True)  # fmt: skip
-    ro, rS = reference(q, k, v, z, beta, h0, A_log, dt_bias, l2norm=True)
+    ro, rS = reference_kda(q, k, v, z, beta, h0, A_log, dt_bias, l2norm=True)
     case = f"decode B64 T{T} gate+l2norm"
     check([record(case, "o", rel_err(o, ro), 1e-2), record(case, "state", rel_err(state, rS), 1e-5)])
 
@@ -246,7 +218,7 @@ def test_torch_compile_inductor():
     inputs = make_inputs(2, 500, 4, 128, 128, BF16, gate=True, l2norm=True, seed=9)
 
     def fn(q, k, v, g, beta, h0, A_log, dt_bias):
-        o, S = ours(q * 2, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)  # exact pre/post ops: bitwise equal
+        o, S = triton_kda(q * 2, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)  # exact pre/post ops: bitwise equal
         return o * 2, S
 
     do = torch.randn(2, 500, 4, 128, dtype=torch.float64, device="cuda")
@@ -261,7 +233,7 @@ def test_torch_compile_inductor():
 
 @pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention (fla) not installed")
 def test_against_fla():
-    """FLA 0.6.0 chunk_kda in its fastest configuration, and ours, both against the float64 reference."""
+    """FLA 0.6.0 chunk_kda in its fastest configuration, and triton_kda, both against the float64 reference_kda."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     def fla_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm):
@@ -271,7 +243,7 @@ def test_against_fla():
                              dt_bias=dt_bias, **flags)  # fmt: skip
 
     inputs = make_inputs(2, 1000, 4, 128, 128, BF16, gate=True, l2norm=True, seed=10)
-    mine = compare("ours bf16 gate+l2norm (FLA config)", inputs, l2norm=True)
+    mine = compare("triton_kda bf16 gate+l2norm (FLA config)", inputs, l2norm=True)
     theirs = compare("FLA 0.6.0 bf16 gate+l2norm", inputs, fn=fla_fn, l2norm=True)
     del theirs  # FLA's errors are recorded for comparison only
     check(mine)

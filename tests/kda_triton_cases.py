@@ -1,0 +1,41 @@
+"""Shared by the CPU (interpreter) and GPU tests of the Triton KDA kernels: one call convention for our op and the
+float64 reference, and a helper that returns outputs and every input gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_attention.ops.kda import kda_gate, recurrent_kda
+
+# Positional inputs of `triton_kda` and `reference_kda`, in order; None entries are skipped.
+NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
+
+
+def run(fn, inputs, do, dS, **kw):
+    """o, S and the gradients of loss = <o, do> + <S, dS> w.r.t. every input that is not None."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
+    o, S = fn(*leaves, **kw)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum()
+    used = [(n, x) for n, x in zip(NAMES, leaves, strict=True) if x is not None]
+    grads = torch.autograd.grad(loss, [x for _, x in used])
+    return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
+
+
+def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    """Our kernels; with A_log, g is the raw gate logit (lower bound -5)."""
+    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+
+    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
+                            use_qk_l2norm=l2norm, **gate)  # fmt: skip
+
+
+def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+    """recurrent_kda in float64, with the gate and the l2norm written out in torch."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if l2norm:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if A_log is not None:
+        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
+    h0 = None if h0 is None else h0.double()
+    return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
