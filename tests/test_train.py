@@ -192,3 +192,22 @@ def test_weights_from_another_config_are_refused(tmp_path):
         ckpt.load_weights(tmp_path, _tiny_model(hidden_size=48))
     with pytest.raises(ValueError, match="does not match the model in config.json"):
         ckpt.load_weights(tmp_path, _tiny_model(layer_types=("kda", "kda", "kda", "mla", "mla")))
+
+
+def test_compiled_training_matches_eager(tmp_path, monkeypatch):
+    """--compile wraps the model in torch.compile; traced by dynamo + AOT autograd (the "aot_eager" backend, so CI
+    skips inductor's minutes of code generation), the losses match the eager run."""
+    real_compile, calls = torch.compile, []
+
+    def compile_for_test(model, **kwargs):
+        calls.append(model)
+        return real_compile(model, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_for_test)
+    _run(tmp_path, "eager", steps=3)
+    _run(tmp_path, "compiled", steps=3, compile=True)
+    assert len(calls) == 1
+    eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    assert sorted(eager) == sorted(compiled) == [1, 2, 3]
+    for step in eager:
+        assert abs(eager[step] - compiled[step]) < 1e-4 * abs(eager[step]), (step, eager[step], compiled[step])
