@@ -15,7 +15,7 @@
 # Usage, from anywhere (extra flags go to `hybrid-attention train` and override the ones below):
 #   bash benchmarks/train_k3.sh
 #   STEPS=200 COMPILE=0 bash benchmarks/train_k3.sh --optimizer muon --kda-backend fla
-# Environment: STEPS (300), BATCH (16), SEQ (2048), TIME_LIMIT (minutes, 5), COMPILE (1), KDA_BACKEND (auto's
+# Environment: STEPS (300), BATCH (4), SEQ (2048), TIME_LIMIT (minutes, 5), COMPILE (1), KDA_BACKEND (auto's
 # choice on CUDA, but "triton" (else "fla") when auto would pick the memory-hungry "torch" reference), RUN_DIR
 # (runs/k3-bench-DATE), RESULTS_DIR (default $OUT when set, else RUN_DIR): where config.json, log.jsonl,
 # loss.png, summary.json and bench.json are copied (the weights and optimizer state stay in RUN_DIR).
@@ -25,7 +25,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=true
 
 STEPS=${STEPS:-300}
-BATCH=${BATCH:-16}
+BATCH=${BATCH:-4}  # 16 x 2048 ran out of memory on an H200 (2026-11-29); 4 x 2048 peaked at 33.7 GiB
 SEQ=${SEQ:-2048}
 TIME_LIMIT=${TIME_LIMIT:-5}
 COMPILE=${COMPILE:-1}
