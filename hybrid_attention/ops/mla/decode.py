@@ -3,8 +3,8 @@
 Gated MLA with NoPE is MQA with one shared KV head (MATH.md, "Gated MLA", absorbed decode): the cache holds one row
 [c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
 keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
-output. The fast path is the flash-decoding Triton kernel in `triton_decode.py`; `mla_decode_torch` is the same
-computation in plain PyTorch for machines without Triton/CUDA (and a second reference in tests).
+output. The fast path is the flash-decoding Triton kernel in `triton_decode.py`; `mla_decode_torch` is the readable
+reference (`naive.absorbed_attention` with per-sequence lengths) for machines without Triton/CUDA and for autograd.
 
 Length conventions (a preallocated cache, as in FlashMLA's `cache_seqlens`): only the first seq_lens[b] rows of
 sequence b are valid, the rest may hold anything (NaN included) and are never read. Query i of Tq sits at position
@@ -16,6 +16,8 @@ so it is not checked: lengths are clamped into [0, max_len] on the device and a 
 from __future__ import annotations
 
 import torch
+
+from hybrid_attention.ops.mla.naive import absorbed_attention
 
 try:
     import triton  # noqa: F401
@@ -86,29 +88,7 @@ def mla_decode_torch(
     q [B, Tq, H, D], rows [B, max_len, D], seq_lens int32 [B] -> [B, Tq, H, value_dim] in q.dtype.
     """
     _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
-    return _attend_torch(q, rows, seq_lens, value_dim, scale)
-
-
-def _attend_torch(q, rows, seq_lens, value_dim, scale):
-    Tq = q.shape[1]
-    max_len = rows.shape[1]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lens = seq_lens.long().clamp(0, max_len)
-    keys = torch.arange(max_len, device=q.device)
-    valid = keys[None, :] < lens[:, None]  # (B, N)
-    last = lens[:, None] - Tq + torch.arange(Tq, device=q.device)[None, :]  # (B, Tq) last key each query sees
-    visible = valid[:, None, :] & (keys[None, None, :] <= last[:, :, None])  # (B, Tq, N)
-
-    # Invalid rows are zeroed before any product, so garbage/NaN past seq_lens cannot leak in as 0 * NaN.
-    kv = torch.where(valid[:, :, None], rows.to(compute), 0.0)  # (B, N, D)
-    s = torch.einsum("bthd,bnd->bthn", q.to(compute), kv) * scale
-    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing: exp(-inf) = 0, not NaN
-    p = torch.exp(s - m)
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.einsum("bthn,bnd->bthd", p, kv[..., :value_dim]) / torch.where(l > 0, l, torch.ones_like(l))
-    return o.to(q.dtype)
+    return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
 
 
 def mla_decode(
@@ -145,7 +125,7 @@ def mla_decode(
     if backend == "auto":
         backend = "triton" if _triton_can_run(q) and not needs_grad else "torch"
     if backend == "torch":
-        return _attend_torch(q, rows, seq_lens, value_dim, scale)
+        return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
     if needs_grad:
         raise ValueError(
             "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "

@@ -32,7 +32,13 @@ def bottom_right_causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
 
 
 def absorbed_attention(
-    q: torch.Tensor, rows: torch.Tensor, *, value_dim: int, scale: float, causal: bool = True
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    value_dim: int,
+    scale: float,
+    causal: bool = True,
+    seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-query attention over latent cache rows, with W_UK already absorbed into the query.
 
@@ -42,7 +48,11 @@ def absorbed_attention(
             The values are `rows[..., :value_dim]`.
         value_dim: d_c, the width of the latent part that serves as the value.
         scale: softmax scale; for MLA it must be `(d_n + d_s) ** -0.5`, not `q.shape[-1] ** -0.5`.
-        causal: query i sits at position `Tk - Tq + i` (bottom-right aligned) and sees keys `j <= Tk - Tq + i`.
+        causal: query i sits at position `L - Tq + i` (bottom-right aligned, L the sequence's length) and sees keys
+            `j <= L - Tq + i`.
+        seq_lens: int `[B]` or None (every sequence holds all Tk rows). Rows past `seq_lens[b]` are never read (they
+            may hold garbage or NaN: a preallocated cache); lengths are clamped into [0, Tk], and a query that sees
+            no key returns zeros.
 
     Returns:
         `[B, Tq, H, value_dim]` in `q.dtype`: the per-head output in latent space (apply W_UV,h after).
@@ -69,13 +79,29 @@ def absorbed_attention(
 
     dtype = _compute_dtype(q)
     keys = rows.to(dtype)  # (B, Tk, D)
+    positions = torch.arange(Tk, device=q.device)
+    visible = torch.ones(B, Tq, Tk, dtype=torch.bool, device=q.device)
+    if seq_lens is None:
+        lens = torch.full((B,), Tk, device=q.device)
+    else:
+        lens = seq_lens.long().clamp(0, Tk)
+        valid = positions[None, :] < lens[:, None]  # (B, Tk)
+        # Zero the rows past each length before any product: garbage or NaN there must not leak in as 0 * NaN.
+        keys = torch.where(valid[:, :, None], keys, 0.0)
+        visible = visible & valid[:, None, :]
+    if causal:
+        last = lens[:, None] - Tq + torch.arange(Tq, device=q.device)[None, :]  # (B, Tq): last key each query sees
+        visible = visible & (positions[None, None, :] <= last[:, :, None])
+
     # Fold the heads into the query axis: one shared key row per token means one matmul for all heads.
     qf = q.to(dtype).reshape(B, Tq * H, D)
-    scores = torch.bmm(qf, keys.transpose(1, 2)) * scale  # (B, Tq*H, Tk)
-    scores = scores.view(B, Tq, H, Tk)
-    if causal:
-        mask = bottom_right_causal_mask(Tq, Tk, device=q.device)  # (Tq, Tk)
-        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B, Tq * H, Tk)
+    scores = (torch.bmm(qf, keys.transpose(1, 2)) * scale).view(B, Tq, H, Tk)
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    # Softmax written out so that a query seeing no key gives zeros, not NaN.
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = (weights / torch.where(total > 0, total, torch.ones_like(total))).view(B, Tq * H, Tk)
     out = torch.bmm(probs, keys[..., :value_dim])  # (B, Tq*H, value_dim)
     return out.view(B, Tq, H, value_dim).to(q.dtype)
