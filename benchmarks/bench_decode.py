@@ -19,7 +19,6 @@ the run continues. Targets (issue 5) are checked at the end.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import statistics
@@ -27,30 +26,12 @@ import sys
 import time
 
 import torch
+from bench_common import env_info, log
 
 CONTEXTS = [4096, 16384, 65536, 131072, 524288]
 BATCHES = [1, 32]
 MODELS = {"hybrid": "k3-scaled", "all-mla": "k3-scaled-all-mla"}
 COPY_CEILING_GBS = 4270.0  # ANCHORS.md: device-to-device copy, bytes read + written
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def env_info(argv) -> dict:
-    info = dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        command="python " + " ".join(argv),
-    )
-    for name in ("triton", "fla"):
-        try:
-            info[name] = __import__(name).__version__
-        except Exception:
-            info[name] = None
-    return info
 
 
 def build_model(preset: str, kda_backend: str):

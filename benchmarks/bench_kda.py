@@ -24,7 +24,6 @@ Prints a table, then one JSON line. Targets (issue 4) are checked at the end.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -33,25 +32,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import env_info, log
 
 OP_SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (32, 1024, 16, 128), (8, 4096, 32, 64)]
 DECODE_BATCHES = [1, 64, 256]
 FLA_ANCHOR_MS = {"fwd": 1.68, "fwd+bwd": 7.80}  # ANCHORS.md, FLA's in-kernel-gate path at 8 x 4096 x 16 x 128
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def env_info(argv) -> dict:
-    info = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, command="python " + " ".join(argv))  # fmt: skip
-    for name in ("triton", "fla"):
-        try:
-            info[name] = __import__(name).__version__
-        except Exception:
-            info[name] = None
-    return info
 
 
 def bench(fn, grads=None) -> float:

@@ -17,12 +17,12 @@ shapes and prints the best ones.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
+from bench_common import env_info
 
 H, D_C, D_S, D_N = 8, 256, 32, 96
 D = D_C + D_S
@@ -202,8 +202,6 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_mla_decode: needs a CUDA GPU")
 
-    import triton
-
     rows = []
     header = (
         f"{'B':>3} {'ctx':>8} {'Tq':>2} {'GB':>7} {'splits':>6} | {'ours us':>9} {'GB/s':>6} {'%ceil':>5} | "
@@ -245,20 +243,9 @@ def main():
         print(f"\nbatch x context >= 1M tokens: worst {worst:.0f} GB/s (target >= 3000 GB/s)")
     tuned = tune(args.tq) if args.tune else None
 
-    try:
-        import fla
-
-        fla_version = getattr(fla, "__version__", "unknown")
-    except ImportError:
-        fla_version = None
     result = dict(
         bench="mla_decode",
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(0),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        fla=fla_version,
-        command=" ".join([sys.executable.split("/")[-1]] + sys.argv),
+        **env_info(sys.argv),
         shape=dict(H=H, D=D, value_dim=D_C, Tq=args.tq, dtype="bfloat16", scale=SCALE),
         copy_ceiling_GBps=COPY_CEILING_GBS,
         rows=rows,

@@ -1,0 +1,29 @@
+"""What every benchmark script records about its run (imported by the scripts in this folder)."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+
+
+def log(msg: str) -> None:
+    """Progress to stderr, so stdout keeps the table and the final JSON line."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def env_info(argv) -> dict:
+    """Date, GPU, torch / triton / fla versions (None when absent) and the exact command."""
+    info = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        command="python " + " ".join(argv),
+    )
+    for name in ("triton", "fla"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            info[name] = None
+    return info
