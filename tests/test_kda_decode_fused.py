@@ -13,7 +13,7 @@ from hybrid_attention.layers.kda import KimiDeltaAttention
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
-from hybrid_attention.ops.mla.triton_decode import interpreting  # noqa: E402
+from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"

@@ -376,7 +376,7 @@ def test_fused_one_token_append_equals_eager(d_s, dtype, monkeypatch):
     the layer's decode outputs match (float32 to 1e-5; float16 exactly the same rows up to one rounding)."""
     triton = pytest.importorskip("triton")  # noqa: F841
     import hybrid_attention.layers.mla as mla
-    from hybrid_attention.ops.mla.triton_decode import interpreting
+    from hybrid_attention.ops.triton_support import interpreting
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")

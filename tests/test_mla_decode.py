@@ -13,7 +13,8 @@ from hybrid_attention.ops.mla.decode import mla_decode, mla_decode_torch
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
-from hybrid_attention.ops.mla.triton_decode import default_num_splits, interpreting, mla_decode_triton  # noqa: E402
+from hybrid_attention.ops.mla.triton_decode import default_num_splits, mla_decode_triton  # noqa: E402
+from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"

@@ -17,7 +17,6 @@ step (`ops.kda.triton_recurrent`) and the gated output norm, instead of about 75
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from torch import nn
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 @dataclass
@@ -44,11 +44,6 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
 def _fused_recurrent_step():
     """The Triton decode step `fused_recurrent_kda_step` (ops/kda/triton_recurrent.py), or None without it."""
     try:
@@ -60,7 +55,7 @@ def _fused_recurrent_step():
 
 def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
     """The fused one-token decode kernels run on CUDA with Triton, 16/32-bit floats and a conv of size >= 2."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and conv_size >= 2 and _have_triton()
+    return conv_size >= 2 and triton_runs_on(x, cpu_interpreter=False)
 
 
 class KimiDeltaAttention(nn.Module):

@@ -16,8 +16,6 @@ There is no rotary embedding anywhere, so cache rows do not depend on their posi
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import warnings
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.mla.decode import mla_decode
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -99,14 +98,9 @@ class MLACache:
             )
 
 
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _fused_append_ok(x: torch.Tensor) -> bool:
     """The fused one-token cache append (`ops.mla.append`) runs on CUDA with Triton and 16/32-bit floats."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and _have_triton()
+    return triton_runs_on(x, cpu_interpreter=False)
 
 
 class GatedMLA(nn.Module):

@@ -19,11 +19,10 @@ norm), pass 3 (chunked case only) the RMSNorm scaling of what pass 2 wrote.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
 
 try:
     import triton
@@ -32,12 +31,7 @@ except ImportError:  # the PyTorch path still works
     triton = None
 
 _BACKENDS = ("auto", "torch", "triton")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_TILE = 16384  # fp32 elements of one [BLOCK_S, BLOCK_D] tile: 64 registers per thread at 8 warps
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,11 +190,7 @@ def attn_res_norm(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (sources, query, key_weight, norm_weight, latest)
     )
-    can_triton = (
-        triton is not None
-        and sources.dtype in _TRITON_DTYPES
-        and (sources.is_cuda or (sources.device.type == "cpu" and _interpreting()))
-    )
+    can_triton = triton_runs_on(sources)
     if backend == "auto":
         backend = "triton" if sources.is_cuda and can_triton and not needs_grad else "torch"
     if backend == "torch":
@@ -213,7 +203,7 @@ def attn_res_norm(
     if not can_triton:
         raise ValueError(
             f"attn_res_norm: backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of dtype "
-            f"in {_TRITON_DTYPES}; got {sources.dtype} on {sources.device}"
+            f"in {TRITON_DTYPES}; got {sources.dtype} on {sources.device}"
         )
     return _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps, latest=latest)
 

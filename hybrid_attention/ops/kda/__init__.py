@@ -10,14 +10,12 @@ Backends of `chunk_kda`: "torch" (readable reference, naive.py), "triton" (our k
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
 from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import kda_gate
 from hybrid_attention.ops.kda.naive import chunk_kda_torch, recurrent_kda
+from hybrid_attention.ops.triton_support import triton_available
 
 __all__ = [
     "BACKENDS",
@@ -32,18 +30,13 @@ __all__ = [
 BACKENDS = ("auto", "torch", "triton", "fla")
 
 
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64) -> str:
     """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors (chunk size 64, the
     size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        on_gpu = q is not None and q.is_cuda and chunk_size == 64 and _have_triton()
+        on_gpu = q is not None and q.is_cuda and chunk_size == 64 and triton_available()
         return "triton" if on_gpu else "torch"
     return backend
 

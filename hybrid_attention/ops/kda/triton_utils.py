@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.triton_support import interpreting
+
 CHUNK = 64
 MAX_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -31,11 +33,6 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
     """Every buffer of these kernels comes from here, through `torch.empty` looked up at call time, so a test can
     poison them all (monkeypatch torch.empty to fill NaN) and catch any element a kernel forgets to write."""
     return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):

@@ -18,13 +18,8 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.mla.naive import absorbed_attention
+from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
 
-try:
-    import triton  # noqa: F401
-except ImportError:  # the PyTorch path below still works
-    triton = None
-
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
 
 
@@ -123,7 +118,7 @@ def mla_decode(
     # The kernel has no backward pass; "auto" keeps autograd working by taking the PyTorch path instead.
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or rows.requires_grad)
     if backend == "auto":
-        backend = "triton" if _triton_can_run(q) and not needs_grad else "torch"
+        backend = "triton" if triton_runs_on(q) and not needs_grad else "torch"
     if backend == "torch":
         return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
     if needs_grad:
@@ -131,22 +126,12 @@ def mla_decode(
             "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "
             "or use backend='torch' when gradients are needed"
         )
-    if not _triton_can_run(q):
+    if not triton_runs_on(q):
         raise ValueError(
             "mla_decode: backend='triton' needs the triton package, a CUDA tensor (or TRITON_INTERPRET=1 on CPU) "
-            f"and dtype in {_TRITON_DTYPES}; got device {q.device}, dtype {q.dtype}, triton "
-            f"{'installed' if triton is not None else 'missing'}"
+            f"and dtype in {TRITON_DTYPES}; got device {q.device}, dtype {q.dtype}, triton "
+            f"{'installed' if triton_available() else 'missing'}"
         )
     from hybrid_attention.ops.mla.triton_decode import mla_decode_triton
 
     return mla_decode_triton(q, rows, seq_lens, value_dim=value_dim, scale=scale, num_splits=num_splits)
-
-
-def _triton_can_run(q: torch.Tensor) -> bool:
-    if triton is None or q.dtype not in _TRITON_DTYPES:
-        return False
-    if q.device.type == "cuda":
-        return True
-    from hybrid_attention.ops.mla.triton_decode import interpreting
-
-    return q.device.type == "cpu" and interpreting()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -39,11 +38,6 @@ MAX_SPLITS = 512
 RESIDENT_PER_SM = 2  # programs an SM holds at once with the default config (~85 KB shared memory each on sm_90)
 MERGE_BLOCK_S = 32
 MERGE_BLOCK_D = 64
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set before triton was imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @triton.jit

@@ -1,0 +1,36 @@
+"""Can a Triton kernel run here? One answer for every op's dispatcher and every layer's fused path.
+
+Triton kernels launch on CUDA tensors, or on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1, set by
+tests/conftest.py on machines without a GPU). Every kernel here takes float16, bfloat16 or float32 inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Looked up once at import: a plain constant also keeps torch.compile from tracing through a cache wrapper.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """The triton package is importable (the PyTorch paths work without it)."""
+    return _TRITON_AVAILABLE
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set before triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def triton_runs_on(x: torch.Tensor, *, cpu_interpreter: bool = True) -> bool:
+    """A Triton kernel can take `x`: a supported dtype, triton installed, and a CUDA tensor (or, when
+    `cpu_interpreter`, a CPU tensor under the interpreter)."""
+    if not triton_available() or x.dtype not in TRITON_DTYPES:
+        return False
+    return x.is_cuda or (cpu_interpreter and x.device.type == "cpu" and interpreting())
