@@ -26,6 +26,7 @@ from torch import nn
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
+from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import triton_runs_on
 
 
@@ -37,10 +38,6 @@ class KDACache:
     conv_k: torch.Tensor  # [B, H*head_dim, conv_size - 1]
     conv_v: torch.Tensor  # [B, H*head_dim, conv_size - 1]
     state: torch.Tensor  # [B, H, head_dim, head_dim], float32 (float64 for float64 modules)
-
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @functools.cache
@@ -135,7 +132,7 @@ class KimiDeltaAttention(nn.Module):
             conv_q=self.q_conv.empty_cache(batch_size, device=device, dtype=dtype),
             conv_k=self.k_conv.empty_cache(batch_size, device=device, dtype=dtype),
             conv_v=self.v_conv.empty_cache(batch_size, device=device, dtype=dtype),
-            state=torch.zeros(batch_size, self.num_heads, D, D, device=device, dtype=_state_dtype(dtype)),
+            state=torch.zeros(batch_size, self.num_heads, D, D, device=device, dtype=compute_dtype(dtype)),
         )
 
     def _check_cache(self, cache: KDACache, x: torch.Tensor) -> None:
@@ -153,9 +150,9 @@ class KimiDeltaAttention(nn.Module):
                 f"KimiDeltaAttention: cache.state must be [B, H, head_dim, head_dim] = {state_shape} "
                 f"for input of shape {tuple(x.shape)}, got {tuple(cache.state.shape)}"
             )
-        if cache.state.dtype != _state_dtype(x.dtype):
+        if cache.state.dtype != compute_dtype(x.dtype):
             raise ValueError(
-                f"KimiDeltaAttention: cache.state must be {_state_dtype(x.dtype)} for {x.dtype} inputs, "
+                f"KimiDeltaAttention: cache.state must be {compute_dtype(x.dtype)} for {x.dtype} inputs, "
                 f"got {cache.state.dtype}"
             )
 
@@ -181,7 +178,7 @@ class KimiDeltaAttention(nn.Module):
         q = self.q_conv(self.q_proj(x), conv_q).view(B, T, H, D)
         k = self.k_conv(self.k_proj(x), conv_k).view(B, T, H, D)
         v = self.v_conv(self.v_proj(x), conv_v).view(B, T, H, D)
-        beta = torch.sigmoid(self.b_proj(x).to(_state_dtype(x.dtype)))  # [B, T, H]
+        beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x.dtype)))  # [B, T, H]
         z = self.f_up(self.f_down(x)).view(B, T, H, D)  # raw decay logits
 
         if cache is None:

@@ -9,18 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid_attention.ops.numerics import compute_dtype, rms_norm
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension, in float32 or float64."""
-    xf = x.to(_compute_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(y.dtype)
-    return y.to(x.dtype)
+__all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -45,4 +36,4 @@ class GatedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x.dtype."""
         y = rms_norm(x, self.weight, self.eps)
-        return (y.to(_compute_dtype(x)) * torch.sigmoid(gate.to(_compute_dtype(x)))).to(x.dtype)
+        return (y.to(compute_dtype(x)) * torch.sigmoid(gate.to(compute_dtype(x)))).to(x.dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
 
 try:
@@ -32,14 +33,6 @@ except ImportError:  # the PyTorch path still works
 
 _BACKENDS = ("auto", "torch", "triton")
 MAX_TILE = 16384  # fp32 elements of one [BLOCK_S, BLOCK_D] tile: 64 registers per thread at 8 warps
-
-
-def _rms_norm_torch(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # The same operations as layers.norm.rms_norm (ops do not import layers), so both paths round identically.
-    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    hf = h.to(dtype)
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)
-    return y.to(h.dtype)
 
 
 if triton is not None:
@@ -197,7 +190,7 @@ def attn_res_norm(
         if latest is not None:
             sources[-1] = latest
         h = attn_res(sources, query, key_weight, eps)
-        return h if norm_weight is None else _rms_norm_torch(h, norm_weight, norm_eps)
+        return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)
     if needs_grad:
         raise ValueError("attn_res_norm: backend='triton' is inference-only; use backend='torch' for gradients")
     if not can_triton:

@@ -20,9 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from hybrid_attention.ops.numerics import compute_dtype, rms_norm
 
 
 def _stack(sources: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
@@ -52,7 +50,7 @@ def _check_params(name: str, D: int, query: torch.Tensor, key_weight: torch.Tens
 
 def _logits(v: torch.Tensor, query: torch.Tensor, key_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """v: [..., D] (compute dtype), query [D] or [Q, D] -> w . (gamma * v / rms(v)): [...] or [Q, ...]."""
-    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    keys = rms_norm(v, None, eps)
     w = query.to(v.dtype)
     if key_weight is not None:
         # (w * gamma) . v_hat == w . (gamma * v_hat): fold gamma into the query, one vector instead of a tensor.
@@ -72,7 +70,7 @@ def attn_res_weights(
     (key_weight None = ones) -> p [S, B, T] in float32 (float64 for float64 sources), summing to one over S."""
     v = _stack(sources, "attn_res_weights")
     _check_params("attn_res_weights", v.shape[-1], query, key_weight, queries_ok=False)
-    return torch.softmax(_logits(v.to(_compute_dtype(v)), query, key_weight, eps), dim=0)
+    return torch.softmax(_logits(v.to(compute_dtype(v)), query, key_weight, eps), dim=0)
 
 
 def attn_res(
@@ -85,7 +83,7 @@ def attn_res(
     in the sources' dtype."""
     v = _stack(sources, "attn_res")
     _check_params("attn_res", v.shape[-1], query, key_weight, queries_ok=False)
-    vf = v.to(_compute_dtype(v))
+    vf = v.to(compute_dtype(v))
     p = torch.softmax(_logits(vf, query, key_weight, eps), dim=0)  # (S, B, T)
     return (p.unsqueeze(-1) * vf).sum(0).to(v.dtype)
 
@@ -110,7 +108,7 @@ def attn_res_partial(
     """
     v = _stack(sources, "attn_res_partial")
     _check_params("attn_res_partial", v.shape[-1], query, key_weight, queries_ok=True)
-    vf = v.to(_compute_dtype(v))
+    vf = v.to(compute_dtype(v))
     logits = _logits(vf, query, key_weight, eps)  # (S, B, T) or (Q, S, B, T)
     src_dim = 0 if query.ndim == 1 else 1
     lse = torch.logsumexp(logits, dim=src_dim)
@@ -147,7 +145,7 @@ def attn_res_merge(
             f"attn_res_merge: expected out {tuple(partial.shape)} and lse {tuple(partial.shape[:-1])} to match "
             f"partial {tuple(partial.shape)}, got out {tuple(out.shape)} and lse {tuple(lse.shape)}"
         )
-    dtype = _compute_dtype(partial)
+    dtype = compute_dtype(partial)
     pf = partial.to(dtype)
     s = _logits(pf, query, key_weight, eps)  # (B, T)
     weight = torch.sigmoid(s - lse.to(dtype)).unsqueeze(-1)  # share of the partial sum

@@ -21,13 +21,10 @@ from itertools import pairwise
 
 import torch
 
+from hybrid_attention.ops.numerics import compute_dtype
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 for float64 inputs, float32 for everything else."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from hybrid_attention.ops.numerics import compute_dtype
 
 
 def bottom_right_causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
@@ -77,7 +75,7 @@ def absorbed_attention(
     if causal and Tq > Tk:
         raise ValueError(f"absorbed_attention: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
 
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     keys = rows.to(dtype)  # (B, Tk, D)
     positions = torch.arange(Tk, device=q.device)
     visible = torch.ones(B, Tq, Tk, dtype=torch.bool, device=q.device)
