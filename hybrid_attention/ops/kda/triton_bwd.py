@@ -30,7 +30,6 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     seq_info,
     store_tile,
-    tril,
 )
 
 
@@ -81,29 +80,6 @@ def _state_bwd_kernel(
         tl.store(dh0 + (n * H + h).to(tl.int64) * K * V + soffs, dS, mask=smask)
 
 
-@triton.jit
-def _load_blk(ptr, t0, nv, A: tl.constexpr, B: tl.constexpr):
-    """Block (A, B) of a chunk's [64, 64] matrix from its [rows, 64] storage (stored dtype)."""
-    return load_raw(ptr, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
-
-
-@triton.jit
-def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
-    store_tile(ptr, x, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
-
-
-@triton.jit
-def _dn(x, y, IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """x @ y^T for [16, BV] tiles: one 16 x 16 block of a score gradient."""
-    return mm(x, tl.trans(y), IO, PREC, EMU)
-
-
-@triton.jit
-def _tt(t, x, IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """t^T @ x for a 16 x 16 block t of T."""
-    return mm(tl.trans(t), x, IO, PREC, EMU)
-
-
 @autotune([{"BV": 32}, {"BV": 64}], [(4, 1), (8, 1)], ["V"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _score_grad_kernel(
@@ -118,127 +94,30 @@ def _score_grad_kernel(
     seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
     if seq < 0:
         return
-    n0 = eos - t0
-    n1 = n0 - 16
-    n2 = n0 - 32
-    n3 = n0 - 48
-    tm_h = tm + h.to(tl.int64) * T_tot * 64
-    t00 = _load_blk(tm_h, t0, n0, 0, 0)
-    t10 = _load_blk(tm_h, t0, n0, 1, 0)
-    t11 = _load_blk(tm_h, t0, n0, 1, 1)
-    t20 = _load_blk(tm_h, t0, n0, 2, 0)
-    t21 = _load_blk(tm_h, t0, n0, 2, 1)
-    t22 = _load_blk(tm_h, t0, n0, 2, 2)
-    t30 = _load_blk(tm_h, t0, n0, 3, 0)
-    t31 = _load_blk(tm_h, t0, n0, 3, 1)
-    t32 = _load_blk(tm_h, t0, n0, 3, 2)
-    t33 = _load_blk(tm_h, t0, n0, 3, 3)
-    b0 = load_rows(beta + h, t0, n0, H, 16)
-    b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
-    b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
-    b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    q00 = zero
-    q10 = zero
-    q11 = zero
-    q20 = zero
-    q21 = zero
-    q22 = zero
-    q30 = zero
-    q31 = zero
-    q32 = zero
-    q33 = zero
-    m00 = zero
-    m10 = zero
-    m11 = zero
-    m20 = zero
-    m21 = zero
-    m22 = zero
-    m30 = zero
-    m31 = zero
-    m32 = zero
-    m33 = zero
-    zv = tl.zeros([16], dtype=tl.float32)
-    s0 = zv
-    s1 = zv
-    s2 = zv
-    s3 = zv
+    nv = eos - t0
+    tmat = load_lower(tm + h.to(tl.int64) * T_tot * 64, t0, nv)
+    b = load_rows(beta + h, t0, nv, H, 64)
+    daq_acc = tl.zeros([64, 64], dtype=tl.float32)
+    dm_acc = tl.zeros([64, 64], dtype=tl.float32)
+    dbv = tl.zeros([64], dtype=tl.float32)
     vn_h = vnew + h.to(tl.int64) * T_tot * V
     dvn_h = dvnew + h.to(tl.int64) * T_tot * V
     for vv in range(0, V, BV):
-        o0 = load_raw(do + h * V, t0, n0, H * V, vv, V, 16, BV)
-        o1 = load_raw(do + h * V, t0 + 16, n1, H * V, vv, V, 16, BV)
-        o2 = load_raw(do + h * V, t0 + 32, n2, H * V, vv, V, 16, BV)
-        o3 = load_raw(do + h * V, t0 + 48, n3, H * V, vv, V, 16, BV)
-        x0 = load_raw(vn_h, t0, n0, V, vv, V, 16, BV)
-        x1 = load_raw(vn_h, t0 + 16, n1, V, vv, V, 16, BV)
-        x2 = load_raw(vn_h, t0 + 32, n2, V, vv, V, 16, BV)
-        x3 = load_raw(vn_h, t0 + 48, n3, V, vv, V, 16, BV)
-        y0 = load_raw(dvn_h, t0, n0, V, vv, V, 16, BV)
-        y1 = load_raw(dvn_h, t0 + 16, n1, V, vv, V, 16, BV)
-        y2 = load_raw(dvn_h, t0 + 32, n2, V, vv, V, 16, BV)
-        y3 = load_raw(dvn_h, t0 + 48, n3, V, vv, V, 16, BV)
-        # R_b = sum_{a >= b} T_ab^T dD_a
-        r0 = _tt(t00, y0, IO, PREC, EMU) + _tt(t10, y1, IO, PREC, EMU) + _tt(t20, y2, IO, PREC, EMU)
-        r0 += _tt(t30, y3, IO, PREC, EMU)
-        r1 = _tt(t11, y1, IO, PREC, EMU) + _tt(t21, y2, IO, PREC, EMU) + _tt(t31, y3, IO, PREC, EMU)
-        r2 = _tt(t22, y2, IO, PREC, EMU) + _tt(t32, y3, IO, PREC, EMU)
-        r3 = _tt(t33, y3, IO, PREC, EMU)
-        store_tile(dv + h * V, r0 * b0[:, None], t0, n0, H * V, vv, V, 16, BV)
-        store_tile(dv + h * V, r1 * b1[:, None], t0 + 16, n1, H * V, vv, V, 16, BV)
-        store_tile(dv + h * V, r2 * b2[:, None], t0 + 32, n2, H * V, vv, V, 16, BV)
-        store_tile(dv + h * V, r3 * b3[:, None], t0 + 48, n3, H * V, vv, V, 16, BV)
-        s0 += tl.sum(r0 * load_tile(v + h * V, t0, n0, H * V, vv, V, 16, BV), 1)
-        s1 += tl.sum(r1 * load_tile(v + h * V, t0 + 16, n1, H * V, vv, V, 16, BV), 1)
-        s2 += tl.sum(r2 * load_tile(v + h * V, t0 + 32, n2, H * V, vv, V, 16, BV), 1)
-        s3 += tl.sum(r3 * load_tile(v + h * V, t0 + 48, n3, H * V, vv, V, 16, BV), 1)
-        q00 += _dn(o0, x0, IO, PREC, EMU)
-        q10 += _dn(o1, x0, IO, PREC, EMU)
-        q11 += _dn(o1, x1, IO, PREC, EMU)
-        q20 += _dn(o2, x0, IO, PREC, EMU)
-        q21 += _dn(o2, x1, IO, PREC, EMU)
-        q22 += _dn(o2, x2, IO, PREC, EMU)
-        q30 += _dn(o3, x0, IO, PREC, EMU)
-        q31 += _dn(o3, x1, IO, PREC, EMU)
-        q32 += _dn(o3, x2, IO, PREC, EMU)
-        q33 += _dn(o3, x3, IO, PREC, EMU)
-        m00 += _dn(r0, x0, IO, PREC, EMU)
-        m10 += _dn(r1, x0, IO, PREC, EMU)
-        m11 += _dn(r1, x1, IO, PREC, EMU)
-        m20 += _dn(r2, x0, IO, PREC, EMU)
-        m21 += _dn(r2, x1, IO, PREC, EMU)
-        m22 += _dn(r2, x2, IO, PREC, EMU)
-        m30 += _dn(r3, x0, IO, PREC, EMU)
-        m31 += _dn(r3, x1, IO, PREC, EMU)
-        m32 += _dn(r3, x2, IO, PREC, EMU)
-        m33 += _dn(r3, x3, IO, PREC, EMU)
-    r16 = tl.arange(0, 16)
-    tl.store(dbeta + (t0 + r16) * H + h, s0, mask=r16 < n0)
-    tl.store(dbeta + (t0 + 16 + r16) * H + h, s1, mask=r16 < n1)
-    tl.store(dbeta + (t0 + 32 + r16) * H + h, s2, mask=r16 < n2)
-    tl.store(dbeta + (t0 + 48 + r16) * H + h, s3, mask=r16 < n3)
-    daq_h = daq + h.to(tl.int64) * T_tot * 64
-    _store_blk(daq_h, tril(q00, False) * scale, t0, n0, 0, 0)
-    _store_blk(daq_h, q10 * scale, t0, n0, 1, 0)
-    _store_blk(daq_h, tril(q11, False) * scale, t0, n0, 1, 1)
-    _store_blk(daq_h, q20 * scale, t0, n0, 2, 0)
-    _store_blk(daq_h, q21 * scale, t0, n0, 2, 1)
-    _store_blk(daq_h, tril(q22, False) * scale, t0, n0, 2, 2)
-    _store_blk(daq_h, q30 * scale, t0, n0, 3, 0)
-    _store_blk(daq_h, q31 * scale, t0, n0, 3, 1)
-    _store_blk(daq_h, q32 * scale, t0, n0, 3, 2)
-    _store_blk(daq_h, tril(q33, False) * scale, t0, n0, 3, 3)
-    dl_h = dl + h.to(tl.int64) * T_tot * 64
-    _store_blk(dl_h, -tril(m00, True), t0, n0, 0, 0)
-    _store_blk(dl_h, -m10, t0, n0, 1, 0)
-    _store_blk(dl_h, -tril(m11, True), t0, n0, 1, 1)
-    _store_blk(dl_h, -m20, t0, n0, 2, 0)
-    _store_blk(dl_h, -m21, t0, n0, 2, 1)
-    _store_blk(dl_h, -tril(m22, True), t0, n0, 2, 2)
-    _store_blk(dl_h, -m30, t0, n0, 3, 0)
-    _store_blk(dl_h, -m31, t0, n0, 3, 1)
-    _store_blk(dl_h, -m32, t0, n0, 3, 2)
-    _store_blk(dl_h, -tril(m33, True), t0, n0, 3, 3)
+        dO = load_raw(do + h * V, t0, nv, H * V, vv, V, 64, BV)
+        D = load_raw(vn_h, t0, nv, V, vv, V, 64, BV)
+        R = mm(tl.trans(tmat), load_raw(dvn_h, t0, nv, V, vv, V, 64, BV), IO, PREC, EMU)  # R = T^T dD
+        store_tile(dv + h * V, R * b[:, None], t0, nv, H * V, vv, V, 64, BV)
+        dbv += tl.sum(R * load_tile(v + h * V, t0, nv, H * V, vv, V, 64, BV), 1)
+        daq_acc += mm(dO, tl.trans(D), IO, PREC, EMU)
+        dm_acc += mm(R, tl.trans(D), IO, PREC, EMU)
+    r = tl.arange(0, 64)
+    tl.store(dbeta + (t0 + r) * H + h, dbv, mask=r < nv)
+    # The scores are causal inside the chunk: Aqk keeps the diagonal, Akk (through dL = -(R D^T)) does not.
+    # Entries above are stored as zeros (the readers mask the upper 16 x 16 blocks anyway).
+    below = r[:, None] >= r[None, :]
+    store_tile(daq + h.to(tl.int64) * T_tot * 64, tl.where(below, daq_acc * scale, 0.0), t0, nv, 64, 0, 64, 64, 64)
+    strict = r[:, None] > r[None, :]
+    store_tile(dl + h.to(tl.int64) * T_tot * 64, tl.where(strict, -dm_acc, 0.0), t0, nv, 64, 0, 64, 64, 64)
 
 
 def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):

@@ -1,0 +1,74 @@
+"""Where the time of our Triton KDA op goes, kernel by kernel (torch.profiler, CUDA time), on one GPU.
+
+    python benchmarks/profile_kda.py [--shape 8,4096,16,128] [--iters 10] [--out $OUT/profile_kda.json]
+
+Runs the anchor configuration of bench_kda.py (bf16, gate and q/k l2norm in the kernels) for forward (inference),
+and forward + backward, and prints the mean time of every kernel per call, so a regression or a slow stage shows
+by name. Set HA_KDA_AUTOTUNE=0 to skip autotuning (first config of every kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+from bench_common import env_info, log
+from bench_kda import op_inputs, ours_op
+
+
+def kernel_times(fn, iters: int) -> dict[str, float]:
+    """Mean CUDA time per call of every kernel `fn` launches, in ms, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA or getattr(evt, "self_device_time_total", 0) > 0:
+            totals[evt.key] += evt.self_device_time_total / 1000.0 / iters
+    return dict(sorted(((k, v) for k, v in totals.items() if v > 0), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    inputs = op_inputs(B, T, H, D)
+    result = {"env": env_info(sys.argv[1:] if argv is None else argv), "shape": [B, T, H, D], "modes": {}}
+
+    def fwd():
+        with torch.no_grad():
+            ours_op(*inputs)
+
+    grads = [x.requires_grad_(True) for x in inputs[:5]]
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        for x in grads:
+            x.grad = None
+        ours_op(*inputs).backward(do)
+
+    for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        times = kernel_times(fn, args.iters)
+        result["modes"][mode] = times
+        log(f"\n{mode} at {args.shape}: {sum(times.values()):.3f} ms of kernel time per call")
+        for name, ms in times.items():
+            log(f"  {ms:8.3f} ms  {name[:100]}")
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

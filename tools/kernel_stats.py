@@ -1,0 +1,119 @@
+"""Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
+
+    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm]
+
+Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
+compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
+Spilled registers in these kernels cost far more than any tuning gains, so this is the first check after a
+kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. Set HA_KDA_AUTOTUNE=0 (done here)
+so every kernel compiles its first config only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ["HA_KDA_AUTOTUNE"] = "0"
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+ARCH = 90
+COMPILED: list[tuple[str, dict, object]] = []
+
+
+class CompileOnlyDriver:
+    """The part of a Triton driver that JITFunction.run touches before a launch, pointing at sm_90."""
+
+    def __init__(self):
+        from triton.backends.nvidia.driver import CudaDriver
+
+        self.utils = None
+        self._cuda = CudaDriver.__new__(CudaDriver)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", ARCH, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):  # the autotuner "times" each config: compile it once, report a dummy time
+        def bench(call, quantiles=None, **kwargs):
+            call()
+            return [1.0] * len(quantiles) if quantiles else 1.0
+
+        return bench
+
+
+def _compile_only_run(self, *args, grid, warmup, **kwargs):
+    kernel = _original_run(self, *args, grid=grid, warmup=True, **kwargs)
+    opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    consts = {k: v for k, v in kwargs.items() if k.isupper() and not isinstance(v, torch.Tensor)}
+    COMPILED.append((self.__name__, {**opts, **consts}, kernel))
+    return kernel
+
+
+_original_run = JITFunction.run
+
+
+def resource_usage(cubin: bytes) -> str:
+    """REG / STACK / LOCAL of a compiled kernel from cuobjdump (local memory > 0 means spilled registers)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    field = lambda name: (re.search(rf"\b{name}:(\d+)", text) or [None, "?"])[1]
+    return f"regs {field('REG'):>4}  stack {field('STACK'):>6} B  local {field('LOCAL'):>6} B"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--no-gate", action="store_true")
+    ap.add_argument("--no-l2norm", action="store_true")
+    ap.add_argument("--forward-only", action="store_true")
+    args = ap.parse_args()
+    B, T, H, K, V = (int(x) for x in args.shape.split(","))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    driver.set_active(CompileOnlyDriver())
+    JITFunction.run = _compile_only_run
+
+    from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
+    from hybrid_attention.ops.kda.triton_fwd import kda_fwd
+
+    gate, l2 = not args.no_gate, not args.no_l2norm
+    q, k, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(3))
+    v = torch.randn(B, T, H, V, dtype=dtype)
+    beta = torch.rand(B, T, H, dtype=dtype)
+    a_log, dt_bias = torch.zeros(H), torch.zeros(H, K)
+    common = dict(scale=K**-0.5, lower_bound=-5.0 if gate else None, gate=gate, l2norm=l2)
+    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, None, None, final=True, save=True, **common)
+    if not args.forward_only:
+        kda_bwd(torch.randn_like(o), None, q, k, v, g, beta, a_log, dt_bias, False, None, saved, **common)
+    print(f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={gate}, l2norm={l2}")
+    for name, consts, kernel in COMPILED:
+        shared = kernel.metadata.shared
+        usage = resource_usage(kernel.asm["cubin"])
+        show = {k: v for k, v in consts.items() if k in ("BV", "BK", "num_warps", "num_stages")}
+        print(f"{name:<24} {usage}  smem {shared:>6} B  {show}")
+
+
+if __name__ == "__main__":
+    main()
