@@ -110,8 +110,11 @@ def _dqkg_kernel(
     b = load_rows(beta + h, t0, nv, H, 64)
 
     # ---- through the score blocks: for each row sub-chunk a, anchored at c_a (the exponents of the forward) ----
-    daq_c = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv)
-    dl_c = load_lower(dl + h.to(tl.int64) * T_tot * 64, t0, nv)
+    # The row factor is zero outside the rows of a, so dAqk and dAkk enter unmasked: the same dot operands for
+    # all four sub-chunks.
+    dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
+    dL = load_lower(dl + h.to(tl.int64) * T_tot * 64, t0, nv)
+    dAk = (dL * b[:, None]).to(ADT)
     dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq (rows)
     dk_r = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk through the row factor (+G)
     dk_c = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk through the column factor (-G)
@@ -126,9 +129,6 @@ def _dqkg_kernel(
         kc = kn * colf
         qr = qn * rowf
         kr = kn * rowf
-        dA = tl.where(in_a, daq_c, 0.0)
-        dL = tl.where(in_a, dl_c, 0.0)
-        dAk = dL * b[:, None]
         dq_s += rowf * mm(dA, kc, ADT, PREC, EMU)
         dk_r += rowf * mm(dAk, kc, ADT, PREC, EMU)
         dk_c += colf * (mm(tl.trans(dA), qr, ADT, PREC, EMU) + mm(tl.trans(dAk), kr, ADT, PREC, EMU))

@@ -80,6 +80,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *output[2:])
     ctx.meta = (scale, lower_bound, gate, l2norm, h0 is not None, final, save)
     ctx.mark_non_differentiable(*output[2:])
+    # Without this autograd would fill a zero gradient for every saved tensor (about 1 GB at 8 x 4096 x 16 x 128,
+    # 0.28 ms of memset per backward): the backward takes None for outputs that got no gradient.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht, *_):
@@ -87,6 +90,8 @@ def _backward(ctx, do, dht, *_):
     if not save:
         raise RuntimeError(f"{_NAME}: backward through a forward that ran without saving its tensors")
     q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *saved = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt = _bwd_op(
         do, dht if final else None, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved,
         scale, lower_bound, gate, l2norm, has_h0,

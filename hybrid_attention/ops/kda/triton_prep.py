@@ -25,6 +25,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     chunk_info,
     inv_unit_lower4,
     load_gate,
+    load_lower,
     load_rows,
     load_tile,
     mm,
@@ -35,16 +36,16 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 
 @triton.jit
-def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """1 / sqrt(sum_c x^2 + eps) for 16 rows (ones without L2NORM)."""
+def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr, R: tl.constexpr):
+    """1 / sqrt(sum_c x^2 + eps) for R rows (ones without L2NORM)."""
     if L2NORM:
-        ss = tl.zeros([16], dtype=tl.float32)
+        ss = tl.zeros([R], dtype=tl.float32)
         for kk in range(0, K, BK):
-            t = load_tile(x, row0, nrows, stride, kk, K, 16, BK)
+            t = load_tile(x, row0, nrows, stride, kk, K, R, BK)
             ss += tl.sum(t * t, 1)
         return 1.0 / tl.sqrt(ss + L2_EPS)
     else:
-        return tl.full([16], 1.0, dtype=tl.float32)
+        return tl.full([R], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -91,14 +92,14 @@ def _prep_kernel(
     b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
     b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
     b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
-    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM)
-    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM)
-    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM)
-    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM)
-    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM)
-    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM)
-    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM)
-    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 16)
+    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
+    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
+    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
+    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 16)
+    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
+    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
+    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
     if L2NORM and SAVE:
         r16 = tl.arange(0, 16)
         tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
@@ -205,85 +206,47 @@ def _prep_kernel(
     t31 = -mm32(d3, mm32(l31, d1, PREC) + mm32(l32, t21, PREC), PREC)
     acc = mm32(l30, d0, PREC) + mm32(l31, t10, PREC) + mm32(l32, t20, PREC)
     t30 = -mm32(d3, acc, PREC)
-    if SAVE:
-        tm_h = tm + h.to(tl.int64) * T_tot * 64
-        _store_blk(tm_h, d0, t0, n0, 0, 0)
-        _store_blk(tm_h, t10, t0, n0, 1, 0)
-        _store_blk(tm_h, d1, t0, n0, 1, 1)
-        _store_blk(tm_h, t20, t0, n0, 2, 0)
-        _store_blk(tm_h, t21, t0, n0, 2, 1)
-        _store_blk(tm_h, d2, t0, n0, 2, 2)
-        _store_blk(tm_h, t30, t0, n0, 3, 0)
-        _store_blk(tm_h, t31, t0, n0, 3, 1)
-        _store_blk(tm_h, t32, t0, n0, 3, 2)
-        _store_blk(tm_h, d3, t0, n0, 3, 3)
+    # T goes to memory as a whole [64, 64] block-lower matrix and comes back as one tile, so that W and U are
+    # single M = 64 dots per K / V tile (the barrier makes the other threads' stores visible).
+    tm_h = tm + h.to(tl.int64) * T_tot * 64
+    _store_blk(tm_h, d0, t0, n0, 0, 0)
+    _store_blk(tm_h, t10, t0, n0, 1, 0)
+    _store_blk(tm_h, d1, t0, n0, 1, 1)
+    _store_blk(tm_h, t20, t0, n0, 2, 0)
+    _store_blk(tm_h, t21, t0, n0, 2, 1)
+    _store_blk(tm_h, d2, t0, n0, 2, 2)
+    _store_blk(tm_h, t30, t0, n0, 3, 0)
+    _store_blk(tm_h, t31, t0, n0, 3, 1)
+    _store_blk(tm_h, t32, t0, n0, 3, 2)
+    _store_blk(tm_h, d3, t0, n0, 3, 3)
+    tl.debug_barrier()
+    tmat = load_lower(tm_h, t0, n0)
+    b = load_rows(beta + h, t0, n0, H, 64)
+    r = tl.arange(0, 64)
 
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
+    rqn = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 64)
+    rkn = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 64)
     for kk in range(0, K, BKW):
-        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKW)
-        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKW)
-        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKW)
-        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKW)
-        c1 = tl.sum(g0, 0)
-        c2 = c1 + tl.sum(g1, 0)
-        c3 = c2 + tl.sum(g2, 0)
-        gam = c3 + tl.sum(g3, 0)
-        G0 = tl.cumsum(g0, 0)
-        G1 = tl.cumsum(g1, 0) + c1[None, :]
-        G2 = tl.cumsum(g2, 0) + c2[None, :]
-        G3 = tl.cumsum(g3, 0) + c3[None, :]
-        e0 = tl.exp2(G0)
-        e1 = tl.exp2(G1)
-        e2 = tl.exp2(G2)
-        e3 = tl.exp2(G3)
-        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKW) * rk0[:, None]
-        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKW) * rk1[:, None]
-        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKW) * rk2[:, None]
-        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKW) * rk3[:, None]
-        q0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKW) * rq0[:, None]
-        q1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKW) * rq1[:, None]
-        q2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKW) * rq2[:, None]
-        q3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKW) * rq3[:, None]
-        store_tile(qg_h, q0 * e0 * scale, t0, n0, K, kk, K, 16, BKW)
-        store_tile(qg_h, q1 * e1 * scale, t0 + 16, n1, K, kk, K, 16, BKW)
-        store_tile(qg_h, q2 * e2 * scale, t0 + 32, n2, K, kk, K, 16, BKW)
-        store_tile(qg_h, q3 * e3 * scale, t0 + 48, n3, K, kk, K, 16, BKW)
-        store_tile(kg_h, k0 * tl.exp2(gam[None, :] - G0), t0, n0, K, kk, K, 16, BKW)
-        store_tile(kg_h, k1 * tl.exp2(gam[None, :] - G1), t0 + 16, n1, K, kk, K, 16, BKW)
-        store_tile(kg_h, k2 * tl.exp2(gam[None, :] - G2), t0 + 32, n2, K, kk, K, 16, BKW)
-        store_tile(kg_h, k3 * tl.exp2(gam[None, :] - G3), t0 + 48, n3, K, kk, K, 16, BKW)
-        x0 = k0 * e0 * b0[:, None]
-        x1 = k1 * e1 * b1[:, None]
-        x2 = k2 * e2 * b2[:, None]
-        x3 = k3 * e3 * b3[:, None]
-        store_tile(w_h, mm(d0, x0, IO, PREC, EMU), t0, n0, K, kk, K, 16, BKW)
-        store_tile(w_h, mm(t10, x0, IO, PREC, EMU) + mm(d1, x1, IO, PREC, EMU), t0 + 16, n1, K, kk, K, 16, BKW)
-        x = mm(t20, x0, IO, PREC, EMU) + mm(t21, x1, IO, PREC, EMU) + mm(d2, x2, IO, PREC, EMU)
-        store_tile(w_h, x, t0 + 32, n2, K, kk, K, 16, BKW)
-        x = mm(t30, x0, IO, PREC, EMU) + mm(t31, x1, IO, PREC, EMU) + mm(t32, x2, IO, PREC, EMU)
-        x += mm(d3, x3, IO, PREC, EMU)
-        store_tile(w_h, x, t0 + 48, n3, K, kk, K, 16, BKW)
+        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
+        gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
+        e = tl.exp2(G)
+        kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
+        qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
+        store_tile(qg_h, qn * e * scale, t0, n0, K, kk, K, 64, BKW)
+        store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
+        store_tile(w_h, mm(tmat, kn * e * b[:, None], IO, PREC, EMU), t0, n0, K, kk, K, 64, BKW)
         cols = kk + tl.arange(0, BKW)
         tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
 
     # ---- U = T Diag(beta) v, per V tile ----
     u_h = u + h.to(tl.int64) * T_tot * V
-    vh = v + h * V
     for vv in range(0, V, BV):
-        x0 = load_tile(vh, t0, n0, H * V, vv, V, 16, BV) * b0[:, None]
-        x1 = load_tile(vh, t0 + 16, n1, H * V, vv, V, 16, BV) * b1[:, None]
-        x2 = load_tile(vh, t0 + 32, n2, H * V, vv, V, 16, BV) * b2[:, None]
-        x3 = load_tile(vh, t0 + 48, n3, H * V, vv, V, 16, BV) * b3[:, None]
-        store_tile(u_h, mm(d0, x0, IO, PREC, EMU), t0, n0, V, vv, V, 16, BV)
-        store_tile(u_h, mm(t10, x0, IO, PREC, EMU) + mm(d1, x1, IO, PREC, EMU), t0 + 16, n1, V, vv, V, 16, BV)
-        x = mm(t20, x0, IO, PREC, EMU) + mm(t21, x1, IO, PREC, EMU) + mm(d2, x2, IO, PREC, EMU)
-        store_tile(u_h, x, t0 + 32, n2, V, vv, V, 16, BV)
-        x = mm(t30, x0, IO, PREC, EMU) + mm(t31, x1, IO, PREC, EMU) + mm(t32, x2, IO, PREC, EMU)
-        x += mm(d3, x3, IO, PREC, EMU)
-        store_tile(u_h, x, t0 + 48, n3, V, vv, V, 16, BV)
+        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
+        store_tile(u_h, mm(tmat, x, IO, PREC, EMU), t0, n0, V, vv, V, 64, BV)
 
 
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
