@@ -1,6 +1,8 @@
 """Causal depthwise short convolution (kernel 4 in KDA) followed by SiLU, with a decoding cache.
 
 The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
+On CUDA without a cache (training, whole-prompt forward) the fused Triton kernels of `ops.short_conv` run instead
+of conv1d (float32 inside, no transposes); the eager path below is their reference.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 class ShortConv(nn.Module):
@@ -33,6 +37,10 @@ class ShortConv(nn.Module):
         B, T, C = x.shape
         if C != self.channels:
             raise ValueError(f"ShortConv: expected {self.channels} channels, got input of shape {tuple(x.shape)}")
+        if cache is None and triton_runs_on(x, cpu_interpreter=False):
+            from hybrid_attention.ops.short_conv import short_conv
+
+            return short_conv(x, self.weight.view(C, self.kernel_size))
         xt = x.transpose(1, 2)  # (B, C, T)
         if cache is None:
             left = xt.new_zeros(B, C, self.kernel_size - 1)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybrid_attention.ops.numerics import compute_dtype, rms_norm
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
 
@@ -31,9 +32,14 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """`RMSNorm(x) * sigmoid(gate)`: the KDA output norm, applied per head (dim = head_dim)."""
+    """`RMSNorm(x) * sigmoid(gate)`: the KDA output norm, applied per head (dim = head_dim). On CUDA it runs as one
+    Triton kernel each way (`ops.gated_norm`, the same roundings); the eager code here is its reference."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x.dtype."""
+        if gate.shape == x.shape and triton_runs_on(x, cpu_interpreter=False):
+            from hybrid_attention.ops.gated_norm import gated_rms_norm
+
+            return gated_rms_norm(x, gate, self.weight, self.eps)
         y = rms_norm(x, self.weight, self.eps)
         return (y.to(compute_dtype(x)) * torch.sigmoid(gate.to(compute_dtype(x)))).to(x.dtype)
