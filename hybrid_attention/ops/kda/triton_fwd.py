@@ -103,7 +103,6 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
         "h": empty(q, n_chunks, H, K, V, dtype=io) if save else none(),
         "vnew": empty(q, H, T_tot, V, dtype=io) if save else none(),
         "u": empty(q, H, T_tot, V, dtype=io),
-        "lk": empty(q, H, T_tot, 64, dtype=f32),  # prep scratch: Diag(beta) Akk, read back by 16 x 16 blocks
     }
     return o, ht, saved
 
@@ -139,5 +138,5 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_H0=h0 is not None,
         STORE_HT=final, SAVE=save, IO=io, PREC=prec, EMU=emu,
     )  # fmt: skip
-    del saved["u"], saved["lk"]
+    del saved["u"]
     return o, ht, saved

@@ -31,6 +31,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     mm32,
     store_tile,
+    tril,
 )
 
 
@@ -48,9 +49,11 @@ def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr, R: 
 
 
 @triton.jit
-def _load_blk(ptr, t0, nv, A: tl.constexpr, B: tl.constexpr):
-    """Block (A, B) of a chunk's [64, 64] float32 matrix from its [rows, 64] storage (zero past the rows)."""
-    return load_tile(ptr, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
+def _acc_pair(aq, ak, qr, kr, kb, Gb, ca, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """Add one K tile to block (a, b) of Aqk and Akk: rows qr, kr = (q, k) * 2^(G_a - c_a + SHIFT),
+    columns k_b * 2^(c_a - SHIFT - G_b). The product of the two factors is exactly 2^(G_t - G_i)."""
+    kc = tl.trans(kb * tl.exp2(ca[None, :] - SHIFT - Gb))
+    return aq + mm(qr, kc, ADT, PREC, EMU), ak + mm(kr, kc, ADT, PREC, EMU)
 
 
 @triton.jit
@@ -63,7 +66,7 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk, lk,  # outputs (see the module docstring); lk: float32 scratch
+    w, u, qg, kg, aqk, tm, glast, rq, rk,  # outputs (see the module docstring)
     cu, chunk_seq, chunk_tok,
     scale, lower_bound, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -76,53 +79,125 @@ def _prep_kernel(
     seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
     if seq < 0:
         return
+    # Valid rows of sub-chunk a are those below n_a (tile loads mask r < n_a for r in [0, 16)).
     n0 = eos - t0
+    n1 = n0 - 16
+    n2 = n0 - 32
+    n3 = n0 - 48
     sk = H * K
     qh = q + h * K
     kh = k + h * K
     gh = g + h * K
-    r = tl.arange(0, 64)
-    blk = r // 16
-    rqn = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 64)
-    rkn = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 64)
+    b0 = load_rows(beta + h, t0, n0, H, 16)
+    b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
+    b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
+    b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
+    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 16)
+    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
+    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
+    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
+    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 16)
+    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
+    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
+    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
     if L2NORM and SAVE:
-        tl.store(rq + (t0 + r) * H + h, rqn, mask=r < n0)
-        tl.store(rk + (t0 + r) * H + h, rkn, mask=r < n0)
-    b = load_rows(beta + h, t0, n0, H, 64)
+        r16 = tl.arange(0, 16)
+        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
+        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
+        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
+        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
+        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
+        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
+        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
+        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
 
-    # ---- scores Aqk, Akk: whole-chunk M = 64 dots, one per row sub-chunk a and K tile, anchored at c_a ----
-    aq = tl.zeros([64, 64], dtype=tl.float32)
-    ak = tl.zeros([64, 64], dtype=tl.float32)
+    # ---- scores: 10 blocks (a, b), b <= a, of Aqk and Akk, accumulated over K tiles ----
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    aq00 = zero
+    ak00 = zero
+    aq10 = zero
+    ak10 = zero
+    aq11 = zero
+    ak11 = zero
+    aq20 = zero
+    ak20 = zero
+    aq21 = zero
+    ak21 = zero
+    aq22 = zero
+    ak22 = zero
+    aq30 = zero
+    ak30 = zero
+    aq31 = zero
+    ak31 = zero
+    aq32 = zero
+    ak32 = zero
+    aq33 = zero
+    ak33 = zero
     for kk in range(0, K, BKA):
-        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKA), 0)
-        qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKA) * rqn[:, None]
-        kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKA) * rkn[:, None]
-        for a in range(4):
-            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
-            # Rows of a times columns up to a: 2^(G_t - c_a + SHIFT) 2^(c_a - SHIFT - G_i) = 2^(G_t - G_i);
-            # elsewhere the exponent is -inf, so no overflowed factor meets a zero.
-            rowf = tl.exp2(tl.where((blk == a)[:, None], G - ca[None, :] + SHIFT, float("-inf")))
-            kc = tl.trans(kn * tl.exp2(tl.where((blk <= a)[:, None], ca[None, :] - SHIFT - G, float("-inf"))))
-            aq += mm(qn * rowf, kc, ADT, PREC, EMU)
-            ak += mm(kn * rowf, kc, ADT, PREC, EMU)
-    aqk_h = aqk + h.to(tl.int64) * T_tot * 64
-    store_tile(aqk_h, tl.where(r[:, None] >= r[None, :], aq * scale, 0.0), t0, n0, 64, 0, 64, 64, 64)
+        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
+        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
+        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
+        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
+        c0 = tl.zeros([BKA], dtype=tl.float32)
+        c1 = tl.sum(g0, 0)
+        c2 = c1 + tl.sum(g1, 0)
+        c3 = c2 + tl.sum(g2, 0)
+        G0 = tl.cumsum(g0, 0)
+        G1 = tl.cumsum(g1, 0) + c1[None, :]
+        G2 = tl.cumsum(g2, 0) + c2[None, :]
+        G3 = tl.cumsum(g3, 0) + c3[None, :]
+        f0 = tl.exp2(G0 + SHIFT)
+        f1 = tl.exp2(G1 - c1[None, :] + SHIFT)
+        f2 = tl.exp2(G2 - c2[None, :] + SHIFT)
+        f3 = tl.exp2(G3 - c3[None, :] + SHIFT)
+        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA) * rk0[:, None]
+        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA) * rk1[:, None]
+        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA) * rk2[:, None]
+        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA) * rk3[:, None]
+        qr0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA) * rq0[:, None] * f0
+        qr1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA) * rq1[:, None] * f1
+        qr2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA) * rq2[:, None] * f2
+        qr3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA) * rq3[:, None] * f3
+        kr0 = k0 * f0
+        kr1 = k1 * f1
+        kr2 = k2 * f2
+        kr3 = k3 * f3
+        aq00, ak00 = _acc_pair(aq00, ak00, qr0, kr0, k0, G0, c0, ADT, PREC, EMU)
+        aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
+        aq11, ak11 = _acc_pair(aq11, ak11, qr1, kr1, k1, G1, c1, ADT, PREC, EMU)
+        aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
+        aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
+        aq22, ak22 = _acc_pair(aq22, ak22, qr2, kr2, k2, G2, c2, ADT, PREC, EMU)
+        aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
+        aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
+        aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
+        aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
 
-    # ---- T = (I + L)^{-1}, L = Diag(beta) Akk (strictly lower), block by block ----
-    # L goes through a float32 scratch to be read back as 16 x 16 blocks (registers cannot be sliced).
-    lk_h = lk + h.to(tl.int64) * T_tot * 64
-    store_tile(lk_h, tl.where(r[:, None] > r[None, :], ak * b[:, None], 0.0), t0, n0, 64, 0, 64, 64, 64)
-    tl.debug_barrier()
+    aqk_h = aqk + h.to(tl.int64) * T_tot * 64
+    _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)
+    _store_blk(aqk_h, aq10 * scale, t0, n0, 1, 0)
+    _store_blk(aqk_h, tril(aq11, False) * scale, t0, n0, 1, 1)
+    _store_blk(aqk_h, aq20 * scale, t0, n0, 2, 0)
+    _store_blk(aqk_h, aq21 * scale, t0, n0, 2, 1)
+    _store_blk(aqk_h, tril(aq22, False) * scale, t0, n0, 2, 2)
+    _store_blk(aqk_h, aq30 * scale, t0, n0, 3, 0)
+    _store_blk(aqk_h, aq31 * scale, t0, n0, 3, 1)
+    _store_blk(aqk_h, aq32 * scale, t0, n0, 3, 2)
+    _store_blk(aqk_h, tril(aq33, False) * scale, t0, n0, 3, 3)
+
+    # ---- T = (I + L)^{-1}, L = Diag(beta) Akk, block by block ----
     d0, d1, d2, d3 = inv_unit_lower4(
-        _load_blk(lk_h, t0, n0, 0, 0), _load_blk(lk_h, t0, n0, 1, 1),
-        _load_blk(lk_h, t0, n0, 2, 2), _load_blk(lk_h, t0, n0, 3, 3),
-    )  # fmt: skip
-    l10 = _load_blk(lk_h, t0, n0, 1, 0)
-    l20 = _load_blk(lk_h, t0, n0, 2, 0)
-    l21 = _load_blk(lk_h, t0, n0, 2, 1)
-    l30 = _load_blk(lk_h, t0, n0, 3, 0)
-    l31 = _load_blk(lk_h, t0, n0, 3, 1)
-    l32 = _load_blk(lk_h, t0, n0, 3, 2)
+        tril(ak00, True) * b0[:, None],
+        tril(ak11, True) * b1[:, None],
+        tril(ak22, True) * b2[:, None],
+        tril(ak33, True) * b3[:, None],
+    )
+    l10 = ak10 * b1[:, None]
+    l20 = ak20 * b2[:, None]
+    l21 = ak21 * b2[:, None]
+    l30 = ak30 * b3[:, None]
+    l31 = ak31 * b3[:, None]
+    l32 = ak32 * b3[:, None]
     # T_ac = -T_aa sum_{c <= b < a} L_ab T_bc
     t10 = -mm32(d1, mm32(l10, d0, PREC), PREC)
     t21 = -mm32(d2, mm32(l21, d1, PREC), PREC)
@@ -146,11 +221,15 @@ def _prep_kernel(
     _store_blk(tm_h, d3, t0, n0, 3, 3)
     tl.debug_barrier()
     tmat = load_lower(tm_h, t0, n0)
+    b = load_rows(beta + h, t0, n0, H, 64)
+    r = tl.arange(0, 64)
 
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
+    rqn = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 64)
+    rkn = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 64)
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
@@ -172,7 +251,7 @@ def _prep_kernel(
 
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
     """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
-    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk and the scratch lk (see allocate_fwd);
+    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk (see allocate_fwd);
     `dtypes` = (IO, ADT, PREC, EMU)."""
     T_tot, H, K = q.shape
     V = v.shape[-1]
@@ -183,7 +262,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _prep_kernel[(layout.n_chunks, H)](
         q, k, v, g, beta, a_log, dt_bias,
-        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["lk"],
+        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"],
         cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot,
         H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
