@@ -44,7 +44,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     inputs = op_inputs(B, T, H, D)
-    result = {"env": env_info(sys.argv[1:] if argv is None else argv), "shape": [B, T, H, D], "modes": {}}
+    args_list = sys.argv[1:] if argv is None else argv
+    result = {"env": env_info(["benchmarks/profile_kda.py", *args_list]), "shape": [B, T, H, D], "modes": {}}
 
     def fwd():
         with torch.no_grad():
