@@ -92,6 +92,22 @@ def test_fused_gate_and_l2norm(K):
     compare(make_inputs(1, 40, 2 if K == 16 else 1, K, 16, gate=True, l2norm=True, seed=4), TOL32, TOL32, l2norm=True)
 
 
+@pytest.mark.parametrize("k_tile", ["16", "128"])
+def test_backward_k_tile_knob(monkeypatch, k_tile):
+    # HA_KDA_DQKG_BK sets the K tile of the dq/dk/dg kernel: 16 gives five masked tiles at K = 80, 128 one tile
+    # (and the l2norm backward fused into that kernel); both must match the reference like the default.
+    monkeypatch.setenv("HA_KDA_DQKG_BK", k_tile)
+    compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)
+
+
+def test_backward_k_tile_knob_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("HA_KDA_DQKG_BK", "48")
+    q, k, v, g, beta = (x.requires_grad_() for x in make_inputs(1, 8, 1, 16, 16, h0=False)[:5])
+    o, _ = chunk_kda_triton(q, k, v, g, beta)
+    with pytest.raises(ValueError, match="HA_KDA_DQKG_BK must be one of"):
+        o.sum().backward()
+
+
 @pytest.mark.parametrize("used", ["state", "output"])
 def test_gradient_through_one_output(used):
     # Autograd passes None (not a materialised zero) for the output that got no gradient.

@@ -205,6 +205,13 @@ def _l2norm_bwd(x, rstd, dy):
     return dx
 
 
+def _dqkg_k_tile() -> int:
+    value = os.environ.get("HA_KDA_DQKG_BK", "64")
+    if value not in ("16", "32", "64", "128", "256"):
+        raise ValueError(f"HA_KDA_DQKG_BK must be one of 16, 32, 64, 128, 256, got {value!r}")
+    return int(value)
+
+
 def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound,
             gate, l2norm):  # fmt: skip
     """All three backward stages. do [B, T, H, V], dht [N, H, K, V] f32 or None; inputs as `kda_fwd`.
@@ -227,7 +234,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
 
     # K tile of the dq/dk/dg kernel (tuning knob HA_KDA_DQKG_BK, 64 or 32): 32 spills no registers, but 64 halves
     # the number of latency-bound programs and measures 1.4x faster on an H200 (docs/kernels.md).
-    BK = min(int(os.environ.get("HA_KDA_DQKG_BK", "64")), max(16, triton.next_power_of_2(K)))
+    BK = min(_dqkg_k_tile(), max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
     f32 = torch.float32
     dbeta = empty(q, NK + 1, T_tot, H, dtype=f32)
