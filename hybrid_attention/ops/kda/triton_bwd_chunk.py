@@ -10,7 +10,8 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     dg = reverse cumulative sum of dG over the chunk + dGam (Gam is the sum of the whole chunk's g)
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
-row, so with the fused l2norm dq, dk leave this kernel in float32 and a small row kernel finishes them.
+row: when one K tile holds the row (K <= the tile, HA_KDA_DQKG_BK, 64 by default) it is done here, otherwise dq, dk
+leave this kernel in float32 and a small row kernel finishes them.
 """
 
 from __future__ import annotations
