@@ -28,14 +28,22 @@ def _load_rows(ptr, rows, d, n_rows, D: tl.constexpr):
 
 
 @triton.jit
+def _norm_rows(x, w, rows, d, n_rows, eps, D: tl.constexpr, DT: tl.constexpr):
+    """(x rounded to DT, rstd, w, x * rstd) of BR rows, float32; x is rounded first so a float32 input (the decode
+    step's recurrence output) is normalised as the eager layer does after its cast."""
+    xf = _load_rows(x, rows, d, n_rows, D).to(DT).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
+    wf = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
+    return xf, rstd, wf, xf * rstd[:, None]
+
+
+@triton.jit
 def _gated_norm_fwd_kernel(x, gate, w, y, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     dt = y.dtype.element_ty
-    xf = _load_rows(x, rows, d, n_rows, D)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
-    wf = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
-    y1 = (xf * rstd[:, None] * wf[None, :]).to(dt).to(tl.float32)
+    _, _, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
+    y1 = (xh * wf[None, :]).to(dt).to(tl.float32)
     out = y1 * tl.sigmoid(_load_rows(gate, rows, d, n_rows, D))
     ok = (rows < n_rows)[:, None] & (d < D)[None, :]
     tl.store(y + rows[:, None].to(tl.int64) * D + d[None, :], out.to(dt), mask=ok)
@@ -47,10 +55,7 @@ def _gated_norm_bwd_kernel(x, gate, w, dy, dx, dgate, dw_part, n_rows, eps, D: t
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     dt = x.dtype.element_ty
-    xf = _load_rows(x, rows, d, n_rows, D)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
-    wf = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
-    xh = xf * rstd[:, None]
+    _, rstd, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
     s = tl.sigmoid(_load_rows(gate, rows, d, n_rows, D))
     g = _load_rows(dy, rows, d, n_rows, D)
     dg = g * (xh * wf[None, :]).to(dt).to(tl.float32) * s * (1.0 - s)
@@ -64,15 +69,22 @@ def _gated_norm_bwd_kernel(x, gate, w, dy, dx, dgate, dw_part, n_rows, eps, D: t
     tl.store(dw_part + tl.program_id(0).to(tl.int64) * D + d, tl.sum(dy1 * xh, 0), mask=d < D)
 
 
+def gated_norm_forward(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
+    """The forward kernel alone (no autograd): x, gate contiguous with rows of D = weight.numel() values, the same
+    number of rows; returns y shaped like gate in `dtype` (x is rounded to `dtype` first)."""
+    D = weight.numel()
+    n_rows = gate.numel() // D
+    y = torch.empty(gate.shape, device=gate.device, dtype=dtype)
+    grid = (triton.cdiv(n_rows, ROWS),)
+    BD = triton.next_power_of_2(D)
+    _gated_norm_fwd_kernel[grid](x, gate, weight, y, n_rows, float(eps), D=D, BD=BD, BR=ROWS, num_warps=4)
+    return y
+
+
 class _GatedNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
-        D = x.shape[-1]
-        n_rows = x.numel() // D
-        y = torch.empty_like(x)
-        grid = (triton.cdiv(n_rows, ROWS),)
-        BD = triton.next_power_of_2(D)
-        _gated_norm_fwd_kernel[grid](x, gate, weight, y, n_rows, eps, D=D, BD=BD, BR=ROWS, num_warps=4)
+        y = gated_norm_forward(x, gate, weight, eps, x.dtype)
         ctx.save_for_backward(x, gate, weight)
         ctx.eps = eps
         return y

@@ -9,11 +9,13 @@ Per head, for the token's projections (DESIGN.md "Layers", MATH.md "KDA recurren
     ...       the recurrence (ops.kda: recurrent_kda) ...
     y       = RMSNorm_head(o) * sigmoid(gate)
 
-Eager PyTorch runs these as about 60 small kernels per layer and token; here they are two. Rounding follows the
+Eager PyTorch runs these as about 60 small kernels per layer and token; here they are two (the output norm is
+the forward kernel of `ops.gated_norm`). Rounding follows the
 eager layer step by step (the conv output, the SiLU output and the normalised q/k are rounded to the activation
 dtype, the RMSNorm output before the gate), so the two paths agree to float32 precision in float32 and to bf16
 rounding in bf16. q, k, v come back in float32 holding those rounded values, which is what the recurrence computes
-in anyway (it saves three casts). One program per (sequence, head); the head dim must fit one block.
+in anyway (it saves three casts). The inputs kernel runs one program per (sequence, head); the head dim must fit
+one block.
 """
 
 from __future__ import annotations
@@ -102,31 +104,6 @@ def _decode_inputs_kernel(
     tl.store(beta_out + b * H + h, beta)
 
 
-@triton.jit
-def _gated_norm_kernel(
-    o_ptr,  # [B, H, D] recurrence output (any float dtype), contiguous
-    gate_ptr,  # [B, C] gate logits (stride stride_g)
-    w_ptr,  # [D] RMSNorm weight
-    y_ptr,  # [B, C] output, activation dtype, contiguous
-    stride_g,
-    eps,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    ok = d < D
-    dtype = y_ptr.dtype.element_ty
-    # The eager layer rounds o to the activation dtype, normalises in float32, rounds, then gates in float32.
-    o = tl.load(o_ptr + (b * H + h) * D + d, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * w).to(dtype).to(tl.float32)
-    gate = tl.load(gate_ptr + b * stride_g + h * D + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + b * H * D + h * D + d, (y * tl.sigmoid(gate)).to(dtype), mask=ok)
-
-
 def _rows(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
     """[B, 1, width] or [B, width] -> [B, width] with unit stride in the last dim (a view when possible)."""
     x2 = x.reshape(x.shape[0], -1)
@@ -209,12 +186,11 @@ def kda_gated_output_norm(
     o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype: torch.dtype
 ) -> torch.Tensor:
     """o [B, 1, H, D] (any float dtype), gate [B, 1, H*D], weight [D] -> [B, 1, H*D] in `dtype`:
-    RMSNorm_head(o rounded to dtype) * sigmoid(gate), as `GatedRMSNorm` computes it."""
+    RMSNorm_head(o rounded to dtype) * sigmoid(gate), as `GatedRMSNorm` computes it (the forward kernel of
+    `ops.gated_norm`, which rounds its input to the output dtype first)."""
+    from hybrid_attention.ops.gated_norm import gated_norm_forward
+
     B, _, H, D = o.shape
-    o = o if o.is_contiguous() else o.contiguous()
     gg = _rows(gate, H * D, "gate")
-    y = torch.empty(B, 1, H * D, device=o.device, dtype=dtype)
-    _gated_norm_kernel[(B, H)](
-        o, gg, weight, y, gg.stride(0), float(eps), H=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=4
-    )
-    return y
+    gg = gg if gg.is_contiguous() else gg.contiguous()
+    return gated_norm_forward(o.contiguous(), gg, weight, eps, dtype).view(B, 1, H * D)

@@ -25,13 +25,13 @@ import triton.language as tl
 from hybrid_attention.ops.kda.triton_bwd import score_grad, state_bwd
 from hybrid_attention.ops.kda.triton_fwd import TL_DTYPES
 from hybrid_attention.ops.kda.triton_utils import (
-    LOG2E,
     SHIFT,
     ChunkLayout,
     autotune,
     chunk_info,
     dot_setup,
     empty,
+    gate_parts,
     load_gate,
     load_lower,
     load_raw,
@@ -40,23 +40,6 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     store_tile,
 )
-
-
-@triton.jit
-def _gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-                R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only)."""
-    x = load_tile(g, row0, nrows, stride, col0, K, R, C)
-    if GATE:
-        r = tl.arange(0, R)
-        c = col0 + tl.arange(0, C)
-        bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
-        xx = tl.exp(tl.load(a_log + h).to(tl.float32)) * (x + bias[None, :])
-        s = tl.sigmoid(xx)
-        gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], lower_bound * s, 0.0)
-        return gn * LOG2E, lower_bound * s * (1.0 - s), xx
-    else:
-        return x * LOG2E, x, x
 
 
 @triton.jit
@@ -168,7 +151,8 @@ def _dqkg_kernel(
     dgl = tl.where((r < nv)[:, None] & cm[None, :], tl.cumsum(dG, 0, reverse=True) + dgam[None, :], 0.0)
     if GATE:
         # dz = dg * (d g / d x) * exp(A_log); the per-chunk sums of dz and dz * (z + bias) feed dt_bias and A_log.
-        _, dgdx, x = _gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK)
+        # The gate's parts are recomputed from z here rather than kept from the start: two fewer live tiles.
+        _, dgdx, x = gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK)
         dx = dgl * dgdx
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
         part = (c * H + h).to(tl.int64) * K + kk + tl.arange(0, BK)

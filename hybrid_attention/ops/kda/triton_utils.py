@@ -122,19 +122,29 @@ def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
 
 
 @triton.jit
-def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-              R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the bounded gate is applied here:
-    g = lower_bound * sigmoid(exp(A_log_h) * (z + dt_bias_hc)). Zero outside the valid rows and columns."""
+def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
+               R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only)."""
     x = load_tile(g, row0, nrows, stride, col0, K, R, C)
     if GATE:
         r = tl.arange(0, R)
         c = col0 + tl.arange(0, C)
         bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
-        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-        x = lower_bound * tl.sigmoid(rate * (x + bias[None, :]))
-        x = tl.where((r < nrows)[:, None] & (c < K)[None, :], x, 0.0)
-    return x * LOG2E
+        xx = tl.exp(tl.load(a_log + h).to(tl.float32)) * (x + bias[None, :])
+        s = tl.sigmoid(xx)
+        gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], lower_bound * s, 0.0)
+        return gn * LOG2E, lower_bound * s * (1.0 - s), xx
+    else:
+        return x * LOG2E, x, x
+
+
+@triton.jit
+def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
+              R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the bounded gate is applied here:
+    g = lower_bound * sigmoid(exp(A_log_h) * (z + dt_bias_hc)). Zero outside the valid rows and columns."""
+    decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, R, C)
+    return decay
 
 
 @triton.jit
