@@ -21,14 +21,18 @@ import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
     autotune,
+    chunk_decay,
     chunk_info,
     empty,
     load_lower,
     load_raw,
     load_rows,
+    load_state,
     load_tile,
     mm,
     seq_info,
+    state_slice,
+    store_state,
     store_tile,
 )
 
@@ -47,14 +51,8 @@ def _state_bwd_kernel(
     n = tl.program_id(1)
     h = tl.program_id(2)
     bos, eos, c0 = seq_info(n, cu, chunk_off, T, NT, VARLEN)
-    rk = tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    smask = (rk < K)[:, None] & (rv < V)[None, :]
-    soffs = rk[:, None] * V + rv[None, :]
-    if HAS_DHT:
-        dS = tl.load(dht + (n * H + h).to(tl.int64) * K * V + soffs, mask=smask, other=0.0)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    soffs, smask = state_slice(iv, K, V, BK, BV)
+    dS = load_state(dht, n * H + h, soffs, smask, HAS_DHT, K, V, BK, BV)
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
@@ -66,7 +64,7 @@ def _state_bwd_kernel(
         t0 = bos + j * 64
         nv = eos - t0
         cj = c0 + j
-        tl.store(dhbuf + (cj * H + h).to(tl.int64) * K * V + soffs, dS.to(IO), mask=smask)
+        store_state(dhbuf, cj * H + h, dS, soffs, smask, K, V)
         dO = load_raw(do + h * V, t0, nv, H * V, iv * BV, V, 64, BV)
         At = load_lower(a_h, t0, nv)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
@@ -74,10 +72,10 @@ def _state_bwd_kernel(
         store_tile(dvn_h, dD, t0, nv, V, iv * BV, V, 64, BV)
         Qt = load_raw(qg_h, t0, nv, K, 0, K, 64, BK)
         Wt = load_raw(w_h, t0, nv, K, 0, K, 64, BK)
-        gam = tl.load(glast + (cj * H + h).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
-        dS = dS * tl.exp2(gam)[:, None] + mm(tl.trans(Qt), dO, IO, PREC, EMU) - mm(tl.trans(Wt), dD, IO, PREC, EMU)
+        decay = tl.exp2(chunk_decay(glast, cj, h, H, K, BK))
+        dS = dS * decay[:, None] + mm(tl.trans(Qt), dO, IO, PREC, EMU) - mm(tl.trans(Wt), dD, IO, PREC, EMU)
     if HAS_H0:
-        tl.store(dh0 + (n * H + h).to(tl.int64) * K * V + soffs, dS, mask=smask)
+        store_state(dh0, n * H + h, dS, soffs, smask, K, V)
 
 
 @autotune([{"BV": 32}, {"BV": 64}], [(4, 1), (8, 1)], ["V"])

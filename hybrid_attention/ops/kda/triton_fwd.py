@@ -19,13 +19,17 @@ from hybrid_attention.ops.kda.triton_prep import prep_fwd
 from hybrid_attention.ops.kda.triton_utils import (
     ChunkLayout,
     autotune,
+    chunk_decay,
     dot_setup,
     empty,
     load_lower,
     load_raw,
+    load_state,
     load_tile,
     mm,
     seq_info,
+    state_slice,
+    store_state,
     store_tile,
 )
 
@@ -44,14 +48,8 @@ def _state_fwd_kernel(
     n = tl.program_id(1)
     h = tl.program_id(2)
     bos, eos, c0 = seq_info(n, cu, chunk_off, T, NT, VARLEN)
-    rk = tl.arange(0, BK)
-    rv = iv * BV + tl.arange(0, BV)
-    smask = (rk < K)[:, None] & (rv < V)[None, :]
-    soffs = rk[:, None] * V + rv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + (n * H + h).to(tl.int64) * K * V + soffs, mask=smask, other=0.0)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    soffs, smask = state_slice(iv, K, V, BK, BV)
+    S = load_state(h0, n * H + h, soffs, smask, HAS_H0, K, V, BK, BV)
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
@@ -63,7 +61,7 @@ def _state_fwd_kernel(
         nv = eos - t0
         cj = c0 + j
         if SAVE:
-            tl.store(hbuf + (cj * H + h).to(tl.int64) * K * V + soffs, S.to(IO), mask=smask)
+            store_state(hbuf, cj * H + h, S, soffs, smask, K, V)
         Wt = load_raw(w_h, t0, nv, K, 0, K, 64, BK)
         D = load_tile(u_h, t0, nv, V, iv * BV, V, 64, BV) - mm(Wt, S, IO, PREC, EMU)
         if SAVE:
@@ -73,10 +71,9 @@ def _state_fwd_kernel(
         O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
         store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
-        gam = tl.load(glast + (cj * H + h).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
-        S = S * tl.exp2(gam)[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
+        S = S * tl.exp2(chunk_decay(glast, cj, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
     if STORE_HT:
-        tl.store(ht + (n * H + h).to(tl.int64) * K * V + soffs, S, mask=smask)
+        store_state(ht, n * H + h, S, soffs, smask, K, V)
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

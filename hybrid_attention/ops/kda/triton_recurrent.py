@@ -17,7 +17,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybrid_attention.ops.kda.triton_utils import L2_EPS, MAX_DIM, empty, interpreting
+from hybrid_attention.ops.kda.triton_utils import (
+    L2_EPS,
+    MAX_DIM,
+    empty,
+    interpreting,
+    load_state,
+    state_slice,
+    store_state,
+)
 
 
 @triton.jit
@@ -34,9 +42,8 @@ def _step_kernel(
     rv = iv * BV + tl.arange(0, BV)
     mk = rk < K
     mv = rv < V
-    sp = state + (b * H + h).to(tl.int64) * K * V + rk[:, None] * V + rv[None, :]
-    smask = mk[:, None] & mv[None, :]
-    S = tl.load(sp, mask=smask, other=0.0)
+    soffs, smask = state_slice(iv, K, V, BK, BV)
+    S = load_state(state, b * H + h, soffs, smask, True, K, V, BK, BV)
     if GATE:
         bias = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
@@ -56,7 +63,7 @@ def _step_kernel(
         vn = bt * (vt - tl.sum(S * kt[:, None], 0))  # beta_t (v_t - S^T k_t)
         S = S + kt[:, None] * vn[None, :]
         tl.store(o + row * V + rv, (scale * tl.sum(S * qt[:, None], 0)).to(o.dtype.element_ty), mask=mv)
-    tl.store(sp, S, mask=smask)
+    store_state(state, b * H + h, S, soffs, smask, K, V)
 
 
 @torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))

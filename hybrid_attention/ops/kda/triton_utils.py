@@ -148,6 +148,37 @@ def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, G
 
 
 @triton.jit
+def state_slice(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """(offsets, mask) of V tile iv of a row-major [K, V] state: every row (BK >= K), columns iv * BV + [0, BV)."""
+    rk = tl.arange(0, BK)
+    rv = iv * BV + tl.arange(0, BV)
+    return rk[:, None] * V + rv[None, :], (rk < K)[:, None] & (rv < V)[None, :]
+
+
+@triton.jit
+def load_state(ptr, idx, offs, mask, HAS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr):  # fmt: skip
+    """Slice `offs` of state idx of a [*, K, V] float32 buffer, or zeros when there is none (HAS false)."""
+    if HAS:
+        return tl.load(ptr + idx.to(tl.int64) * K * V + offs, mask=mask, other=0.0)
+    else:
+        return tl.zeros([BK, BV], dtype=tl.float32)
+
+
+@triton.jit
+def store_state(ptr, idx, x, offs, mask, K: tl.constexpr, V: tl.constexpr):
+    """Write slice `offs` of state idx of a [*, K, V] buffer (in the buffer's dtype)."""
+    tl.store(ptr + idx.to(tl.int64) * K * V + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def chunk_decay(glast, cj, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Gam, the log2 decay of chunk cj for head h over the whole chunk: [BK] float32 (zero past K)."""
+    rk = tl.arange(0, BK)
+    return tl.load(glast + (cj * H + h).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+
+
+@triton.jit
 def chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN: tl.constexpr):
     """(sequence, first token, end of sequence) of chunk c; sequence -1 marks a spare grid slot (varlen)."""
     if VARLEN:
