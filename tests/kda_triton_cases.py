@@ -39,3 +39,23 @@ def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seql
         g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
     h0 = None if h0 is None else h0.double()
     return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def poison_torch_empty(monkeypatch) -> None:
+    """Make every floating `torch.empty` (all the kernels' buffers come from it) start as NaN, so an element a
+    kernel forgets to write shows up in the comparison."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def changed_after(base: list, other: list, t: int) -> list:
+    """`base` inputs (q, k, v, g, beta, then the rest) with q..beta taken from `other` at positions after t."""
+    changed = [x.clone() for x in base[:5]]
+    for x, y in zip(changed, other[:5], strict=True):
+        x[:, t + 1 :] = y[:, t + 1 :]
+    return changed + list(base[5:])

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from tests.kda_triton_cases import reference_kda, run, triton_kda
+from tests.kda_triton_cases import changed_after, poison_torch_empty, reference_kda, run, triton_kda
 
 os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -158,13 +158,10 @@ def test_prefix_invariance(t):
     T = 300
     base = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=4)
     other = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=5)
-    changed = [x.clone() for x in base[:5]]
-    for x, y in zip(changed, other[:5], strict=True):
-        x[:, t + 1 :] = y[:, t + 1 :]
     do = torch.randn(1, T, 2, 128, dtype=torch.float64, device="cuda")
     do[:, t + 1 :] = 0
     dS = torch.zeros(1, 2, 128, 128, dtype=torch.float64, device="cuda")
-    (o1, _, g1), (o2, _, g2) = (run(triton_kda, x, do, dS, l2norm=True) for x in (base, changed + base[5:]))
+    (o1, _, g1), (o2, _, g2) = (run(triton_kda, x, do, dS, l2norm=True) for x in (base, changed_after(base, other, t)))
     same = {"o": torch.equal(o1[:, : t + 1], o2[:, : t + 1])}
     same.update({n: torch.equal(g1[n][:, : t + 1], g2[n][:, : t + 1]) for n in ("q", "k", "v", "g", "beta")})
     same.update({n: torch.equal(g1[n], g2[n]) for n in ("h0", "A_log", "dt_bias")})
@@ -173,13 +170,7 @@ def test_prefix_invariance(t):
 
 
 def test_poisoned_buffers(monkeypatch):
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    poison_torch_empty(monkeypatch)
     cu = torch.tensor([0, 7, 64, 65, 500], device="cuda")
     inputs = make_inputs(1, 500, 2, 128, 128, BF16, N=4, gate=True, l2norm=True, seed=6)
     check(compare("bf16 NaN-poisoned varlen gate+l2norm", inputs, cu_seqlens=cu, l2norm=True))
