@@ -38,6 +38,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_rows,
     load_tile,
     mm,
+    rows_or_one,
     store_tile,
 )
 
@@ -50,15 +51,6 @@ def _l2_back(dxh, xh, r, FUSE: tl.constexpr):
         return r[:, None] * (dxh - xh * tl.sum(xh * dxh, 1)[:, None])
     else:
         return dxh
-
-
-@triton.jit
-def _rows_or_one(ptr, row0, nrows, H, L2NORM: tl.constexpr):
-    """1 / ||x|| per row with the fused l2norm, else ones ([64] float32)."""
-    if L2NORM:
-        return load_rows(ptr, row0, nrows, H, 64)
-    else:
-        return tl.full([64], 1.0, dtype=tl.float32)
 
 
 @autotune([{"BV": 32}, {"BV": 64}], [(8, 1), (8, 1)], ["K", "V", "GATE", "L2NORM"])
@@ -89,8 +81,8 @@ def _dqkg_kernel(
 
     # ---- gate, normalised q and k of this K tile (recomputed as in the forward) ----
     G = tl.cumsum(load_gate(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK), 0)
-    rqn = _rows_or_one(rq + h, t0, nv, H, L2NORM)
-    rkn = _rows_or_one(rk + h, t0, nv, H, L2NORM)
+    rqn = rows_or_one(rq + h, t0, nv, H, L2NORM)
+    rkn = rows_or_one(rk + h, t0, nv, H, L2NORM)
     qn = load_tile(q + h * K, t0, nv, sk, kk, K, 64, BK) * rqn[:, None]
     kn = load_tile(k + h * K, t0, nv, sk, kk, K, 64, BK) * rkn[:, None]
     b = load_rows(beta + h, t0, nv, H, 64)

@@ -95,8 +95,8 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
         "aqk": empty(q, H, T_tot, 64, dtype=io),
         "tm": empty(q, H, T_tot, 64, dtype=io),  # also a scratch of the prep kernel when not saving
         "glast": empty(q, n_chunks, H, K, dtype=f32),
-        "rq": empty(q, T_tot, H, dtype=f32) if (save and l2norm) else none(),
-        "rk": empty(q, T_tot, H, dtype=f32) if (save and l2norm) else none(),
+        "rq": empty(q, T_tot, H, dtype=f32) if l2norm else none(),  # 1 / ||q||, also read back inside the prep
+        "rk": empty(q, T_tot, H, dtype=f32) if l2norm else none(),
         "h": empty(q, n_chunks, H, K, V, dtype=io) if save else none(),
         "vnew": empty(q, H, T_tot, V, dtype=io) if save else none(),
         "u": empty(q, H, T_tot, V, dtype=io),

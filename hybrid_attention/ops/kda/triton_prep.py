@@ -30,22 +30,23 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_tile,
     mm,
     mm32,
+    rows_or_one,
     store_tile,
     tril,
 )
 
 
 @triton.jit
-def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr, R: tl.constexpr):
-    """1 / sqrt(sum_c x^2 + eps) for R rows (ones without L2NORM)."""
+def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / sqrt(sum_c x^2 + eps) for 16 rows (ones without L2NORM)."""
     if L2NORM:
-        ss = tl.zeros([R], dtype=tl.float32)
+        ss = tl.zeros([16], dtype=tl.float32)
         for kk in range(0, K, BK):
-            t = load_tile(x, row0, nrows, stride, kk, K, R, BK)
+            t = load_tile(x, row0, nrows, stride, kk, K, 16, BK)
             ss += tl.sum(t * t, 1)
         return 1.0 / tl.sqrt(ss + L2_EPS)
     else:
-        return tl.full([R], 1.0, dtype=tl.float32)
+        return tl.full([16], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -92,15 +93,15 @@ def _prep_kernel(
     b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
     b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
     b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
-    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 16)
-    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
-    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
-    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
-    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 16)
-    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
-    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
-    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
-    if L2NORM and SAVE:
+    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM)
+    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM)
+    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
         r16 = tl.arange(0, 16)
         tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
         tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
@@ -228,8 +229,8 @@ def _prep_kernel(
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
-    rqn = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 64)
-    rkn = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 64)
+    rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
+    rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0

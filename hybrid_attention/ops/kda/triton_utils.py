@@ -122,6 +122,15 @@ def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
 
 
 @triton.jit
+def rows_or_one(ptr, row0, nrows, H, L2NORM: tl.constexpr):
+    """1 / ||x|| per row with the fused l2norm, else ones ([64] float32)."""
+    if L2NORM:
+        return load_rows(ptr, row0, nrows, H, 64)
+    else:
+        return tl.full([64], 1.0, dtype=tl.float32)
+
+
+@triton.jit
 def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
                R: tl.constexpr, C: tl.constexpr):  # fmt: skip
     """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only)."""
