@@ -69,7 +69,7 @@ def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, W: tl.constexpr, BT: tl.conste
         sig = tl.sigmoid(p)
         dp = g * sig * (1.0 + p * (1.0 - sig))
         acc += dp * tl.load(w + c * W + (W - 1 - s), mask=cm, other=0.0).to(tl.float32)[None, :]
-        if s == 0:  # rows t themselves: their share of dw
+        if s == 0:  # rows t themselves: their share of dw; the x tiles are loaded again (L1 hits), not kept live
             part = dw_part + ((b * tl.num_programs(0) + it).to(tl.int64) * C + c) * W
             for j in tl.static_range(W):
                 ts = t - (W - 1) + j
