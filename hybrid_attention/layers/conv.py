@@ -37,24 +37,32 @@ class ShortConv(nn.Module):
         B, T, C = x.shape
         if C != self.channels:
             raise ValueError(f"ShortConv: expected {self.channels} channels, got input of shape {tuple(x.shape)}")
-        if cache is None and triton_runs_on(x, cpu_interpreter=False):
-            from hybrid_attention.ops.short_conv import short_conv
-
-            return short_conv(x, self.weight.view(C, self.kernel_size))
+        if cache is not None and cache.shape != (B, C, self.kernel_size - 1):
+            raise ValueError(f"ShortConv: cache shape {tuple(cache.shape)} != expected {(B, C, self.kernel_size - 1)}")
+        if triton_runs_on(x, cpu_interpreter=False):
+            return self._fused(x, cache)
         xt = x.transpose(1, 2)  # (B, C, T)
-        if cache is None:
-            left = xt.new_zeros(B, C, self.kernel_size - 1)
-        else:
-            if cache.shape != (B, C, self.kernel_size - 1):
-                raise ValueError(
-                    f"ShortConv: cache shape {tuple(cache.shape)} != expected {(B, C, self.kernel_size - 1)}"
-                )
-            left = cache.to(x.dtype)
+        left = xt.new_zeros(B, C, self.kernel_size - 1) if cache is None else cache.to(x.dtype)
         window = torch.cat([left, xt], dim=-1)  # (B, C, W-1+T)
         y = F.conv1d(window, self.weight.to(x.dtype), groups=C)  # (B, C, T)
         if cache is not None and self.kernel_size > 1:
             cache.copy_(window[..., -(self.kernel_size - 1) :])
         return F.silu(y).transpose(1, 2)
+
+    def _fused(self, x: torch.Tensor, cache: torch.Tensor | None) -> torch.Tensor:
+        """The Triton kernel, with or without a cache. A cached prefill runs the same kernel as the whole-prompt
+        forward (its left context prepended), so both give the same numbers; cuDNN's conv1d may use TF32."""
+        from hybrid_attention.ops.short_conv import short_conv
+
+        weight = self.weight.view(self.channels, self.kernel_size)
+        if cache is None:
+            return short_conv(x, weight)
+        left = self.kernel_size - 1
+        window = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # (B, W-1+T, C)
+        y = short_conv(window, weight)[:, left:]
+        if left > 0:
+            cache.copy_(window[:, -left:].transpose(1, 2))
+        return y
 
     def step(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """One decoding step: x [B, C], cache [B, C, W-1] updated in place -> y [B, C]."""
