@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_attention.layers import conv
+from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.ops.gated_norm import gated_rms_norm
 from hybrid_attention.ops.short_conv import short_conv, short_conv_reference
@@ -84,3 +86,20 @@ def _module_forward(x, gate, weight):
 def test_gated_norm_rejects_mismatched_gate():
     with pytest.raises(ValueError, match="gate must have x's shape"):
         gated_rms_norm(torch.randn(2, 8, device=DEV), torch.randn(2, 4, device=DEV), torch.ones(8, device=DEV), 1e-6)
+
+
+@pytest.mark.parametrize("W", [4, 1])
+def test_short_conv_layer_with_cache_matches_eager(W, monkeypatch):
+    """ShortConv's Triton path with a cache (prefill in pieces, what the layer runs on CUDA) against its eager
+    conv1d path: outputs per piece and the cache after each, from a non-zero left context."""
+    torch.manual_seed(W)
+    layer = ShortConv(24, kernel_size=W).to(DEV)
+    x = torch.randn(2, 37, 24, device=DEV)
+    fused_cache = torch.randn(2, 24, W - 1, device=DEV)
+    eager_cache = fused_cache.clone()
+    monkeypatch.setattr(conv, "triton_runs_on", lambda *a, **k: False)  # layer(...) takes the eager path
+    with torch.no_grad():
+        for piece in (x[:, :1], x[:, 1:20], x[:, 20:]):
+            y = layer._fused(piece, fused_cache)
+            assert_close(f"piece of {piece.shape[1]}", y, layer(piece, eager_cache), TOL)
+            assert_close("cache", fused_cache, eager_cache, 1e-12)
