@@ -4,8 +4,9 @@ Against `recurrent_kda` in float64 on the same values: outputs, final states and
 z, beta, initial state, A_log, dt_bias), for lengths that cover one, two and partial chunks and sub-chunks,
 varlen with an empty sequence, the fused gate and l2norm; plus bitwise prefix invariance (forward and
 backward), NaN-poisoned buffers, the decode kernel, the custom ops under torch.compile and input errors.
-The interpreter is slow: every case is one or two chunks, H <= 2, K, V <= 32. bfloat16 is left to
-tests/gpu/test_kda_triton.py: the interpreter truncates float32 -> bfloat16 casts instead of rounding them.
+The interpreter is slow: every case is one or two chunks, H <= 2, K, V <= 32, except one bfloat16 case, which
+patches the interpreter to round float32 -> bfloat16 as the GPU does (it truncates); tests/gpu/test_kda_triton.py
+covers bfloat16 at real shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from hybrid_attention.ops.kda import chunk_kda, recurrent_kda
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 from tests.helpers import assert_close, rel_err
-from tests.kda_triton_cases import changed_after, poison_torch_empty, reference_kda, run, triton_kda
+from tests.kda_triton_cases import (
+    changed_after,
+    poison_torch_empty,
+    reference_kda,
+    round_bfloat16_like_the_gpu,
+    run,
+    triton_kda,
+)
 
 if not torch.cuda.is_available():
     import os
@@ -130,6 +138,15 @@ def test_gradient_through_one_output(used):
 def test_float16():
     # Half precision: the tolerances of DESIGN.md for bf16 kernels (float16 has 3 more mantissa bits).
     compare(make_inputs(1, 70, 1, 32, 32, dtype=torch.float16, seed=5), 1e-2, 2e-2)
+
+
+def test_bfloat16_gate_gradient_as_accurate_as_the_others(monkeypatch):
+    """bf16 at a real head size with GPU rounding: every quantity within 1e-2, half of DESIGN.md's 2e-2 gradient
+    tolerance. dg is the one that needs care: it is a reverse cumulative sum of terms that cancel in pairs, and
+    before its score part was built from the dots' own rounded operands it measured 1.7e-2 here (and 2.2e-2 on the
+    H200 at T = 4097) while every other quantity stayed below 5e-3."""
+    round_bfloat16_like_the_gpu(monkeypatch)
+    compare(make_inputs(1, 300, 2, 64, 64, dtype=torch.bfloat16, seed=6), 1e-2, 1e-2)
 
 
 def test_no_grad_forward_default_scale_and_dispatch():

@@ -6,7 +6,8 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     dqg = dO S0^T     dkg = D dS1^T     dK~ = -beta * (T^T (dD S0^T))     (V-contractions, per K tile)
     q~ = q * 2^G, k~ = k * 2^G, kg = k * 2^(Gam - G)  ->  dq, dk and dG by the chain rule
     Aqk, Akk blocks (a, b) = rows (q, k) * 2^(G_a - c_a + SHIFT) times columns k_b * 2^(c_a - SHIFT - G_b)
-      ->  dq, dk from dAqk, dAkk = beta * dL, with dG_row += x * dx_row and dG_col -= k * dk_col
+      ->  dq, dk from dAqk, dAkk = beta * dL; each pair (t, i) adds x to dG_t and -x to dG_i, with x taken from
+          the dots' own rounded operands so that the pairs cancel exactly in the reverse cumsum
     dg = reverse cumulative sum of dG over the chunk + dGam (Gam is the sum of the whole chunk's g)
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
@@ -29,6 +30,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     ChunkLayout,
     autotune,
     chunk_info,
+    dot_operand,
     dot_setup,
     empty,
     gate_parts,
@@ -95,9 +97,9 @@ def _dqkg_kernel(
     dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
     dL = load_lower(dl + h.to(tl.int64) * T_tot * 64, t0, nv)
     dAk = (dL * b[:, None]).to(ADT)
-    dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq (rows)
-    dk_r = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk through the row factor (+G)
-    dk_c = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk through the column factor (-G)
+    dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq
+    dk_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk, through the row (+G) and column (-G) factors
+    dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
     db = tl.zeros([64], dtype=tl.float32)
     for a in range(4):
         in_a = (blk == a)[:, None]
@@ -106,12 +108,20 @@ def _dqkg_kernel(
         # up to a; elsewhere the exponent is -inf (a product with a mask could meet an overflowed inf).
         rowf = tl.exp2(tl.where(in_a, G - ca[None, :] + SHIFT, float("-inf")))
         colf = tl.exp2(tl.where((blk <= a)[:, None], ca[None, :] - SHIFT - G, float("-inf")))
-        kc = kn * colf
-        qr = qn * rowf
-        kr = kn * rowf
-        dq_s += rowf * mm(dA, kc, ADT, PREC, EMU)
-        dk_r += rowf * mm(dAk, kc, ADT, PREC, EMU)
-        dk_c += colf * (mm(tl.trans(dA), qr, ADT, PREC, EMU) + mm(tl.trans(dAk), kr, ADT, PREC, EMU))
+        kc = dot_operand(kn * colf, ADT, PREC)
+        qr = dot_operand(qn * rowf, ADT, PREC)
+        kr = dot_operand(kn * rowf, ADT, PREC)
+        pq = mm(dA, kc, ADT, PREC, EMU)
+        pk = mm(dAk, kc, ADT, PREC, EMU)
+        pc = mm(tl.trans(dA), qr, ADT, PREC, EMU) + mm(tl.trans(dAk), kr, ADT, PREC, EMU)
+        dq_s += rowf * pq
+        dk_s += rowf * pk + colf * pc
+        # Each score pair (t, i) adds x to dG_t (row factor) and -x to dG_i (column factor). Built from the dots'
+        # own rounded operands, the pairs inside any suffix of the chunk cancel exactly in the reverse cumsum
+        # below; from q * dq and k * dk they cancel only to bf16 rounding, which the cumsum turned into relative
+        # errors in dg of 1.7e-2 (T = 300, K = V = 64) and 1.4e-2 (T = 4097, K = V = 128); 4.6e-3 and 3.4e-3 this
+        # way (bf16, the Triton interpreter rounding as the GPU does; tests/test_kda_triton.py).
+        dg_s += qr * pq + kr * pk - kc * pc
         db += tl.sum(dL * mm(kr, tl.trans(kc), ADT, PREC, EMU), 1)  # d beta_t += sum_i dL[t, i] Akk[t, i]
 
     # ---- V contractions for this K tile ----
@@ -136,10 +146,11 @@ def _dqkg_kernel(
     e = tl.exp2(G)
     gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
     decay = tl.exp2(gam[None, :] - G)
-    dqn = dq_s + scale * e * dqg
-    pos = dk_r - b[:, None] * e * dr  # parts of dk whose factor holds +G
-    neg = dk_c + decay * dkg  # parts whose factor holds -G
-    dG = qn * dqn + kn * (pos - neg)
+    dq_state = scale * e * dqg
+    pos = -b[:, None] * e * dr  # state parts of dk whose factor holds +G
+    neg = decay * dkg  # and -G
+    dqn = dq_s + dq_state
+    dG = dg_s + qn * dq_state + kn * (pos - neg)
     dgam = tl.sum(kn * decay * dkg, 0) + de * tl.exp2(gam)
     cm = (kk + tl.arange(0, BK)) < K
     dgl = tl.where((r < nv)[:, None] & cm[None, :], tl.cumsum(dG, 0, reverse=True) + dgam[None, :], 0.0)
@@ -156,7 +167,7 @@ def _dqkg_kernel(
     db -= tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T))
     tl.store(dbeta + (ik + 1).to(tl.int64) * T_tot * H + (t0 + r) * H + h, db, mask=r < nv)
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
-    store_tile(dk + h * K, _l2_back(pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
+    store_tile(dk + h * K, _l2_back(dk_s + pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dg + h * K, dgl, t0, nv, sk, kk, K, 64, BK)
 
 

@@ -61,6 +61,26 @@ def dot_setup(dtype: torch.dtype) -> tuple[str, bool, bool]:
 
 
 @triton.jit
+def _tf32(x):
+    """x rounded to tf32 (10 mantissa bits, to nearest), as the tensor cores read float32 operands."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_operand(x, DT: tl.constexpr, PREC: tl.constexpr):
+    """x as the dot of `mm(..., DT, PREC)` multiplies it (rounded to DT, or to tf32), in float32: for sums that
+    must cancel exactly against that dot's own products."""
+    if DT == tl.float32:
+        if PREC == "tf32":
+            return _tf32(x)
+        else:
+            return x
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
 def mm(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """a @ b with both operands cast to DT (the io dtype, or float32), float32 accumulation."""
     if EMU:
