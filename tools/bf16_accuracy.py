@@ -1,0 +1,59 @@
+"""bf16 accuracy of the Triton KDA kernels on a machine without a GPU: the Triton interpreter, patched to round
+float32 -> bfloat16 to nearest even as the GPU does (it truncates), against `recurrent_kda` in float64.
+
+    python tools/bf16_accuracy.py [--shape B,T,H,K,V] [--gate] [--l2norm] [--seed 0]
+
+Prints the relative L2 error of the output, the final state and every gradient. It reproduces the H200's bf16
+errors to about 10% (benchmarks/RESULTS.md), at interpreter speed: about 10 s for T = 300, K = V = 64 and
+3.5 minutes for T = 4097, K = V = 128 on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from tests.helpers import rel_err  # noqa: E402
+from tests.kda_triton_cases import reference_kda, round_bfloat16_like_the_gpu, run, triton_kda  # noqa: E402
+from tests.test_kda_triton import make_inputs  # noqa: E402
+
+
+class _Patch:
+    """The one method of pytest's monkeypatch that round_bfloat16_like_the_gpu uses (kept for the process)."""
+
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="1,300,2,64,64", help="B,T,H,K,V")
+    p.add_argument("--gate", action="store_true", help="raw gate logits with A_log, dt_bias (fused gate)")
+    p.add_argument("--l2norm", action="store_true", help="q, k normalised inside the kernels")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    B, T, H, K, V = (int(x) for x in args.shape.split(","))
+    round_bfloat16_like_the_gpu(_Patch())
+    inputs = make_inputs(B, T, H, K, V, gate=args.gate, l2norm=args.l2norm, dtype=torch.bfloat16, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    do = torch.randn(B, T, H, V, dtype=torch.float64, generator=gen)
+    dS = torch.randn(B, H, K, V, dtype=torch.float64, generator=gen)
+    start = time.time()
+    o, S, grads = run(triton_kda, inputs, do, dS, l2norm=args.l2norm)
+    took = time.time() - start
+    ro, rS, rgrads = run(reference_kda, inputs, do, dS, l2norm=args.l2norm)
+    errors = {"o": rel_err(o, ro), "final": rel_err(S, rS)} | {f"d{n}": rel_err(grads[n], r) for n, r in rgrads.items()}
+    print(f"bf16 {args.shape} gate={args.gate} l2norm={args.l2norm} seed={args.seed} ({took:.0f} s in the interpreter)")
+    for name, err in errors.items():
+        print(f"  {name:<10} {err:.3e}")
+
+
+if __name__ == "__main__":
+    main()
