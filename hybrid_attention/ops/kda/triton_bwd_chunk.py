@@ -119,8 +119,8 @@ def _dqkg_kernel(
         # Each score pair (t, i) adds x to dG_t (row factor) and -x to dG_i (column factor). Built from the dots'
         # own rounded operands, the pairs inside any suffix of the chunk cancel exactly in the reverse cumsum
         # below; from q * dq and k * dk they cancel only to bf16 rounding, which the cumsum turned into relative
-        # errors in dg of 1.7e-2 (T = 300, K = V = 64) and 1.4e-2 (T = 4097, K = V = 128); 4.6e-3 and 3.4e-3 this
-        # way (bf16, the Triton interpreter rounding as the GPU does; tests/test_kda_triton.py).
+        # errors in dg of 2.1e-2 (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this
+        # way (bf16, tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
         dg_s += qr * pq + kr * pk - kc * pc
         db += tl.sum(dL * mm(kr, tl.trans(kc), ADT, PREC, EMU), 1)  # d beta_t += sum_i dL[t, i] Akk[t, i]
 
