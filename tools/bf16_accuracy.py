@@ -18,18 +18,12 @@ import time
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers import rel_err  # noqa: E402
 from tests.kda_triton_cases import reference_kda, round_bfloat16_like_the_gpu, run, triton_kda  # noqa: E402
 from tests.test_kda_triton import make_inputs  # noqa: E402
-
-
-class _Patch:
-    """The one method of pytest's monkeypatch that round_bfloat16_like_the_gpu uses (kept for the process)."""
-
-    def setattr(self, obj, name, value):
-        setattr(obj, name, value)
 
 
 def main(argv=None) -> None:
@@ -40,13 +34,14 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     B, T, H, K, V = (int(x) for x in args.shape.split(","))
-    round_bfloat16_like_the_gpu(_Patch())
     inputs = make_inputs(B, T, H, K, V, gate=args.gate, l2norm=args.l2norm, dtype=torch.bfloat16, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
     do = torch.randn(B, T, H, V, dtype=torch.float64, generator=gen)
     dS = torch.randn(B, H, K, V, dtype=torch.float64, generator=gen)
     start = time.time()
-    o, S, grads = run(triton_kda, inputs, do, dS, l2norm=args.l2norm)
+    with pytest.MonkeyPatch.context() as patch:
+        round_bfloat16_like_the_gpu(patch)
+        o, S, grads = run(triton_kda, inputs, do, dS, l2norm=args.l2norm)
     took = time.time() - start
     ro, rS, rgrads = run(reference_kda, inputs, do, dS, l2norm=args.l2norm)
     errors = {"o": rel_err(o, ro), "final": rel_err(S, rS)} | {f"d{n}": rel_err(grads[n], r) for n, r in rgrads.items()}
