@@ -1,8 +1,8 @@
 """Causal depthwise short convolution (kernel 4 in KDA) followed by SiLU, with a decoding cache.
 
 The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
-On CUDA without a cache (training, whole-prompt forward) the fused Triton kernels of `ops.short_conv` run instead
-of conv1d (float32 inside, no transposes); the eager path below is their reference.
+On CUDA the fused Triton kernels of `ops.short_conv` run instead of conv1d (float32 inside, no transposes), with or
+without a cache; the eager path below is their reference (and the one-token `step` stays in PyTorch).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ is hand-written. The backward recomputes the pre-activation (W shifted loads tha
     dp[t] = dy[t] * SiLU'(p[t])     dx[t] = sum_j w[c, j] dp[t + W - 1 - j]     dw[c, j] = sum_t x[t - W + 1 + j] dp[t]
 
 dw is summed per (batch, time block) in the kernel and over those partials by torch. The PyTorch reference is
-`short_conv_reference`; `layers.conv.ShortConv` uses these kernels on CUDA when there is no decoding cache.
+`short_conv_reference`; `layers.conv.ShortConv` uses these kernels on CUDA for every multi-token call (with a
+decoding cache, its left context is prepended).
 """
 
 from __future__ import annotations
