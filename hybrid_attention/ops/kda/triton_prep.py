@@ -267,8 +267,9 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     V = v.shape[-1]
     IO, ADT, PREC, EMU = dtypes
     BKA = min(32, max(16, triton.next_power_of_2(K)))
-    BKW = min(64, max(16, triton.next_power_of_2(K)))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    # Whole [64, 128] tiles for W, U, qg, kg: 1.30 ms vs 1.41 with 64 at the anchor shape on an H200.
+    BKW = min(128, max(16, triton.next_power_of_2(K)))
+    BV = min(128, max(16, triton.next_power_of_2(V)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _prep_kernel[(layout.n_chunks, H)](
         q, k, v, g, beta, a_log, dt_bias,
