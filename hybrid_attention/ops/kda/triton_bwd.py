@@ -81,8 +81,8 @@ def _state_bwd_kernel(
 @autotune([{"BV": 32}, {"BV": 64}], [(4, 3), (4, 2)], ["V"])  # 0.34 ms vs 0.40 with one stage (H200, anchor)
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _score_grad_kernel(
-    do, vnew, dvnew, v, beta, tm,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T
-    dv, dbeta, daq, dl,  # dv [T_total, H, V]; dbeta [T_total, H] f32 (v-part); dAqk, dL [H, T_total, 64] f32
+    do, vnew, dvnew, v, beta, tm, akk,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk
+    dv, dbeta, daq, dak,  # dv [T_total, H, V]; dbeta [T_total, H] f32; dAqk, dAkk [H, T_total, 64] (ADT)
     cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
     H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
     IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
@@ -108,14 +108,18 @@ def _score_grad_kernel(
         dbv += tl.sum(R * load_tile(v + h * V, t0, nv, H * V, vv, V, 64, BV), 1)
         daq_acc += mm(dO, tl.trans(D), IO, PREC, EMU)
         dm_acc += mm(R, tl.trans(D), IO, PREC, EMU)
-    r = tl.arange(0, 64)
-    tl.store(dbeta + (t0 + r) * H + h, dbv, mask=r < nv)
     # The scores are causal inside the chunk: Aqk keeps the diagonal, Akk (through dL = -(R D^T)) does not.
     # Entries above are stored as zeros (the readers mask the upper 16 x 16 blocks anyway).
+    r = tl.arange(0, 64)
+    dL = tl.where(r[:, None] > r[None, :], -dm_acc, 0.0)
+    # beta's parts from v (above) and from L = Diag(beta) Akk: d beta_t += sum_i dL[t, i] Akk[t, i]
+    dbv += tl.sum(dL * load_lower(akk + h.to(tl.int64) * T_tot * 64, t0, nv), 1)
+    tl.store(dbeta + (t0 + r) * H + h, dbv, mask=r < nv)
+    # The q/k/g kernel multiplies dAqk and dAkk = Diag(beta) dL as dot operands: stored in that dtype.
     below = r[:, None] >= r[None, :]
-    store_tile(daq + h.to(tl.int64) * T_tot * 64, tl.where(below, daq_acc * scale, 0.0), t0, nv, 64, 0, 64, 64, 64)
-    strict = r[:, None] > r[None, :]
-    store_tile(dl + h.to(tl.int64) * T_tot * 64, tl.where(strict, -dm_acc, 0.0), t0, nv, 64, 0, 64, 64, 64)
+    daq_h = daq + h.to(tl.int64) * T_tot * 64
+    store_tile(daq_h, tl.where(below, daq_acc * scale, 0.0), t0, nv, 64, 0, 64, 64, 64)
+    store_tile(dak + h.to(tl.int64) * T_tot * 64, dL * b[:, None], t0, nv, 64, 0, 64, 64, 64)
 
 
 def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
@@ -141,16 +145,17 @@ def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
 
 
 def score_grad(saved, do, dvnew, v, beta, dbeta_v, layout, *, scale, dtypes):
-    """Stage 2: returns (dv [T_total, H, V] in v.dtype, dAqk and dL [H, T_total, 64] float32); writes the
-    v-part of d beta into dbeta_v [T_total, H] float32."""
-    IO, _, PREC, EMU = dtypes
+    """Stage 2: returns (dv [T_total, H, V] in v.dtype, dAqk and dAkk = Diag(beta) dL [H, T_total, 64] in the
+    score dots' dtype); writes d beta's parts from v and from Akk into dbeta_v [T_total, H] float32."""
+    IO, ADT, PREC, EMU = dtypes
     T_tot, H, V = v.shape
     dv = empty(v, *v.shape)
-    daq = empty(v, H, T_tot, 64, dtype=torch.float32)
-    dl = empty(v, H, T_tot, 64, dtype=torch.float32)
+    adt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[ADT]
+    daq = empty(v, H, T_tot, 64, dtype=adt)
+    dl = empty(v, H, T_tot, 64, dtype=adt)
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _score_grad_kernel[(layout.n_chunks, H)](
-        do, saved["vnew"], dvnew, v, beta, saved["tm"],
+        do, saved["vnew"], dvnew, v, beta, saved["tm"], saved["akk"],
         dv, dbeta_v, daq, dl,
         cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
         H=H, V=V, VARLEN=layout.varlen, IO=IO, PREC=PREC, EMU=EMU,

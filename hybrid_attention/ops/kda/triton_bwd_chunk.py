@@ -61,7 +61,7 @@ def _l2_back(dxh, xh, r, FUSE: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
     q, k, g, beta, a_log, dt_bias, rq, rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
-    do, vnew, dvnew, hbuf, dhbuf, tm, daq, dl,  # dO, D, dD, S0, dS1, T, dAqk, dL
+    do, vnew, dvnew, hbuf, dhbuf, tm, daq, dak,  # dO, D, dD, S0, dS1, T, dAqk, dAkk (dtype ADT)
     dq, dk, dg, dbeta, dalog, dbias,  # dq, dk, dg [T_total, H, K]; dbeta [NK + 1, T_total, H]; partials [chunks, H, K]
     cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
@@ -95,12 +95,10 @@ def _dqkg_kernel(
     # The row factor is zero outside the rows of a, so dAqk and dAkk enter unmasked: the same dot operands for
     # all four sub-chunks.
     dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
-    dL = load_lower(dl + h.to(tl.int64) * T_tot * 64, t0, nv)
-    dAk = (dL * b[:, None]).to(ADT)
+    dAk = load_lower(dak + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
     dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq
     dk_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk, through the row (+G) and column (-G) factors
     dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
-    db = tl.zeros([64], dtype=tl.float32)
     for a in range(4):
         in_a = (blk == a)[:, None]
         ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
@@ -122,7 +120,6 @@ def _dqkg_kernel(
         # errors in dg of 2.1e-2 (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this
         # way (bf16, tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
         dg_s += qr * pq + kr * pk - kc * pc
-        db += tl.sum(dL * mm(kr, tl.trans(kc), ADT, PREC, EMU), 1)  # d beta_t += sum_i dL[t, i] Akk[t, i]
 
     # ---- V contractions for this K tile ----
     dqg = tl.zeros([64, BK], dtype=tl.float32)
@@ -164,7 +161,7 @@ def _dqkg_kernel(
         tl.store(dalog + part, tl.sum(dx * x, 0), mask=cm)
         tl.store(dbias + part, tl.sum(dx, 0) * rate, mask=cm)
         dgl = dx * rate
-    db -= tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T))
+    db = -tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T)) (its Akk part: stage 2)
     tl.store(dbeta + (ik + 1).to(tl.int64) * T_tot * H + (t0 + r) * H + h, db, mask=r < nv)
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dk + h * K, _l2_back(dk_s + pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)

@@ -22,8 +22,9 @@ from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
 from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty, interpreting
 
-_SAVED = ("w", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "h", "vnew")
+_SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew")
 _NAME = "chunk_kda[triton]"
+FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the op's schema needs the count
 
 
 @torch.library.custom_op("hybrid_attention::kda_chunk_fwd", mutates_args=())
@@ -31,7 +32,7 @@ def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None,
     scale: float, lower_bound: float, gate: bool, l2norm: bool, final: bool, save: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> FwdOutputs:  # fmt: skip
     """(o, final state, *saved for the backward in _SAVED order)."""
     o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
                            lower_bound=lower_bound, gate=gate, l2norm=l2norm, final=final, save=save)  # fmt: skip

@@ -96,6 +96,7 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
         "kg": empty(q, H, T_tot, K, dtype=io),
         "aqk": empty(q, H, T_tot, 64, dtype=io),
         "tm": empty(q, H, T_tot, 64, dtype=io),  # also a scratch of the prep kernel when not saving
+        "akk": empty(q, H, T_tot, 64, dtype=io) if save else none(),
         "glast": empty(q, n_chunks, H, K, dtype=f32),
         "rq": empty(q, T_tot, H, dtype=f32) if l2norm else none(),  # 1 / ||q||, also read back inside the prep
         "rk": empty(q, T_tot, H, dtype=f32) if l2norm else none(),

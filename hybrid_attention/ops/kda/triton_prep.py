@@ -72,7 +72,7 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk,  # outputs (see the module docstring)
+    w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
     ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L
     cu, chunk_seq, chunk_tok,
     scale, lower_bound, T, NT, T_tot,
@@ -192,6 +192,19 @@ def _prep_kernel(
     _store_blk(aqk_h, aq32 * scale, t0, n0, 3, 2)
     _store_blk(aqk_h, tril(aq33, False) * scale, t0, n0, 3, 3)
 
+    if SAVE:  # strictly lower Akk, for beta's score gradient in the backward (its dL * Akk row sums)
+        akk_h = akk + h.to(tl.int64) * T_tot * 64
+        _store_blk(akk_h, tril(ak00, True), t0, n0, 0, 0)
+        _store_blk(akk_h, ak10, t0, n0, 1, 0)
+        _store_blk(akk_h, tril(ak11, True), t0, n0, 1, 1)
+        _store_blk(akk_h, ak20, t0, n0, 2, 0)
+        _store_blk(akk_h, ak21, t0, n0, 2, 1)
+        _store_blk(akk_h, tril(ak22, True), t0, n0, 2, 2)
+        _store_blk(akk_h, ak30, t0, n0, 3, 0)
+        _store_blk(akk_h, ak31, t0, n0, 3, 1)
+        _store_blk(akk_h, ak32, t0, n0, 3, 2)
+        _store_blk(akk_h, tril(ak33, True), t0, n0, 3, 3)
+
     # ---- T = (I + L)^{-1}, L = Diag(beta) Akk, block by block ----
     # The diagonal blocks go through a float32 [64, 16] scratch so that the substitution reads their rows back
     # (all rows: beta is zero on rows past the end, so those rows of L are zero).
@@ -261,7 +274,7 @@ def _prep_kernel(
 
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
     """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
-    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk (see allocate_fwd);
+    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk (see allocate_fwd);
     `dtypes` = (IO, ADT, PREC, EMU)."""
     T_tot, H, K = q.shape
     V = v.shape[-1]
@@ -273,7 +286,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _prep_kernel[(layout.n_chunks, H)](
         q, k, v, g, beta, a_log, dt_bias,
-        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"],
+        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["akk"],
         empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32),
         cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot,
