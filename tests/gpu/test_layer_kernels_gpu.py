@@ -1,42 +1,50 @@
 """The KDA layer on CUDA in bf16: its fused short conv and gated output norm (Triton) against the eager modules.
 
 Forward and every parameter / input gradient of a whole KimiDeltaAttention layer, with the two fused paths on and
-then off (the layers' dispatch patched to eager), at DESIGN.md's bf16 tolerances.
+then off (the layers' dispatch patched to eager): the fused path must be as accurate as the eager one against the
+same layer in float32.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from hybrid_attention.layers import conv, norm
 from hybrid_attention.layers.kda import KimiDeltaAttention
-from tests.helpers import assert_close
+from tests.helpers import assert_as_accurate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _run(layer, x, dy):
+def _run(layer, x, dy) -> dict[str, torch.Tensor]:
+    """The layer's output, input gradient and parameter gradients, by name."""
     layer.zero_grad(set_to_none=True)
     xx = x.detach().clone().requires_grad_()
     y = layer(xx)
     y.backward(dy)
-    return y, xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return {"layer output": y, "dx": xx.grad, **{f"d{n}": p.grad.clone() for n, p in layer.named_parameters()}}
 
 
-def test_fused_conv_and_norm_match_eager(monkeypatch):
+def test_fused_conv_and_norm_as_accurate_as_eager(monkeypatch):
+    """Against the float32 layer, within 2x of the eager bf16 modules' error for every quantity. Compared with each
+    other at a fixed 2e-2, two bf16 paths differed by 2.8e-2 in dA_log (a two-element sum with cancellation), which
+    measures its conditioning, not a fault of either path."""
     torch.manual_seed(0)
     layer = KimiDeltaAttention(256, 2, head_dim=128).to("cuda", torch.bfloat16)
+    layer32 = copy.deepcopy(layer).float()
     x = torch.randn(2, 333, 256, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    y, dx, grads = _run(layer, x, dy)
+    fused = _run(layer, x, dy)
     for module in (conv, norm):
         monkeypatch.setattr(module, "triton_runs_on", lambda *a, **k: False)
-    y_ref, dx_ref, grads_ref = _run(layer, x, dy)
-    assert_close("layer output", y, y_ref, 1e-2)
-    assert_close("dx", dx, dx_ref, 2e-2)
-    for name, g in grads.items():
-        assert_close(f"d{name}", g, grads_ref[name], 2e-2)
+    eager = _run(layer, x, dy)
+    ref = _run(layer32, x.float(), dy.float())
+    assert fused.keys() == eager.keys() == ref.keys()
+    for name, value in fused.items():
+        assert_as_accurate(name, value.float(), ref[name], eager[name].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
