@@ -1,10 +1,13 @@
 """Where the time of our Triton KDA op goes, kernel by kernel (torch.profiler, CUDA time), on one GPU.
 
     python benchmarks/profile_kda.py [--shape 8,4096,16,128] [--iters 10] [--out $OUT/profile_kda.json]
+    python benchmarks/profile_kda.py --layer [--impls ours,fla] [--shape 8,4096,16,128]
 
 Runs the anchor configuration of bench_kda.py (bf16, gate and q/k l2norm in the kernels) for forward (inference),
 and forward + backward, and prints the mean time of every kernel per call, so a regression or a slow stage shows
-by name. Set HA_KDA_AUTOTUNE=0 to skip autotuning (first config of every kernel).
+by name. With --layer it profiles the whole KimiDeltaAttention layer (hidden = H * D, as bench_kda.py's layer case)
+instead of the op, ours and / or FLA's, so the time around the op (projections, conv, norm) shows kernel by kernel.
+Set HA_KDA_AUTOTUNE=0 to skip autotuning (first config of every kernel).
 """
 
 from __future__ import annotations
@@ -41,11 +44,67 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--layer", action="store_true", help="profile the whole layer instead of the chunk op")
+    p.add_argument("--impls", default="ours", help="with --layer: ours, fla or both (comma-separated)")
     args = p.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
-    inputs = op_inputs(B, T, H, D)
     args_list = sys.argv[1:] if argv is None else argv
     result = {"env": env_info(["benchmarks/profile_kda.py", *args_list]), "shape": [B, T, H, D], "modes": {}}
+    if args.layer:
+        for impl in args.impls.split(","):
+            result["modes"].update(profile_modes(f"{impl} layer", *layer_fns(impl, B, T, H, D), args))
+    else:
+        result["modes"] = profile_modes("op", *op_fns(B, T, H, D), args)
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def profile_modes(label: str, fwd, fwd_bwd, args) -> dict[str, dict[str, float]]:
+    """Kernel times of the inference forward and of forward + backward, printed largest first."""
+    modes = {}
+    for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        times = kernel_times(fn, args.iters)
+        modes[f"{label} {mode}"] = times
+        log(f"\n{label} {mode} at {args.shape}: {sum(times.values()):.3f} ms of kernel time per call")
+        for name, ms in times.items():
+            log(f"  {ms:8.3f} ms  {name[:100]}")
+    return modes
+
+
+def layer_fns(impl: str, B: int, T: int, H: int, D: int):
+    """(inference forward, forward + backward) of ours or FLA's layer at hidden = H * D, bf16."""
+    if impl == "ours":
+        from hybrid_attention.layers.kda import KimiDeltaAttention
+
+        layer = KimiDeltaAttention(H * D, H, head_dim=D, backend="triton")
+    elif impl == "fla":
+        from fla.layers import KimiDeltaAttention as FlaKDA
+
+        layer = FlaKDA(hidden_size=H * D, num_heads=H, head_dim=D, safe_gate=True, lower_bound=-5)
+    else:
+        raise ValueError(f"--impls takes ours and / or fla, got {impl!r}")
+    layer = layer.to("cuda", torch.bfloat16)
+    x = torch.randn(B, T, H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    run = lambda: (lambda y: y[0] if isinstance(y, tuple) else y)(layer(x))
+
+    def fwd():
+        with torch.no_grad():
+            run()
+
+    def fwd_bwd():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        run().backward(dy)
+
+    return fwd, fwd_bwd
+
+
+def op_fns(B: int, T: int, H: int, D: int):
+    """(inference forward, forward + backward) of our chunk op on bench_kda.py's inputs."""
+    inputs = op_inputs(B, T, H, D)
 
     def fwd():
         with torch.no_grad():
@@ -59,16 +118,7 @@ def main(argv=None) -> None:
             x.grad = None
         ours_op(*inputs).backward(do)
 
-    for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        times = kernel_times(fn, args.iters)
-        result["modes"][mode] = times
-        log(f"\n{mode} at {args.shape}: {sum(times.values()):.3f} ms of kernel time per call")
-        for name, ms in times.items():
-            log(f"  {ms:8.3f} ms  {name[:100]}")
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    return fwd, fwd_bwd
 
 
 if __name__ == "__main__":
