@@ -10,7 +10,8 @@ state at the chunk's end:
 
 The last line uses D = T Diag(beta) (V - K~ S0): since W and U enter only through D, the gradient of the
 inverse collapses from -T^T dT T^T to -R D^T (docs/kernels.md has the derivation). Stage 1 stores dS1 per
-chunk and dD; stage 2 stores dv, beta's v-part of the gradient and the two score gradients for stage 3.
+chunk and dD; stage 2 stores dv, beta's parts of the gradient from v and from M (rowsum(dL * Akk), dL = the
+strictly lower part of dM, with the Akk the forward saved) and the score gradients dAqk, Diag(beta) dL for stage 3.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.kda.triton_fwd import TL_DTYPES
 from hybrid_attention.ops.kda.triton_utils import (
     autotune,
     chunk_decay,
@@ -150,14 +152,14 @@ def score_grad(saved, do, dvnew, v, beta, dbeta_v, layout, *, scale, dtypes):
     IO, ADT, PREC, EMU = dtypes
     T_tot, H, V = v.shape
     dv = empty(v, *v.shape)
-    adt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[ADT]
+    adt = {tl_dtype: dtype for dtype, tl_dtype in TL_DTYPES.items()}[ADT]
     daq = empty(v, H, T_tot, 64, dtype=adt)
-    dl = empty(v, H, T_tot, 64, dtype=adt)
+    dak = empty(v, H, T_tot, 64, dtype=adt)
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _score_grad_kernel[(layout.n_chunks, H)](
         do, saved["vnew"], dvnew, v, beta, saved["tm"], saved["akk"],
-        dv, dbeta_v, daq, dl,
+        dv, dbeta_v, daq, dak,
         cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
         H=H, V=V, VARLEN=layout.varlen, IO=IO, PREC=PREC, EMU=EMU,
     )  # fmt: skip
-    return dv, daq, dl
+    return dv, daq, dak

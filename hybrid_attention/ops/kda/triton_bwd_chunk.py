@@ -225,7 +225,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     NK = triton.cdiv(K, BK)
     f32 = torch.float32
     dbeta = empty(q, NK + 1, T_tot, H, dtype=f32)
-    dv, daq, dl = score_grad(saved, do, dvnew, v, beta, dbeta[0], layout, scale=scale, dtypes=dtypes)
+    dv, daq, dak = score_grad(saved, do, dvnew, v, beta, dbeta[0], layout, scale=scale, dtypes=dtypes)
 
     fuse_l2 = l2norm and NK == 1  # one K tile holds the whole row: the l2norm backward runs in the same kernel
     dq = empty(q, T_tot, H, K, dtype=f32 if (l2norm and not fuse_l2) else q.dtype)
@@ -238,7 +238,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     _dqkg_kernel[(layout.n_chunks * NK, H)](
         q, k, g, beta, a_log if gate else none, dt_bias if gate else none,
         saved["rq"] if l2norm else none, saved["rk"] if l2norm else none,
-        do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dl,
+        do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dak,
         dq, dk, dg, dbeta, dalog, dbias,
         cu, chunk_seq, chunk_tok, scale, lower_bound, Tn, NT, T_tot,
         H=H, K=K, V=V, BK=BK, NK=NK, VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, FUSE_L2=fuse_l2,
