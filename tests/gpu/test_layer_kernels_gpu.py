@@ -29,13 +29,13 @@ def _run(layer, x, dy) -> dict[str, torch.Tensor]:
 
 
 def test_fused_conv_and_norm_as_accurate_as_eager(monkeypatch):
-    """Against the float32 layer, within 2x of the eager bf16 modules' error for every quantity. Compared with each
-    other at a fixed 2e-2, two bf16 paths differed by 2.8e-2 in dA_log (a two-element sum with cancellation), which
-    measures its conditioning, not a fault of either path."""
+    """Against the float32 layer, every quantity within 2x of the eager bf16 modules' error (or within bf16's unit
+    roundoff 2^-8). Compared with each other at a fixed 2e-2, two bf16 paths differed by 2.8e-2 in dA_log (at 2 heads
+    a two-element sum with cancellation), which measures its conditioning, not a fault of either path."""
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(256, 2, head_dim=128).to("cuda", torch.bfloat16)
+    layer = KimiDeltaAttention(1024, 8, head_dim=128).to("cuda", torch.bfloat16)
     layer32 = copy.deepcopy(layer).float()
-    x = torch.randn(2, 333, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 333, 1024, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     fused = _run(layer, x, dy)
     for module in (conv, norm):
@@ -44,7 +44,7 @@ def test_fused_conv_and_norm_as_accurate_as_eager(monkeypatch):
     ref = _run(layer32, x.float(), dy.float())
     assert fused.keys() == eager.keys() == ref.keys()
     for name, value in fused.items():
-        assert_as_accurate(name, value.float(), ref[name], eager[name].float())
+        assert_as_accurate(name, value.float(), ref[name], eager[name].float(), floor=2.0**-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
