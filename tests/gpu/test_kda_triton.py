@@ -204,6 +204,16 @@ def test_prefill_then_decode():
     check([record("prefill 200 + 3 decode steps", "o", rel_err(torch.cat([pre, *steps], 1), full), 1e-2)])
 
 
+def test_auto_backend_on_cuda_by_dtype():
+    """ "auto" takes the Triton kernels for the CUDA dtypes they support and the reference for float64 (which the
+    kernels reject), so a float64 CUDA model still runs."""
+    from hybrid_attention.ops.kda import resolve_backend
+
+    for dtype, expected in ((torch.bfloat16, "triton"), (torch.float32, "triton"), (torch.float64, "torch")):
+        assert resolve_backend("auto", torch.zeros(1, device="cuda", dtype=dtype)) == expected
+    assert resolve_backend("auto", torch.zeros(1, device="cuda"), chunk_size=32) == "torch"
+
+
 def test_torch_compile_inductor():
     """The custom ops inside a compiled function (inductor, fullgraph): same values as eager."""
     inputs = make_inputs(2, 500, 4, 128, 128, BF16, gate=True, l2norm=True, seed=9)

@@ -15,7 +15,7 @@ import torch
 from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import kda_gate
 from hybrid_attention.ops.kda.naive import chunk_kda_torch, recurrent_kda
-from hybrid_attention.ops.triton_support import triton_available
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 __all__ = [
     "BACKENDS",
@@ -31,12 +31,12 @@ BACKENDS = ("auto", "torch", "triton", "fla")
 
 
 def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64) -> str:
-    """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors (chunk size 64, the
-    size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
+    """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors they take (16/32-bit
+    floats, chunk size 64, the size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        on_gpu = q is not None and q.is_cuda and chunk_size == 64 and triton_available()
+        on_gpu = q is not None and chunk_size == 64 and triton_runs_on(q, cpu_interpreter=False)
         return "triton" if on_gpu else "torch"
     return backend
 

@@ -20,7 +20,8 @@ from torch import Tensor
 from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
 from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
-from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty, interpreting
+from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 _SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew")
 _NAME = "chunk_kda[triton]"
@@ -119,7 +120,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bi
         raise ValueError(f"{_NAME}: K and V must be <= {MAX_DIM}, got K = {K}, V = {V}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f'{_NAME}: supports float16, bfloat16 and float32 inputs, got {q.dtype}; use backend="torch"')
-    if not (q.is_cuda or (interpreting() and q.device.type == "cpu")):
+    if not triton_runs_on(q):
         raise ValueError(f"{_NAME}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}")
     given = [x is not None for x in (A_log, dt_bias, lower_bound)]
     if any(given) and not all(given):

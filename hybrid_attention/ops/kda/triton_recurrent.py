@@ -21,11 +21,11 @@ from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
     MAX_DIM,
     empty,
-    interpreting,
     load_state,
     state_slice,
     store_state,
 )
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def fused_recurrent_kda_step(
             raise ValueError(f"{name}: {label} must be float16, bfloat16 or float32, got {t.dtype}")
         if t.device != state.device:
             raise ValueError(f"{name}: {label} is on {t.device} but state is on {state.device}")
-    if not (state.is_cuda or (interpreting() and state.device.type == "cpu")):
+    if not triton_runs_on(state):
         raise ValueError(f"{name}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {state.device}")
     given = [x is not None for x in (A_log, dt_bias, lower_bound)]
     if any(given) and not all(given):
