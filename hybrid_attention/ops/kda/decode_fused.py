@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.gated_norm import gated_norm_forward
+from hybrid_attention.ops.kda.triton_utils import L2_EPS
+
 
 @triton.jit
 def _conv_silu(x_ptr, tail_ptr, w_ptr, offs, ok, W: tl.constexpr):
@@ -34,17 +37,21 @@ def _conv_silu(x_ptr, tail_ptr, w_ptr, offs, ok, W: tl.constexpr):
     for j in tl.static_range(W - 1):
         t = tl.load(tail_ptr + offs * (W - 1) + j, mask=ok, other=0.0)
         y += t.to(tl.float32) * tl.load(w_ptr + offs * W + j, mask=ok, other=0.0).to(tl.float32)
-    # Shift the tail left by one and append x (each thread reads index j + 1 before it overwrites it).
+    # Shift the tail left by one and append x. When the head is narrower than the program's threads, several warps
+    # hold copies of one channel: the barriers keep a lagging copy from reading an element another has shifted.
+    tl.debug_barrier()
     for j in tl.static_range(W - 2):
-        tl.store(tail_ptr + offs * (W - 1) + j, tl.load(tail_ptr + offs * (W - 1) + j + 1, mask=ok), mask=ok)
+        t = tl.load(tail_ptr + offs * (W - 1) + j + 1, mask=ok)
+        tl.debug_barrier()
+        tl.store(tail_ptr + offs * (W - 1) + j, t, mask=ok)
     tl.store(tail_ptr + offs * (W - 1) + (W - 2), x, mask=ok)
     y = y.to(x.dtype).to(tl.float32)
     return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
-def _l2_round(x, eps, DTYPE: tl.constexpr):
-    return (x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)).to(DTYPE).to(tl.float32)
+def _l2_round(x, DTYPE: tl.constexpr):
+    return (x * tl.rsqrt(tl.sum(x * x, axis=0) + L2_EPS)).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -88,8 +95,8 @@ def _decode_inputs_kernel(
     q = _conv_silu(xq_ptr + b * stride_x, tq_ptr + tail, wq_ptr, offs, ok, W)
     k = _conv_silu(xk_ptr + b * stride_x, tk_ptr + tail, wk_ptr, offs, ok, W)
     v = _conv_silu(xv_ptr + b * stride_x, tv_ptr + tail, wv_ptr, offs, ok, W)
-    q = _l2_round(tl.where(ok, q, 0.0), 1e-6, dtype)
-    k = _l2_round(tl.where(ok, k, 0.0), 1e-6, dtype)
+    q = _l2_round(tl.where(ok, q, 0.0), dtype)
+    k = _l2_round(tl.where(ok, k, 0.0), dtype)
 
     z = tl.load(z_ptr + b * stride_z + offs, mask=ok, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
@@ -188,9 +195,6 @@ def kda_gated_output_norm(
     """o [B, 1, H, D] (any float dtype), gate [B, 1, H*D], weight [D] -> [B, 1, H*D] in `dtype`:
     RMSNorm_head(o rounded to dtype) * sigmoid(gate), as `GatedRMSNorm` computes it (the forward kernel of
     `ops.gated_norm`, which rounds its input to the output dtype first)."""
-    from hybrid_attention.ops.gated_norm import gated_norm_forward
-
     B, _, H, D = o.shape
-    gg = _rows(gate, H * D, "gate")
-    gg = gg if gg.is_contiguous() else gg.contiguous()
+    gg = _rows(gate, H * D, "gate").contiguous()
     return gated_norm_forward(o.contiguous(), gg, weight, eps, dtype).view(B, 1, H * D)
