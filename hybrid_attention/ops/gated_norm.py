@@ -29,12 +29,12 @@ def _load_rows(ptr, rows, d, n_rows, D: tl.constexpr):
 
 @triton.jit
 def _norm_rows(x, w, rows, d, n_rows, eps, D: tl.constexpr, DT: tl.constexpr):
-    """(x rounded to DT, rstd, w, x * rstd) of BR rows, float32; x is rounded first so a float32 input (the decode
+    """(rstd, w, x * rstd) of BR rows, float32; x is rounded to DT first so a float32 input (the decode
     step's recurrence output) is normalised as the eager layer does after its cast."""
     xf = _load_rows(x, rows, d, n_rows, D).to(DT).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
     wf = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
-    return xf, rstd, wf, xf * rstd[:, None]
+    return rstd, wf, xf * rstd[:, None]
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _gated_norm_fwd_kernel(x, gate, w, y, n_rows, eps, D: tl.constexpr, BD: tl.c
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     dt = y.dtype.element_ty
-    _, _, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
+    _, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
     y1 = (xh * wf[None, :]).to(dt).to(tl.float32)
     out = y1 * tl.sigmoid(_load_rows(gate, rows, d, n_rows, D))
     ok = (rows < n_rows)[:, None] & (d < D)[None, :]
@@ -55,7 +55,7 @@ def _gated_norm_bwd_kernel(x, gate, w, dy, dx, dgate, dw_part, n_rows, eps, D: t
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     dt = x.dtype.element_ty
-    _, rstd, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
+    rstd, wf, xh = _norm_rows(x, w, rows, d, n_rows, eps, D, dt)
     s = tl.sigmoid(_load_rows(gate, rows, d, n_rows, D))
     g = _load_rows(dy, rows, d, n_rows, D)
     dg = g * (xh * wf[None, :]).to(dt).to(tl.float32) * s * (1.0 - s)

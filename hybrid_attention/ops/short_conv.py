@@ -20,15 +20,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.numerics import compute_dtype
+
 BT = 64  # time steps per program
 BC = 128  # channels per program
 
 
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [B, T, C], weight [C, W] -> SiLU(causal depthwise conv) [B, T, C], computed in float32, returned in x.dtype."""
+    """x [B, T, C], weight [C, W] -> SiLU(causal depthwise conv) [B, T, C], computed in compute_dtype(x) (float64
+    for float64 inputs, else float32), returned in x.dtype."""
     C, W = weight.shape
-    xt = F.pad(x.float().transpose(1, 2), (W - 1, 0))
-    return F.silu(F.conv1d(xt, weight.float().unsqueeze(1), groups=C)).transpose(1, 2).to(x.dtype)
+    ct = compute_dtype(x)
+    xt = F.pad(x.to(ct).transpose(1, 2), (W - 1, 0))
+    return F.silu(F.conv1d(xt, weight.to(ct).unsqueeze(1), groups=C)).transpose(1, 2).to(x.dtype)
 
 
 @triton.jit
