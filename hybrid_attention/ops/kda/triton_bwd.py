@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_fwd import TL_DTYPES
 from hybrid_attention.ops.kda.triton_utils import (
     autotune,
     chunk_decay,
@@ -152,7 +151,7 @@ def score_grad(saved, do, dvnew, v, beta, dbeta_v, layout, *, scale, dtypes):
     IO, ADT, PREC, EMU = dtypes
     T_tot, H, V = v.shape
     dv = empty(v, *v.shape)
-    adt = {tl_dtype: dtype for dtype, tl_dtype in TL_DTYPES.items()}[ADT]
+    adt = torch.float32 if ADT == tl.float32 else v.dtype  # ADT is float32 or the io dtype
     daq = empty(v, H, T_tot, 64, dtype=adt)
     dak = empty(v, H, T_tot, 64, dtype=adt)
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()

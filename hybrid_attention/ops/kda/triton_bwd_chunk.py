@@ -94,8 +94,8 @@ def _dqkg_kernel(
     # ---- through the score blocks: for each row sub-chunk a, anchored at c_a (the exponents of the forward) ----
     # The row factor is zero outside the rows of a, so dAqk and dAkk enter unmasked: the same dot operands for
     # all four sub-chunks.
-    dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
-    dAk = load_lower(dak + h.to(tl.int64) * T_tot * 64, t0, nv).to(ADT)
+    dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv)  # stored in ADT by stage 2
+    dAk = load_lower(dak + h.to(tl.int64) * T_tot * 64, t0, nv)
     dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq
     dk_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk, through the row (+G) and column (-G) factors
     dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
@@ -219,7 +219,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
     dh0, dhbuf, dvnew = state_bwd(saved, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
 
-    # K tile of the dq/dk/dg kernel (tuning knob HA_KDA_DQKG_BK, 64 or 32): 32 spills no registers, but 64 halves
+    # K tile of the dq/dk/dg kernel (tuning knob HA_KDA_DQKG_BK, 16 to 256): 32 spills no registers, but 64 halves
     # the number of latency-bound programs and measures 1.4x faster on an H200 (docs/kernels.md).
     BK = min(_dqkg_k_tile(), max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)

@@ -6,11 +6,12 @@ For a chunk of 64 tokens (MATH.md, "Chunkwise form"; G = in-chunk cumulative log
     T = (I + Diag(beta) Akk)^{-1}       W = T Diag(beta) (k * 2^G)       U = T Diag(beta) v
     qg = scale * q * 2^G      kg = k * 2^(Gam - G)
 
-Written out: Aqk and T ([rows, 64] per head), W, U, qg, kg (head-major [H, T_total, *]), Gam per chunk and,
-with the fused l2norm, 1 / ||q|| and 1 / ||k|| per row. The 64 x 64 matrices are built from 16 x 16 blocks
-(a, b), b <= a, each anchored at c_a, the cumulative gate before sub-chunk a (see triton_utils). The inverse
-is forward substitution inside the four diagonal blocks (float32, their rows read back from a small scratch)
-and block products below them.
+Written out: Aqk and T ([rows, 64] per head; T always, the W / U phase reads it back), W, U, qg, kg (head-major
+[H, T_total, *]), Gam per chunk, with the fused l2norm 1 / ||q|| and 1 / ||k|| per row, and when saving for the
+backward the strictly lower Akk ([rows, 64]). A float32 scratch [chunks, H, 64, 16] holds the diagonal blocks of L.
+The 64 x 64 matrices are built from 16 x 16 blocks (a, b), b <= a, each anchored at c_a, the cumulative gate before
+sub-chunk a (see triton_utils). The inverse is forward substitution inside the four diagonal blocks (float32, their
+rows read back from the scratch) and block products below them.
 Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM).
 """
 

@@ -117,8 +117,8 @@ def load_raw(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.const
 
 @triton.jit
 def load_lower(ptr, row0, nrows):
-    """A chunk's [64, 64] block-lower matrix (Aqk or T) from its [rows, 64] storage; upper 16x16 blocks,
-    which are never written, read as zero, and so do columns past the valid rows."""
+    """A chunk's [64, 64] block-lower matrix (Aqk, Akk, T, dAqk, dAkk) from its [rows, 64] storage, in the stored
+    dtype; upper 16x16 blocks, which are never written, read as zero, and so do columns past the valid rows."""
     r = tl.arange(0, 64)
     mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & (r < nrows)[:, None] & (r < nrows)[None, :]
     offs = (row0 + r).to(tl.int64)[:, None] * 64 + r[None, :]
