@@ -74,10 +74,8 @@ def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | Non
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
             raise ValueError(f"generate: expected a non-empty prompt [B, T], got shape {tuple(input_ids.shape)}")
-        if attention_mask is None:
-            prompts = None
-            tokens = [input_ids]
-        else:
+        mask = None
+        if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(
                     f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids "
@@ -86,6 +84,10 @@ def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | Non
             mask = attention_mask.to("cpu")
             if not ((mask == 0) | (mask == 1)).all():
                 raise ValueError("generate: attention_mask must hold only 0 (padding) and 1 (token)")
+        if mask is None or mask.all():  # no padding: one batched prefill
+            prompts = None
+            tokens = [input_ids]
+        else:
             prompts = []
             for b, row in enumerate(mask.bool()):
                 where = row.nonzero().flatten().tolist()
@@ -115,8 +117,6 @@ def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | Non
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"generate: prompt token ids must be in [0, {vocab}), got [{lo}, {hi}]")
-    if isinstance(input_ids, torch.Tensor) and attention_mask is not None and bool(attention_mask.all()):
-        return None  # no padding after all: one batched prefill
     return prompts
 
 
@@ -133,18 +133,12 @@ def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
 
 def _decode_step(model, cache, cuda_graph: bool | None) -> DecodeStep:
     """The decode step: captured in a CUDA graph on CUDA (cuda_graph None or True), eager otherwise or on failure."""
-    on_cuda = model.embed.weight.is_cuda
-    if cuda_graph and not on_cuda:
-        raise ValueError(f"generate: cuda_graph=True needs a CUDA model, got {model.embed.weight.device}")
-    if cuda_graph is False or not on_cuda:
-        return DecodeStep(model, cache, cuda_graph=False)
+    if cuda_graph is not None or not model.embed.weight.is_cuda:
+        return DecodeStep(model, cache, cuda_graph=bool(cuda_graph))  # raises for cuda_graph=True off CUDA
     try:
         return DecodeStep(model, cache, cuda_graph=True)
-    except Exception as exc:  # any capture problem: same tokens, only slower
-        if cuda_graph:
-            raise
+    except Exception as exc:  # any capture problem: same tokens, only slower (the capture leaves the cache reset)
         warnings.warn(f"generate: CUDA-graph capture failed, decoding eagerly: {exc!r}", RuntimeWarning, stacklevel=3)
-        cache.reset()
         return DecodeStep(model, cache, cuda_graph=False)
 
 

@@ -86,8 +86,7 @@ class DecodeStep:
         self.tokens[:, 0].copy_(tokens)
         if self.graph is None:
             return self.model(self.tokens, cache=cache).logits[:, -1]
-        self.graph.replay()
-        cache.advance_host(1)
+        self.replay()
         return self.logits
 
     def replay(self) -> None:

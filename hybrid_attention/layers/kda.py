@@ -16,7 +16,6 @@ step (`ops.kda.triton_recurrent`) and the gated output norm, instead of about 75
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -38,16 +37,6 @@ class KDACache:
     conv_k: torch.Tensor  # [B, H*head_dim, conv_size - 1]
     conv_v: torch.Tensor  # [B, H*head_dim, conv_size - 1]
     state: torch.Tensor  # [B, H, head_dim, head_dim], float32 (float64 for float64 modules)
-
-
-@functools.cache
-def _fused_recurrent_step():
-    """The Triton decode step `fused_recurrent_kda_step` (ops/kda/triton_recurrent.py), or None without it."""
-    try:
-        from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
-    except ImportError:
-        return None
-    return fused_recurrent_kda_step
 
 
 def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
@@ -204,9 +193,10 @@ class KimiDeltaAttention(nn.Module):
     def _decode_fused(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
         """One-token decode on CUDA: the same computation as the eager path, with conv + SiLU + L2 norm + gate + beta
         in one Triton kernel and the gated output norm in another (`ops.kda.decode_fused`); the recurrence is the
-        fused Triton step (`ops.kda.triton_recurrent`, state updated in place) when available, else `recurrent_kda`.
+        fused Triton step (`ops.kda.triton_recurrent`, state updated in place).
         x [B, 1, hidden] -> [B, 1, hidden]."""
         from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
+        from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
         q, k, v, g, beta = kda_decode_inputs(
             self.q_proj(x),
@@ -221,12 +211,7 @@ class KimiDeltaAttention(nn.Module):
             num_heads=self.num_heads,
             lower_bound=self.lower_bound,
         )
-        step = _fused_recurrent_step()
-        if step is not None:
-            o = step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
-        else:
-            o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
-            cache.state.copy_(state)
+        o = fused_recurrent_kda_step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
         y = kda_gated_output_norm(o, self.g_up(self.g_down(x)), self.o_norm.weight, self.o_norm.eps, dtype=x.dtype)
         return self.o_proj(y)
 
