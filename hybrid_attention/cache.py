@@ -5,8 +5,9 @@ latent rows `[c ; k_s]` (d_c + d_s numbers per token, `MLACache`). Everything is
 and updated in place, so the same tensors serve every decoding step and a captured CUDA graph.
 
 Lengths live in two places on purpose:
-- on the device, int32 `[B]` (`lengths` here and in every `MLACache`): where each sequence appends and how far it
-  attends. A decode step reads and advances them without a host sync, so it can be replayed from a CUDA graph;
+- on the device, int32 `[B]`: in every `MLACache`, where each sequence appends and how far it attends, and here a
+  model-level count (the only device record in a model without MLA layers). A decode step reads and advances them
+  without a host sync, so it can be replayed from a CUDA graph;
 - on the host, one Python int per sequence (`host_lengths`, and the longest one in `MLACache.length`): capacity checks
   and the choice of code path, again without a sync. Eager forwards advance both; a graph replay advances the
   device copy and the caller advances the host copy (`advance_host`).

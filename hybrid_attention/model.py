@@ -357,7 +357,7 @@ class HybridLM(nn.Module):
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | list[torch.Tensor],
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,

@@ -6,11 +6,12 @@ value `W_UV,h c` and query `[q_n,h ; q_s,h]`; causal softmax with scale `(d_n + 
 concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`.
 
 Two paths compute the same function:
-- prefill (no cache, or an empty one): decompress per-head K and V and call SDPA, which is cheaper in FLOPs;
-- decode / chunked prefill on a non-empty cache: weight absorption. W_UK is folded into the query and W_UV is
-  applied after attending in latent space, so the only per-token data read is the cache row `[c ; k_s]`
-  (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The attention itself is
-  `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
+- prefill (no cache, or a multi-token call on an empty one): decompress per-head K and V and call SDPA, which is
+  cheaper in FLOPs;
+- decode (one token, even on an empty cache) / chunked prefill on a non-empty cache: weight absorption. W_UK is
+  folded into the query and W_UV is applied after attending in latent space, so the only per-token data read is the
+  cache row `[c ; k_s]` (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The
+  attention itself is `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
 There is no rotary embedding anywhere, so cache rows do not depend on their position.
 """
 

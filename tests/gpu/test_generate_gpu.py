@@ -171,8 +171,10 @@ def test_chunked_prefill_is_exact(dtype):
 def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
     """The fused decode kernels (KDA inputs / output norm, MLA append, AttnRes + RMSNorm) against the eager ops, one
     whole-model step at a time."""
+    import hybrid_attention.layers.conv as conv
     import hybrid_attention.layers.kda as kda
     import hybrid_attention.layers.mla as mla
+    import hybrid_attention.layers.norm as norm
     import hybrid_attention.model as model_mod
     from hybrid_attention.ops.attnres.fused import attn_res_norm
 
@@ -189,6 +191,8 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         monkeypatch.setattr(kda, "_fused_decode_ok", lambda x, conv_size: False)
         monkeypatch.setattr(mla, "_fused_append_ok", lambda x: False)
         monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **k, backend="torch"))
+        for module in (conv, norm):  # the eager layer's own conv and output norm, not their Triton kernels
+            monkeypatch.setattr(module, "triton_runs_on", lambda *a, **k: False)
         eager = torch.stack([model(ids[:, t : t + 1], cache=eager_cache).logits[:, 0] for t in range(45, 50)], 1)
         cpu_ids = ids.cpu()
         ref = torch.stack([ref_model(cpu_ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
