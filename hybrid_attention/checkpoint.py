@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,24 +26,28 @@ LOG = "log.jsonl"
 PLOT = "loss.png"
 RUN_FILES = (CONFIG, WEIGHTS, TRAIN_STATE, LOG)
 FORMAT = "hybrid-attention-run"
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # reading the umask means setting it; put it straight back
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` on a fresh temporary file beside `path`, then move it over `path`."""
+    """Call `write(tmp_path)` on a fresh temporary file beside `path`, then move it over `path` (and fsync the
+    directory, so that the rename itself survives a crash)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
-        write(tmp)
+        open(tmp, "xb").close()  # created as open() creates files (umask permissions), unlike mkstemp's 0600
+        write(str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; give it the permissions open() would
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    if hasattr(os, "O_DIRECTORY"):  # POSIX; elsewhere a directory cannot be opened for fsync
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -107,16 +111,20 @@ def load_weights(run_dir: str | Path, model: torch.nn.Module) -> int:
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     unknown = sorted(set(stored) - set(expected))
+    missing = sorted(set(expected) - set(stored))
     common = sorted(set(stored) & set(expected))
     wrong = [f"{n} {stored[n]} vs {expected[n]}" for n in common if stored[n] != expected[n]]
-    if unknown or wrong:
-        detail = "; ".join(([f"unexpected tensors {unknown[:3]}"] if unknown else []) + wrong[:3])
+    if unknown or missing or wrong:
+        detail = "; ".join(
+            ([f"unexpected tensors {unknown[:3]}"] if unknown else [])
+            + ([f"missing tensors {missing[:3]}"] if missing else [])
+            + wrong[:3]
+        )
         raise ValueError(f"{path} does not match the model in {CONFIG}: {detail}")
     try:
         load_model(model, str(path), strict=True)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ValueError(f"{path} does not match the model in {CONFIG}: {first}") from None
+        raise ValueError(f"{path} does not match the model in {CONFIG}: {' '.join(str(e).split())[:400]}") from None
     return weights_step(run_dir)
 
 

@@ -190,8 +190,20 @@ def test_weights_from_another_config_are_refused(tmp_path):
     ckpt.save_weights(tmp_path, _tiny_model(), 1)
     with pytest.raises(ValueError, match=r"does not match the model in config.json: .*\(256, 64\) vs \(256, 48\)"):
         ckpt.load_weights(tmp_path, _tiny_model(hidden_size=48))
-    with pytest.raises(ValueError, match="does not match the model in config.json"):
+    with pytest.raises(ValueError, match=r"does not match the model in config.json: missing tensors \['layers.4"):
         ckpt.load_weights(tmp_path, _tiny_model(layer_types=("kda", "kda", "kda", "mla", "mla")))
+
+
+def test_atomic_write_replaces_with_default_permissions_and_leaves_no_temporary(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    target = tmp_path / "f.txt"
+    ckpt.atomic_write_text(target, "old")
+    ckpt.atomic_write_text(target, "new")
+    assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(RuntimeError, match="boom"):
+        ckpt.atomic_write(target, lambda tmp: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
 
 def test_compiled_training_matches_eager(tmp_path, monkeypatch):
