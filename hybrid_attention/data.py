@@ -246,6 +246,14 @@ def _step_seed(seed: int, step: int, micro: int) -> int:
     return int.from_bytes(digest, "big") & ((1 << 63) - 1)
 
 
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU index moved to `device` without a host sync: a copy from pageable memory waits for the GPU's queue,
+    one from pinned memory is queued behind it (torch keeps the pinned buffer alive until the copy has run)."""
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, *, seed: int, step: int, micro: int = 0):
     """`batch_size` contiguous windows of `seq_len` tokens, drawn from a generator seeded by (seed, step, micro).
 
@@ -257,7 +265,7 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, *, seed: i
     gen = torch.Generator().manual_seed(_step_seed(seed, step, micro))
     starts = torch.randint(0, n - seq_len + 1, (batch_size,), generator=gen)
     index = starts[:, None] + torch.arange(seq_len)  # (B, T)
-    return tokens[index.to(tokens.device)].long()
+    return tokens[_to_device(index, tokens.device)].long()
 
 
 def eval_batches(
@@ -278,7 +286,7 @@ def eval_batches(
         starts = torch.linspace(0, n - seq_len, num_batches * batch_size).round().long()
     for i in range(0, starts.numel(), batch_size):
         index = starts[i : i + batch_size, None] + torch.arange(seq_len)
-        yield tokens[index.to(tokens.device)].long()
+        yield tokens[_to_device(index, tokens.device)].long()
 
 
 def unigram_loss(train_tokens: torch.Tensor, val_tokens: torch.Tensor, vocab_size: int) -> float:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention.data import BUILTIN_MAX_BYTES, eval_batches, load_corpus, sample_batch, unigram_loss
+from hybrid_attention.data import eval_batches, load_corpus, sample_batch, unigram_loss
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
 
@@ -259,8 +259,7 @@ def prepare(config: TrainConfig, *, resume: bool):
     elif ckpt.holds_run(run_dir):
         raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
     device = resolve_device(config.device)
-    max_bytes = config.data_max_bytes
-    corpus = load_corpus(config.data, max_bytes=max_bytes)
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
         model_config = HybridConfig.from_dict(saved["model"])
@@ -292,24 +291,31 @@ def prepare(config: TrainConfig, *, resume: bool):
     step = 0
     if saved is not None:
         step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
-    data_info = {"spec": config.data, "max_bytes": max_bytes or (None if config.data else BUILTIN_MAX_BYTES)}
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
-                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
-                data_info=data_info)  # fmt: skip
+                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens)  # fmt: skip
+
+
+_flush_depth = 0  # open flush_denormals blocks (torch has no getter for the flag to restore)
 
 
 @contextlib.contextmanager
 def flush_denormals():
-    """Flush denormal floats to zero on CPU inside the block (off again after it, torch's default).
+    """Flush denormal floats to zero on CPU inside the block (off again after the outermost one, torch's default).
 
     The chunkwise KDA reference produces denormals from long decay products; on CPU they slow a training step down
-    up to 25x. Flushing them changes results by less than float32 resolution.
+    up to 25x. Flushing them changes results by less than float32 resolution. Blocks nest (the CLI opens one around
+    every command, `train` its own), and only the outermost turns flushing off.
     """
-    torch.set_flush_denormal(True)
+    global _flush_depth
+    if _flush_depth == 0:
+        torch.set_flush_denormal(True)
+    _flush_depth += 1
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        _flush_depth -= 1
+        if _flush_depth == 0:
+            torch.set_flush_denormal(False)
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
@@ -338,7 +344,6 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
             {
                 "model": model.config.to_dict(),
                 "tokenizer": tokenizer.to_dict(),
-                "data": p["data_info"],
                 "train": asdict(config),
             },
         )
