@@ -134,18 +134,16 @@ def decode_case(model, name: str, B: int, context: int, reps: int, with_eager: b
     return row  # the cache and graph are freed by the caller's free_memory() once they go out of scope
 
 
-def kernel_case(B: int, context: int, reps: int) -> dict:
-    """The MLA decode kernel alone on one layer's cache at k3-scaled sizes (H=8, rows 256 + 32, bf16)."""
+def kernel_case(B: int, context: int) -> dict:
+    """The MLA decode kernel alone on one layer's full cache at k3-scaled sizes, timed as bench_mla_decode.py times
+    it (same inputs, do_bench with the L2 flushed)."""
+    from bench_mla_decode import D_C, SCALE, D, bench, make_inputs
+
     from hybrid_attention.ops.mla.decode import mla_decode
 
-    q = torch.randn(B, 1, 8, 288, device="cuda", dtype=torch.bfloat16)
-    rows = torch.randn(B, context, 288, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((B,), context, device="cuda", dtype=torch.int32)
-    fn = lambda: mla_decode(q, rows, lens, value_dim=256, scale=128**-0.5)  # noqa: E731
-    for _ in range(3):
-        fn()
-    ms, _ = median_event_ms(fn, reps)
-    gbytes = B * context * 288 * 2 / 1e9
+    q, rows, lens = make_inputs(B, context, 1)
+    ms = bench(lambda: mla_decode(q, rows, lens, value_dim=D_C, scale=SCALE))
+    gbytes = B * context * D * 2 / 1e9
     return dict(B=B, context=context, ms=ms, cache_GB=gbytes, TBps=gbytes / ms)
 
 
@@ -279,7 +277,7 @@ def main(argv=None) -> int:
                 decode.append(attempt(f"decode {record}", record, decode_case, model, name, B, ctx, reps, eager))
 
     for B, ctx in [(32, 32768)] if args.quick else [(32, 32768), (32, 131072), (1, 1048576)]:
-        kernels.append(attempt(f"kernel B={B} ctx={ctx}", dict(B=B, context=ctx), kernel_case, B, ctx, reps))
+        kernels.append(attempt(f"kernel B={B} ctx={ctx}", dict(B=B, context=ctx), kernel_case, B, ctx))
 
     prefill_contexts = contexts[:1] if args.quick else contexts
     warm_len = 2 * args.prefill_chunk + 5  # warm-up (Triton compilation) outside the timings

@@ -77,8 +77,9 @@ def sdpa_op(q, k, v, *_):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # q, k, v given as [B, H, T, D]
 
 
-def time_modes(fn, inputs, modes, grad_idx):
-    """{mode: ms} for fn(*inputs); fwd+bwd differentiates w.r.t. inputs[grad_idx]."""
+def time_modes(fn, inputs, modes, grad_idx, params=()):
+    """{mode: ms} for fn(*inputs); fwd+bwd differentiates w.r.t. inputs[grad_idx] (and fn's own `params`, whose
+    .grad is cleared before every timed call like the inputs', so no call pays for accumulating into the last)."""
     out = {}
     if "fwd" in modes:
         with torch.no_grad():
@@ -88,7 +89,7 @@ def time_modes(fn, inputs, modes, grad_idx):
         out["fwd-train"] = bench(lambda: fn(*leaves))
     if "fwd+bwd" in modes:
         do = torch.randn_like(fn(*leaves))
-        out["fwd+bwd"] = bench(lambda: fn(*leaves).backward(do), grads=[leaves[i] for i in grad_idx])
+        out["fwd+bwd"] = bench(lambda: fn(*leaves).backward(do), grads=[leaves[i] for i in grad_idx] + list(params))
     return out
 
 
@@ -174,24 +175,37 @@ def decode_case(batch, impls, H=16, D=128):
     return row
 
 
+def make_layer(impl: str, hidden: int, H: int, D: int) -> torch.nn.Module:
+    """Ours (backend="triton") or FLA's KimiDeltaAttention (its fastest path, as our configuration), bf16 on CUDA."""
+    if impl == "ours":
+        from hybrid_attention.layers.kda import KimiDeltaAttention
+
+        layer = KimiDeltaAttention(hidden, H, head_dim=D, backend="triton")
+    elif impl == "fla":
+        from fla.layers import KimiDeltaAttention as FlaKDA
+
+        layer = FlaKDA(hidden_size=hidden, num_heads=H, head_dim=D, safe_gate=True, lower_bound=-5)
+    else:
+        raise ValueError(f"layer implementations are ours and fla, got {impl!r}")
+    return layer.to("cuda", torch.bfloat16)
+
+
+def layer_output(layer, x):
+    """The layer's output tensor (FLA's layer returns a tuple)."""
+    y = layer(x)
+    return y[0] if isinstance(y, tuple) else y
+
+
 def layer_case(impls, modes, B=8, T=4096, hidden=2048, H=16, D=128):
     torch.manual_seed(0)
     x = torch.randn(B, T, hidden, device="cuda", dtype=torch.bfloat16)
     row = dict(B=B, T=T, hidden=hidden, H=H, D=D)
-    makers = {}
-    if "ours" in impls:
-        from hybrid_attention.layers.kda import KimiDeltaAttention
-
-        makers["ours"] = lambda: KimiDeltaAttention(hidden, H, head_dim=D, backend="triton")
-    if "fla" in impls:
-        from fla.layers import KimiDeltaAttention as FlaKDA
-
-        makers["fla"] = lambda: FlaKDA(hidden_size=hidden, num_heads=H, head_dim=D, safe_gate=True, lower_bound=-5)
-    for impl, make in makers.items():
+    for impl in [i for i in ("ours", "fla") if i in impls]:
         try:
-            layer = make().to("cuda", torch.bfloat16)
-            fn = lambda x, layer=layer: (lambda y: y[0] if isinstance(y, tuple) else y)(layer(x))
-            row[impl] = time_modes(fn, (x,), [m for m in modes if m != "fwd-train"], (0,))
+            layer = make_layer(impl, hidden, H, D)
+            modes_here = [m for m in modes if m != "fwd-train"]
+            row[impl] = time_modes(lambda x, layer=layer: layer_output(layer, x), (x,), modes_here, (0,),
+                                   params=list(layer.parameters()))  # fmt: skip
             del layer
         except Exception as exc:
             row[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 from bench_common import env_info, log
-from bench_kda import op_inputs, ours_op
+from bench_kda import layer_output, make_layer, op_inputs, ours_op
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:
@@ -75,29 +75,18 @@ def profile_modes(label: str, fwd, fwd_bwd, args) -> dict[str, dict[str, float]]
 
 def layer_fns(impl: str, B: int, T: int, H: int, D: int):
     """(inference forward, forward + backward) of ours or FLA's layer at hidden = H * D, bf16."""
-    if impl == "ours":
-        from hybrid_attention.layers.kda import KimiDeltaAttention
-
-        layer = KimiDeltaAttention(H * D, H, head_dim=D, backend="triton")
-    elif impl == "fla":
-        from fla.layers import KimiDeltaAttention as FlaKDA
-
-        layer = FlaKDA(hidden_size=H * D, num_heads=H, head_dim=D, safe_gate=True, lower_bound=-5)
-    else:
-        raise ValueError(f"--impls takes ours and / or fla, got {impl!r}")
-    layer = layer.to("cuda", torch.bfloat16)
+    layer = make_layer(impl, H * D, H, D)
     x = torch.randn(B, T, H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    run = lambda: (lambda y: y[0] if isinstance(y, tuple) else y)(layer(x))
 
     def fwd():
         with torch.no_grad():
-            run()
+            layer_output(layer, x)
 
     def fwd_bwd():
         x.grad = None
         layer.zero_grad(set_to_none=True)
-        run().backward(dy)
+        layer_output(layer, x).backward(dy)
 
     return fwd, fwd_bwd
 
@@ -110,7 +99,7 @@ def op_fns(B: int, T: int, H: int, D: int):
         with torch.no_grad():
             ours_op(*inputs)
 
-    grads = [x.requires_grad_(True) for x in inputs[:5]]
+    grads = [x.requires_grad_(True) for x in inputs]  # A_log and dt_bias too, as bench_kda.py's fwd+bwd
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
     def fwd_bwd():

@@ -4,11 +4,38 @@ float64 reference, and a helper that returns outputs and every input gradient.""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import kda_gate, recurrent_kda
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 # Positional inputs of `triton_kda` and `reference_kda`, in order; None entries are skipped.
 NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
+
+
+def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dtype=torch.float32, seed=0, device=DEV):
+    """q, k unit vectors (raw Gaussians when the kernel normalises), g in (-5, 0) (raw logits z with the gate),
+    beta in (0, 1), a random float32 start state; A_log and dt_bias as the layer initialises them, perturbed.
+    Drawn in float64 on the CPU from `seed` (the same numbers on every machine), then cast and moved to `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not l2norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if gate:
+        g = 2 * rnd(B, T, H, K)
+        A_log = 0.3 * rnd(H)
+        dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, generator=gen, dtype=torch.float64))  # in [1e-3, 1e-1]
+        dt_bias = torch.log(torch.expm1(dt))  # inverse softplus
+    else:
+        g = -5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+        A_log = dt_bias = None
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    h0 = rnd(B if N is None else N, H, K, V).float() if h0 else None
+    x = [t.to(dtype).to(device) for t in (q, k, rnd(B, T, H, V), g, beta)]
+    extra = [None if t is None else t.float().to(device) for t in (A_log, dt_bias)]
+    return x + [None if h0 is None else h0.to(device)] + extra
 
 
 def run(fn, inputs, do, dS, **kw):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import chunk_kda, recurrent_kda
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
@@ -21,6 +20,7 @@ from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 from tests.helpers import assert_close, rel_err
 from tests.kda_triton_cases import (
     changed_after,
+    make_inputs,
     poison_torch_empty,
     reference_kda,
     round_bfloat16_like_the_gpu,
@@ -36,29 +36,6 @@ if not torch.cuda.is_available():
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL32 = 1e-5  # float32 paths (DESIGN.md)
-
-
-def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dtype=torch.float32, seed=0):
-    """q, k unit vectors (raw Gaussians when the kernel normalises), g in (-5, 0) (raw logits z with the gate),
-    beta in (0, 1), a random float32 start state; A_log and dt_bias as the layer initialises them, perturbed."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
-    if not l2norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    if gate:
-        g = 2 * rnd(B, T, H, K)
-        A_log = 0.3 * rnd(H)
-        dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, generator=gen, dtype=torch.float64))  # in [1e-3, 1e-1]
-        dt_bias = torch.log(torch.expm1(dt))  # inverse softplus
-    else:
-        g = -5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
-        A_log = dt_bias = None
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    h0 = rnd(B if N is None else N, H, K, V).float() if h0 else None
-    x = [t.to(dtype).to(DEV) for t in (q, k, rnd(B, T, H, V), g, beta)]
-    extra = [None if t is None else t.float().to(DEV) for t in (A_log, dt_bias)]
-    return x + [None if h0 is None else h0.to(DEV)] + extra
 
 
 def compare(inputs, tol_o, tol_g, **kw):
@@ -102,7 +79,7 @@ def test_fused_gate_and_l2norm(K):
 
 @pytest.mark.parametrize("k_tile", ["16", "128"])
 def test_backward_k_tile_knob(monkeypatch, k_tile):
-    # HA_KDA_DQKG_BK sets the K tile of the dq/dk/dg kernel: 16 gives five masked tiles at K = 80, 128 one tile
+    # HA_KDA_DQKG_BK sets the K tile of the dq/dk/dg kernel: 16 gives five tiles at K = 80, 128 one masked tile
     # (and the l2norm backward fused into that kernel); both must match the reference like the default.
     monkeypatch.setenv("HA_KDA_DQKG_BK", k_tile)
     compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)

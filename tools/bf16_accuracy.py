@@ -22,8 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers import rel_err  # noqa: E402
-from tests.kda_triton_cases import reference_kda, round_bfloat16_like_the_gpu, run, triton_kda  # noqa: E402
-from tests.test_kda_triton import make_inputs  # noqa: E402
+from tests.kda_triton_cases import make_inputs, reference_kda, round_bfloat16_like_the_gpu, run, triton_kda  # noqa: E402
 
 
 def main(argv=None) -> None:

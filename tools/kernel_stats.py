@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
 
-    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm]
+    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm] [--forward-only]
 
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
 compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
@@ -65,7 +65,8 @@ _original_run = JITFunction.run
 
 
 def resource_usage(cubin: bytes) -> str:
-    """REG / STACK / LOCAL of a compiled kernel from cuobjdump (local memory > 0 means spilled registers)."""
+    """REG / STACK / LOCAL of a compiled kernel from cuobjdump. Spills show as STACK > 0 at the register cap (255):
+    ptxas puts spilled registers in the stack frame; LOCAL counts other local arrays."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")

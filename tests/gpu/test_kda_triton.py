@@ -20,10 +20,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from tests.kda_triton_cases import changed_after, poison_torch_empty, reference_kda, run, triton_kda
+from tests.kda_triton_cases import changed_after, make_inputs, poison_torch_empty, reference_kda, run, triton_kda
 
 os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -46,28 +45,6 @@ def record(case, quantity, err, tol):
 def check(results):
     failed = [f"{q}: {e:.3e} >= {t:.0e}" for q, e, t in results if not (e < t)]  # NaN / inf fail too
     assert not failed, "; ".join(failed)
-
-
-def make_inputs(B, T, H, K, V, dtype, *, N=None, h0=True, gate=False, l2norm=False, seed=0):
-    """q, k unit vectors (raw when the kernel normalises), g in (-5, 0) or raw logits z with the gate,
-    beta in (0, 1), float32 start state; A_log, dt_bias near the layer's initialisation."""
-    torch.manual_seed(seed)
-    dev = "cuda"
-    q, k = torch.randn(B, T, H, K, device=dev), torch.randn(B, T, H, K, device=dev)
-    if not l2norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(B, T, H, V, device=dev)
-    if gate:
-        g = 2 * torch.randn(B, T, H, K, device=dev)
-        A_log = 0.3 * torch.randn(H, device=dev)
-        dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, device=dev))  # dt in [1e-3, 1e-1]
-        dt_bias = torch.log(torch.expm1(dt))  # inverse softplus, as the layer
-    else:
-        g = -5 * torch.rand(B, T, H, K, device=dev)
-        A_log = dt_bias = None
-    beta = torch.rand(B, T, H, device=dev)
-    s0 = torch.randn(B if N is None else N, H, K, V, device=dev) if h0 else None
-    return [x.to(dtype) for x in (q, k, v, g, beta)] + [s0, A_log, dt_bias]
 
 
 def compare(case, inputs, fn=triton_kda, **kw):
@@ -109,7 +86,7 @@ SHAPES = [  # B, T, H, K, V, with initial state
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[1]}" for s in SHAPES])
 def test_lengths(shape, dtype):
     B, T, H, K, V, h0 = shape
-    check(compare(f"{dtype} B{B} T{T} H{H} K{K} V{V} h0={h0}", make_inputs(B, T, H, K, V, dtype, h0=h0, seed=T)))
+    check(compare(f"{dtype} B{B} T{T} H{H} K{K} V{V} h0={h0}", make_inputs(B, T, H, K, V, dtype=dtype, h0=h0, seed=T)))
 
 
 @pytest.mark.parametrize(
@@ -117,27 +94,27 @@ def test_lengths(shape, dtype):
 )
 def test_sizes_and_dtypes(dtype, K, V):
     T = 300 if K <= 128 else 200
-    check(compare(f"{dtype} B1 T{T} H2 K{K} V{V}", make_inputs(1, T, 2, K, V, dtype, seed=K + V)))
+    check(compare(f"{dtype} B1 T{T} H2 K{K} V{V}", make_inputs(1, T, 2, K, V, dtype=dtype, seed=K + V)))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_varlen(dtype):
     cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
-    inputs = make_inputs(1, 2000, 4, 128, 128, dtype, N=5, seed=1)
+    inputs = make_inputs(1, 2000, 4, 128, 128, dtype=dtype, N=5, seed=1)
     check(compare(f"{dtype} varlen {cu.tolist()}", inputs, cu_seqlens=cu))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_fused_gate_and_l2norm(dtype):
-    inputs = make_inputs(2, 1000, 4, 128, 128, dtype, gate=True, l2norm=True, seed=2)
+    inputs = make_inputs(2, 1000, 4, 128, 128, dtype=dtype, gate=True, l2norm=True, seed=2)
     check(compare(f"{dtype} gate+l2norm B2 T1000", inputs, l2norm=True))
 
 
 def test_gate_at_bound_16k_stays_finite():
     """z so large that every gate sits at lower_bound = -5 exactly, for 16K tokens: all finite, and the
-    forward still matches the reference_kda."""
+    forward still matches the reference."""
     B, T, H, K, V = 1, 16384, 2, 128, 128
-    q, k, v, _, beta, h0, A_log, dt_bias = make_inputs(B, T, H, K, V, BF16, gate=True, l2norm=True, seed=3)
+    q, k, v, _, beta, h0, A_log, dt_bias = make_inputs(B, T, H, K, V, dtype=BF16, gate=True, l2norm=True, seed=3)
     z = torch.full((B, T, H, K), 50.0, device="cuda", dtype=BF16)
     inputs = [q, k, v, z, beta, h0, torch.zeros_like(A_log), torch.zeros_like(dt_bias)]
     do = torch.randn(B, T, H, V, dtype=torch.float64, device="cuda")
@@ -156,8 +133,8 @@ def test_gate_at_bound_16k_stays_finite():
 def test_prefix_invariance(t):
     """Inputs after t changed, loss on outputs up to t: outputs and gradients up to t are bitwise unchanged."""
     T = 300
-    base = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=4)
-    other = make_inputs(1, T, 2, 128, 128, BF16, gate=True, l2norm=True, seed=5)
+    base = make_inputs(1, T, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=4)
+    other = make_inputs(1, T, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=5)
     do = torch.randn(1, T, 2, 128, dtype=torch.float64, device="cuda")
     do[:, t + 1 :] = 0
     dS = torch.zeros(1, 2, 128, 128, dtype=torch.float64, device="cuda")
@@ -172,7 +149,7 @@ def test_prefix_invariance(t):
 def test_poisoned_buffers(monkeypatch):
     poison_torch_empty(monkeypatch)
     cu = torch.tensor([0, 7, 64, 65, 500], device="cuda")
-    inputs = make_inputs(1, 500, 2, 128, 128, BF16, N=4, gate=True, l2norm=True, seed=6)
+    inputs = make_inputs(1, 500, 2, 128, 128, dtype=BF16, N=4, gate=True, l2norm=True, seed=6)
     check(compare("bf16 NaN-poisoned varlen gate+l2norm", inputs, cu_seqlens=cu, l2norm=True))
 
 
@@ -180,7 +157,7 @@ def test_poisoned_buffers(monkeypatch):
 def test_decode_step(T):
     from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
-    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(64, T, 4, 128, 128, BF16, gate=True, l2norm=True, seed=7)
+    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(64, T, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
     state = h0.clone()
     o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                                  use_qk_l2norm=True)  # fmt: skip
@@ -193,7 +170,7 @@ def test_prefill_then_decode():
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
     from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
-    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(4, 203, 4, 128, 128, BF16, gate=True, l2norm=True, seed=8)
+    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(4, 203, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=8)
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
     with torch.no_grad():
         full, _ = chunk_kda_triton(q, k, v, z, beta, initial_state=h0, **gate)
@@ -216,7 +193,7 @@ def test_auto_backend_on_cuda_by_dtype():
 
 def test_torch_compile_inductor():
     """The custom ops inside a compiled function (inductor, fullgraph): same values as eager."""
-    inputs = make_inputs(2, 500, 4, 128, 128, BF16, gate=True, l2norm=True, seed=9)
+    inputs = make_inputs(2, 500, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=9)
 
     def fn(q, k, v, g, beta, h0, A_log, dt_bias):
         o, S = triton_kda(q * 2, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)  # exact pre/post ops: bitwise equal
@@ -234,7 +211,7 @@ def test_torch_compile_inductor():
 
 @pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention (fla) not installed")
 def test_against_fla():
-    """FLA 0.6.0 chunk_kda in its fastest configuration, and triton_kda, both against the float64 reference_kda."""
+    """FLA 0.6.0 chunk_kda in its fastest configuration, and ours, both against the float64 reference."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     def fla_fn(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm):
@@ -243,8 +220,8 @@ def test_against_fla():
         return fla_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
                              dt_bias=dt_bias, **flags)  # fmt: skip
 
-    inputs = make_inputs(2, 1000, 4, 128, 128, BF16, gate=True, l2norm=True, seed=10)
-    mine = compare("triton_kda bf16 gate+l2norm (FLA config)", inputs, l2norm=True)
+    inputs = make_inputs(2, 1000, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=10)
+    mine = compare("ours bf16 gate+l2norm (FLA config)", inputs, l2norm=True)
     theirs = compare("FLA 0.6.0 bf16 gate+l2norm", inputs, fn=fla_fn, l2norm=True)
     del theirs  # FLA's errors are recorded for comparison only
     check(mine)
