@@ -185,14 +185,10 @@ def _train(args) -> int:
 
 
 def _device_and_dtype(args):
-    import torch
-
-    from hybrid_attention.train import resolve_device
+    from hybrid_attention.train import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, args.dtype)
+    return device, resolve_dtype(device, args.dtype)
 
 
 def _generate(args) -> int:

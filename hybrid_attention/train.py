@@ -138,9 +138,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
+    """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere."""
+    return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 def autocast_for(device: torch.device, dtype: str):
     """bf16 autocast on CUDA by default; float32 (no autocast) on CPU unless --dtype bfloat16."""
-    target = DTYPES[dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target = resolve_dtype(device, dtype)
     if target == torch.float32:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=target)
