@@ -1,0 +1,95 @@
+"""Where a CUDA-graph decode step of k3-scaled spends its time: every kernel of one replay, grouped by name.
+
+    python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--out trace.json]
+
+Replays the captured step (as bench_decode.py builds it) under torch.profiler and reads the kernels of the last
+replay from the trace: count, summed kernel time and the idle gaps between consecutive kernels. Kernel time near the
+step time means the kernels themselves are slow; large gaps mean the step is bound by launch latency. Prints a table
+per kernel name, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+import torch
+from bench_common import env_info, log
+from bench_decode import MODELS, build_model, fill_cache, median_event_ms
+
+
+def replay_kernels(step, replays: int = 3) -> list[dict]:
+    """Kernels of the last of `replays` graph replays: dicts with name, ts and dur (microseconds), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step.replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        raise RuntimeError("profile_decode: the profiler recorded no kernels inside the graph replays")
+    # Replays are separated by a host sync: split at the largest gaps.
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"], reverse=True)
+    cuts = sorted(gaps[: replays - 1])
+    last = kernels[cuts[-1] :] if cuts else kernels
+    return [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"])) for e in last]
+
+
+def summarise(kernels: list[dict]) -> dict:
+    by_name: dict[str, dict] = defaultdict(lambda: dict(count=0, us=0.0))
+    for k in kernels:
+        by_name[k["name"]]["count"] += 1
+        by_name[k["name"]]["us"] += k["dur"]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy = sum(k["dur"] for k in kernels)
+    return dict(kernels=len(kernels), span_us=span, kernel_us=busy, gap_us=span - busy, by_name=dict(by_name))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="hybrid")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--out", help="also write the JSON result here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_decode: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from hybrid_attention.graphs import DecodeStep
+
+    model = build_model(MODELS[args.model], "auto")
+    cache = model.make_cache(args.batch, args.context + 64)
+    step = DecodeStep(model, cache, cuda_graph=True)
+    fill_cache(cache, args.context)
+    for _ in range(3):
+        step.replay()
+    step_ms, _ = median_event_ms(step.replay, 20)
+    log(f"{args.model} B={args.batch} context={args.context}: {step_ms:.3f} ms per replay")
+    result = dict(env=env_info(["benchmarks/profile_decode.py", *argv]), model=args.model, batch=args.batch)
+    result.update(context=args.context, step_ms=step_ms, **summarise(replay_kernels(step)))
+    print(f"\n{result['kernels']} kernels, span {result['span_us']:.1f} us, kernel time {result['kernel_us']:.1f} us, "
+          f"gaps {result['gap_us']:.1f} us (replay {step_ms * 1e3:.1f} us)")  # fmt: skip
+    print(f"{'count':>5} {'total us':>9} {'us each':>8}  kernel")
+    for name, s in sorted(result["by_name"].items(), key=lambda kv: -kv[1]["us"]):
+        print(f"{s['count']:>5} {s['us']:>9.1f} {s['us'] / s['count']:>8.2f}  {name[:110]}")
+    line = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
