@@ -110,6 +110,33 @@ def test_fused_gate_and_l2norm(dtype):
     check(compare(f"{dtype} gate+l2norm B2 T1000", inputs, l2norm=True))
 
 
+def _autotuned_kernels():
+    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
+
+    return {
+        "prep": triton_prep._prep_kernel,
+        "state_fwd": triton_fwd._state_fwd_kernel,
+        "state_bwd": triton_bwd._state_bwd_kernel,
+        "score_grad": triton_bwd._score_grad_kernel,
+        "dqkg": triton_bwd_chunk._dqkg_kernel,
+    }
+
+
+# Every config but the first of every autotuned kernel (the first runs in all other tests). A config that faults or
+# miscomputes at one size only must not be left for the autotuner to find: a (BV 32, 2 stages) state backward
+# config faulted at K = V = 64 in a benchmark while every test here passed with the first configs.
+CONFIG_CASES = [(name, i) for name, kernel in _autotuned_kernels().items() for i in range(1, len(kernel.configs))]
+
+
+@pytest.mark.parametrize("size", [64, 128])
+@pytest.mark.parametrize("kernel, index", CONFIG_CASES, ids=[f"{n}-{i}" for n, i in CONFIG_CASES])
+def test_every_autotune_config(kernel, index, size, monkeypatch):
+    tuner = _autotuned_kernels()[kernel]
+    monkeypatch.setattr(tuner, "configs", [tuner.configs[index]])  # one config: the autotuner runs it directly
+    inputs = make_inputs(1, 300, 2, size, size, dtype=BF16, gate=True, l2norm=True, seed=size + index)
+    check(compare(f"{kernel} config {tuner.configs[0]} K=V={size}", inputs, l2norm=True))
+
+
 def test_gate_at_bound_16k_stays_finite():
     """z so large that every gate sits at lower_bound = -5 exactly, for 16K tokens: all finite, and the
     forward still matches the reference."""

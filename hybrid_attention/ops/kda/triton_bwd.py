@@ -35,15 +35,19 @@ from hybrid_attention.ops.kda.triton_utils import (
     state_slice,
     store_state,
     store_tile,
+    tuning_width,
 )
 
 
-@autotune([{"BV": 32}, {"BV": 64}, {"BV": 32}], [(4, 1), (8, 2), (4, 2)], ["K", "V", "HAS_DHT", "HAS_H0"])
-@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+# With 4 warps and 2 pipeline stages this kernel miscomputes on an H200 with triton 3.6 (BV 16: dh0 off by 6e-2 at
+# K = V = 128; BV 32: an illegal address at K = V = 64), so no such config is offered;
+# tests/gpu/test_kda_triton.py::test_every_autotune_config runs each config here alone against the reference.
+@autotune([{"BV": 32}, {"BV": 64}], [(4, 1), (8, 2)], ["K", "V", "HAS_DHT", "HAS_H0", "WIDTH"])
+@triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_bwd_kernel(
     qg, kg, w, aqk, glast, do, dht,  # saved prep outputs, dO [T_total, H, V], dht [N, H, K, V] f32
     dh0, dhbuf, dvnew,  # dh0 [N, H, K, V] f32, dhbuf [chunks, H, K, V] (dS1 per chunk), dvnew [H, T_total, V]
-    cu, chunk_off, T, NT, T_tot,
+    cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
@@ -138,7 +142,7 @@ def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
     _state_bwd_kernel[grid](
         saved["qg"], saved["kg"], saved["w"], saved["aqk"], saved["glast"], do, dht if dht is not None else none,
         dh0, dhbuf, dvnew,
-        cu, chunk_off, T, NT, T_tot,
+        cu, chunk_off, T, NT, T_tot, tuning_width(N * H),
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_DHT=dht is not None,
         HAS_H0=h0_needed, IO=IO, PREC=PREC, EMU=EMU,
     )  # fmt: skip

@@ -31,17 +31,24 @@ from hybrid_attention.ops.kda.triton_utils import (
     state_slice,
     store_state,
     store_tile,
+    tuning_width,
 )
 
 
 # At the anchor shape on an H200 (inference / training): BV 64, 4 warps, 1 stage 0.32 / 0.43 ms; BV 128, 8 warps,
-# 2 stages 0.37 / 0.46; BV 32, 4 warps, 1 stage 0.55 / 0.70 (fewer programs for small batches).
-@autotune([{"BV": 64}, {"BV": 128}, {"BV": 32}], [(4, 1), (8, 2), (4, 1)], ["K", "V", "SAVE", "HAS_H0", "STORE_HT"])
-@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+# 2 stages 0.37 / 0.46; BV 32, 4 warps, 1 stage 0.55 / 0.70. With few (sequence, head) pairs the pass is as long as
+# one program's walk: at B=1, T=64K, H=16 (16 pairs) BV 16 with 2 stages takes 2.89 / 3.26 ms, BV 32 one stage
+# 3.70 / 4.20, BV 64 one stage 3.99 / 4.94. WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
+@autotune(
+    [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}],
+    [(4, 1), (8, 2), (4, 1), (4, 2), (4, 2)],
+    ["K", "V", "SAVE", "HAS_H0", "STORE_HT", "WIDTH"],
+)
+@triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_fwd_kernel(
     w, u, qg, kg, aqk, glast, h0,  # prep outputs; h0 [N, H, K, V] float32
     o, ht, hbuf, vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
-    cu, chunk_off, T, NT, T_tot,
+    cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only (see above)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
     IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
@@ -135,7 +142,7 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     _state_fwd_kernel[grid](
         saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"], none if h0 is None else h0,
         o, ht, saved["h"], saved["vnew"],
-        cu, chunk_off, Tn, NT, T_tot,
+        cu, chunk_off, Tn, NT, T_tot, tuning_width(layout.n_seq * H),
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_H0=h0 is not None,
         STORE_HT=final, SAVE=save, IO=io, PREC=prec, EMU=emu,
     )  # fmt: skip

@@ -49,6 +49,13 @@ def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
 
 
+def tuning_width(pairs: int) -> int:
+    """The number of (sequence, head) pairs a sequential state pass runs in parallel, as an autotuning key: a power
+    of two, capped at 512 (beyond it every config fills the GPU), so that a long single sequence and a large
+    batch tune apart without a re-tune for every batch size."""
+    return min(512, triton.next_power_of_2(max(1, pairs)))
+
+
 def dot_setup(dtype: torch.dtype) -> tuple[str, bool, bool]:
     """(PREC, EMU, A32) for kernels whose io dtype is `dtype`.
 
