@@ -38,6 +38,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL32 = 1e-5  # float32 paths (DESIGN.md)
 
 
+@pytest.fixture(params=["walk", "split"])
+def output_pass(request, monkeypatch):
+    """The forward's output computed inside the state walk, or in the separate per-chunk output pass."""
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if request.param == "split" else "0")
+    return request.param
+
+
 def compare(inputs, tol_o, tol_g, **kw):
     q, v, h0 = inputs[0], inputs[2], inputs[5]
     N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
@@ -62,11 +69,11 @@ def compare(inputs, tol_o, tol_g, **kw):
     "B, T, H, K, V, h0",
     [(1, 1, 1, 16, 16, True), (1, 20, 2, 16, 32, False), (2, 70, 1, 32, 16, True)],
 )
-def test_matches_reference_float32(B, T, H, K, V, h0):
+def test_matches_reference_float32(B, T, H, K, V, h0, output_pass):
     compare(make_inputs(B, T, H, K, V, h0=h0, seed=T), TOL32, TOL32)
 
 
-def test_varlen_with_empty_sequence():
+def test_varlen_with_empty_sequence(output_pass):
     cu = torch.tensor([0, 5, 5, 70, 90], device=DEV)
     compare(make_inputs(1, 90, 1, 16, 16, N=4, seed=3), TOL32, TOL32, cu_seqlens=cu)
 
@@ -83,6 +90,23 @@ def test_backward_k_tile_knob(monkeypatch, k_tile):
     # (and the l2norm backward fused into that kernel); both must match the reference like the default.
     monkeypatch.setenv("HA_KDA_DQKG_BK", k_tile)
     compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)
+
+
+def test_split_output_knob_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "yes")
+    q, k, v, g, beta = make_inputs(1, 8, 1, 16, 16, h0=False)[:5]
+    with pytest.raises(ValueError, match="HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto"):
+        chunk_kda_triton(q, k, v, g, beta)
+
+
+@pytest.mark.parametrize(
+    "mode, pairs, split", [("auto", 32, True), ("auto", 33, False), ("0", 1, False), ("1", 4096, True)]
+)
+def test_split_output_choice(monkeypatch, mode, pairs, split):
+    from hybrid_attention.ops.kda.triton_fwd import split_output
+
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", mode)
+    assert split_output(pairs) is split
 
 
 def test_backward_k_tile_knob_rejects_bad_values(monkeypatch):
@@ -112,7 +136,7 @@ def test_gradient_through_one_output(used):
         assert_close(f"gradient through the {used} alone", mine, ref, TOL32)
 
 
-def test_float16():
+def test_float16(output_pass):
     # Half precision: the tolerances of DESIGN.md for bf16 kernels (float16 has 3 more mantissa bits).
     compare(make_inputs(1, 70, 1, 32, 32, dtype=torch.float16, seed=5), 1e-2, 2e-2)
 
@@ -126,7 +150,7 @@ def test_bfloat16_gate_gradient_as_accurate_as_the_others(monkeypatch):
     compare(make_inputs(1, 300, 2, 64, 64, dtype=torch.bfloat16, seed=6), 1e-2, 1e-2)
 
 
-def test_no_grad_forward_default_scale_and_dispatch():
+def test_no_grad_forward_default_scale_and_dispatch(output_pass):
     q, k, v, g, beta, h0, _, _ = make_inputs(1, 20, 1, 16, 16, seed=6)
     with torch.no_grad():
         o, S = chunk_kda_triton(q, k, v, g, beta, initial_state=h0)
@@ -160,7 +184,7 @@ def test_prefix_invariance_forward_and_backward():
         assert torch.equal(g1[name], g2[name]), name
 
 
-def test_poisoned_buffers(monkeypatch):
+def test_poisoned_buffers(monkeypatch, output_pass):
     """Every buffer the kernels allocate starts as NaN: an element they forget to write shows up."""
     poison_torch_empty(monkeypatch)
     cu = torch.tensor([0, 17, 70], device=DEV)

@@ -119,6 +119,7 @@ def _autotuned_kernels():
         "state_bwd": triton_bwd._state_bwd_kernel,
         "score_grad": triton_bwd._score_grad_kernel,
         "dqkg": triton_bwd_chunk._dqkg_kernel,
+        "output": triton_fwd._output_kernel,  # runs with HA_KDA_SPLIT_OUTPUT=1 only
     }
 
 
@@ -133,8 +134,22 @@ CONFIG_CASES = [(name, i) for name, kernel in _autotuned_kernels().items() for i
 def test_every_autotune_config(kernel, index, size, monkeypatch):
     tuner = _autotuned_kernels()[kernel]
     monkeypatch.setattr(tuner, "configs", [tuner.configs[index]])  # one config: the autotuner runs it directly
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
     inputs = make_inputs(1, 300, 2, size, size, dtype=BF16, gate=True, l2norm=True, seed=size + index)
     check(compare(f"{kernel} config {tuner.configs[0]} K=V={size}", inputs, l2norm=True))
+
+
+@pytest.mark.parametrize("case", ["T4097", "varlen"])
+def test_split_output_pass(case, monkeypatch):
+    """The forward with O in the separate per-chunk pass (HA_KDA_SPLIT_OUTPUT=1), bf16, against the reference."""
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1")
+    if case == "varlen":
+        cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
+        inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=21)
+        check(compare("split output varlen", inputs, cu_seqlens=cu, l2norm=True))
+    else:
+        inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=22)
+        check(compare("split output B1 T4097 H2", inputs, l2norm=True))
 
 
 def test_gate_at_bound_16k_stays_finite():

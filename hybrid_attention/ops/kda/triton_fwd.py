@@ -1,4 +1,5 @@
-"""KDA forward, stage 2 of 2: the state pass, and the host function that runs both stages.
+"""KDA forward, stage 2: the state pass (and, for few long sequences, a separate output pass), and the host
+function that runs the stages.
 
 One program per (V tile, sequence, head) walks the sequence's chunks in order, keeping the [K, BV] state S in
 float32 registers (MATH.md, "Chunkwise form", with the prep outputs of triton_prep.py):
@@ -6,10 +7,17 @@ float32 registers (MATH.md, "Chunkwise form", with the prep outputs of triton_pr
     D = U - W S          O = qg S + Aqk D          S <- Diag(2^Gam) S + kg^T D
 
 For the backward it also stores S at the start of every chunk (`h`) and D (`v_new`); inference skips both.
-Everything chunk-local was done by the parallel prep kernel, so this pass is three dots per chunk.
+Everything chunk-local was done by the parallel prep kernel, so this pass is four dots per chunk.
+
+The walk is as long as one program's: with few (sequence, head) pairs (one 64K-token sequence of 16 heads) it
+takes most of the forward, and O is half of every step (H200, B=1, T=64K: 2.89 ms with O, 1.54 ms without). With
+`split_output`, the walk leaves O out and stores S and D, and `_output_kernel` computes O for every chunk in
+parallel. Both ways multiply the same rounded operands (the dots round S and D to the io dtype, the stores too).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -20,6 +28,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     ChunkLayout,
     autotune,
     chunk_decay,
+    chunk_info,
     dot_setup,
     empty,
     load_lower,
@@ -42,7 +51,7 @@ from hybrid_attention.ops.kda.triton_utils import (
 @autotune(
     [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}],
     [(4, 1), (8, 2), (4, 1), (4, 2), (4, 2)],
-    ["K", "V", "SAVE", "HAS_H0", "STORE_HT", "WIDTH"],
+    ["K", "V", "SAVE", "OUT", "HAS_H0", "STORE_HT", "WIDTH"],
 )
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_fwd_kernel(
@@ -50,9 +59,10 @@ def _state_fwd_kernel(
     o, ht, hbuf, vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
     cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only (see above)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, OUT: tl.constexpr,
     IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
+    # SAVE: store S per chunk and D (the backward, or the output pass, reads them); OUT: compute O here.
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -75,14 +85,49 @@ def _state_fwd_kernel(
         D = load_tile(u_h, t0, nv, V, iv * BV, V, 64, BV) - mm(Wt, S, IO, PREC, EMU)
         if SAVE:
             store_tile(vn_h, D, t0, nv, V, iv * BV, V, 64, BV)
-        Qt = load_raw(qg_h, t0, nv, K, 0, K, 64, BK)
-        At = load_lower(a_h, t0, nv)
-        O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
-        store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
+        if OUT:
+            Qt = load_raw(qg_h, t0, nv, K, 0, K, 64, BK)
+            At = load_lower(a_h, t0, nv)
+            O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
+            store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
         S = S * tl.exp2(chunk_decay(glast, cj, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
     if STORE_HT:
         store_state(ht, n * H + h, S, soffs, smask, K, V)
+
+
+@autotune([{"BV": 64}, {"BV": 128}], [(4, 2), (8, 2)], ["K", "V"])
+@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+def _output_kernel(
+    qg, aqk, hbuf, vnew, o,  # qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]
+    cu, chunk_seq, chunk_tok, T, NT, T_tot,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """O = qg S + Aqk D for one (chunk, head, V tile), from the S and D that the walk stored."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
+    if seq < 0:
+        return
+    nv = eos - t0
+    S = load_raw(hbuf + (c * H + h).to(tl.int64) * K * V, 0, K, V, iv * BV, V, BK, BV)
+    Qt = load_raw(qg + h.to(tl.int64) * T_tot * K, t0, nv, K, 0, K, 64, BK)
+    At = load_lower(aqk + h.to(tl.int64) * T_tot * 64, t0, nv)
+    D = load_raw(vnew + h.to(tl.int64) * T_tot * V, t0, nv, V, iv * BV, V, 64, BV)
+    O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
+    store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
+
+
+def split_output(pairs: int) -> bool:
+    """Whether the forward computes O in the separate output pass: HA_KDA_SPLIT_OUTPUT=1 always, 0 never (the
+    default), "auto" for at most 32 (sequence, head) pairs, where the walk is long and its programs few. Off by
+    default until the output kernel has run and been timed on a GPU (its two configs are tested on the CPU only)."""
+    mode = os.environ.get("HA_KDA_SPLIT_OUTPUT", "0")
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto, got {mode!r}")
+    return mode == "1" or (mode == "auto" and tuning_width(pairs) <= 32)
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -137,14 +182,26 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     prep_fwd(q, k, v, g, beta, a_log, dt_bias, saved, layout, scale=scale, lower_bound=lower_bound, gate=gate,
              l2norm=l2norm, save=save, dtypes=(io, tl.float32 if a32 else io, prec, emu))  # fmt: skip
 
-    cu, _, _, chunk_off, Tn, NT = layout.args()
+    cu, chunk_seq, chunk_tok, chunk_off, Tn, NT = layout.args()
+    width = tuning_width(layout.n_seq * H)
+    split = split_output(layout.n_seq * H)
+    hbuf, vnew = saved["h"], saved["vnew"]
+    if split and not save:  # the output pass needs S per chunk and D: scratch here, kept for the backward otherwise
+        hbuf, vnew = empty(q, layout.n_chunks, H, K, V, dtype=v.dtype), empty(q, H, T_tot, V, dtype=v.dtype)
+    BK = max(16, triton.next_power_of_2(K))
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), layout.n_seq, H)
     _state_fwd_kernel[grid](
         saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"], none if h0 is None else h0,
-        o, ht, saved["h"], saved["vnew"],
-        cu, chunk_off, Tn, NT, T_tot, tuning_width(layout.n_seq * H),
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_H0=h0 is not None,
-        STORE_HT=final, SAVE=save, IO=io, PREC=prec, EMU=emu,
+        o, ht, hbuf, vnew,
+        cu, chunk_off, Tn, NT, T_tot, width,
+        H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, HAS_H0=h0 is not None,
+        STORE_HT=final, SAVE=save or split, OUT=not split, IO=io, PREC=prec, EMU=emu,
     )  # fmt: skip
+    if split:
+        grid = lambda meta: (layout.n_chunks, H, triton.cdiv(V, meta["BV"]))
+        _output_kernel[grid](
+            saved["qg"], saved["aqk"], hbuf, vnew, o, cu, chunk_seq, chunk_tok, Tn, NT, T_tot,
+            H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, IO=io, PREC=prec, EMU=emu,
+        )  # fmt: skip
     del saved["u"]
     return o, ht, saved
