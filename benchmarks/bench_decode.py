@@ -96,7 +96,7 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def decode_case(model, name: str, B: int, context: int, reps: int, with_eager: bool) -> dict:
+def decode_case(model, name: str, B: int, context: int, reps: int, with_eager: bool, pack: bool = True) -> dict:
     from hybrid_attention.graphs import DecodeStep
 
     row = dict(model=name, B=B, context=context)
@@ -113,7 +113,7 @@ def decode_case(model, name: str, B: int, context: int, reps: int, with_eager: b
         row["skipped"] = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
         return row
     cache = model.make_cache(B, context + margin)
-    step = DecodeStep(model, cache, cuda_graph=True)  # warm-up + capture on the empty cache
+    step = DecodeStep(model, cache, cuda_graph=True, pack_projections=pack)  # warm-up + capture, empty cache
     fill_cache(cache, context)
     step.tokens.copy_(torch.randint(0, model.config.vocab_size, (B, 1), device="cuda"))
     for _ in range(3):
@@ -241,6 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting new prefill cases after this")
     p.add_argument("--reps", type=int, default=None, help="replays timed per decode case (default 50, quick 15)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill call (default 8192)")
+    p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU", file=sys.stderr)
@@ -250,6 +251,7 @@ def main(argv=None) -> int:
     reps = args.reps or (15 if args.quick else 50)
     kda_backend = "auto"  # our Triton chunk kernels on CUDA (prefill only; decode is the recurrent step either way)
     result = dict(env=env_info(["benchmarks/bench_decode.py", *argv]), kda_prefill_backend=kda_backend)
+    result["packed_projections"] = not args.no_pack
     result["env"]["budget_s"] = args.budget_s
     decode, kernels, prefills, failures = [], [], [], []
     models = {}
@@ -274,7 +276,9 @@ def main(argv=None) -> int:
                 log(f"decode {name} B={B} context={ctx} ({time.monotonic() - t0:.0f} s)")
                 record = dict(model=name, B=B, context=ctx)
                 eager = B == 1 and ctx == contexts[0]
-                decode.append(attempt(f"decode {record}", record, decode_case, model, name, B, ctx, reps, eager))
+                decode.append(
+                    attempt(f"decode {record}", record, decode_case, model, name, B, ctx, reps, eager, not args.no_pack)
+                )
 
     for B, ctx in [(32, 32768)] if args.quick else [(32, 32768), (32, 131072), (1, 1048576)]:
         kernels.append(attempt(f"kernel B={B} ctx={ctx}", dict(B=B, context=ctx), kernel_case, B, ctx))

@@ -1,6 +1,6 @@
 """Where a CUDA-graph decode step of k3-scaled spends its time: every kernel of one replay, grouped by name.
 
-    python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--out trace.json]
+    python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--no-pack] [--out f]
 
 Replays the captured step (as bench_decode.py builds it) under torch.profiler and reads the kernels of the last
 replay from the trace: count, summed kernel time and the idle gaps between consecutive kernels. Kernel time near the
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--out", help="also write the JSON result here")
+    p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
@@ -70,13 +71,14 @@ def main(argv=None) -> int:
 
     model = build_model(MODELS[args.model], "auto")
     cache = model.make_cache(args.batch, args.context + 64)
-    step = DecodeStep(model, cache, cuda_graph=True)
+    step = DecodeStep(model, cache, cuda_graph=True, pack_projections=not args.no_pack)
     fill_cache(cache, args.context)
     for _ in range(3):
         step.replay()
     step_ms, _ = median_event_ms(step.replay, 20)
     log(f"{args.model} B={args.batch} context={args.context}: {step_ms:.3f} ms per replay")
     result = dict(env=env_info(["benchmarks/profile_decode.py", *argv]), model=args.model, batch=args.batch)
+    result["packed_projections"] = not args.no_pack
     result.update(context=args.context, step_ms=step_ms, **summarise(replay_kernels(step)))
     print(f"\n{result['kernels']} kernels, span {result['span_us']:.1f} us, kernel time {result['kernel_us']:.1f} us, "
           f"gaps {result['gap_us']:.1f} us (replay {step_ms * 1e3:.1f} us)")  # fmt: skip

@@ -8,6 +8,8 @@ CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). W
   device lengths, KDA always takes its recurrent step, and nothing syncs with the host;
 - the host counters (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
   device lengths.
+The projections of each layer that read the same input run as one matrix-vector product from packed copies of
+their weights (`layers.packed`), installed only while the step runs: at batch 1 the step is dozens of small GEMVs.
 Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the empty cache,
 which is reset afterwards; that is why the step must be built before the prompt is prefilled. Sampling stays
 outside the graph (it needs the generator and is cheap).
@@ -15,9 +17,12 @@ outside the graph (it needs the generator and is cheap).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hybrid_attention.cache import HybridCache
+from hybrid_attention.layers.packed import PackedProjections
 
 
 class DecodeStep:
@@ -28,11 +33,15 @@ class DecodeStep:
         cache: the static cache it decodes into; must be empty (seq_len 0) when the step is built.
         cuda_graph: capture the step in a CUDA graph (CUDA models only); False runs the same step eagerly.
         warmup_steps: eager steps run before capture.
+        pack_projections: run each layer's input projections as one product from packed weight copies (one more
+            copy of those weights in memory; `layers.packed`). The parameters themselves are not touched.
 
     The logits returned by a graph replay live in a static buffer that the next call overwrites.
     """
 
-    def __init__(self, model, cache: HybridCache, *, cuda_graph: bool, warmup_steps: int = 2):
+    def __init__(
+        self, model, cache: HybridCache, *, cuda_graph: bool, warmup_steps: int = 2, pack_projections: bool = True
+    ):
         if cache.seq_len != 0:
             raise ValueError(
                 f"DecodeStep: build it on an empty cache (warm-up and capture write into the cache, which is reset "
@@ -49,6 +58,8 @@ class DecodeStep:
         self.tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)  # static input
         self.logits: torch.Tensor | None = None  # static output of the graph
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Kept alive here: a captured graph reads these copies.
+        self.packed = PackedProjections(model) if pack_projections else None
         if cuda_graph:
             self._capture(max(1, min(warmup_steps, cache.max_seq_len)))
 
@@ -59,13 +70,13 @@ class DecodeStep:
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), self._packed():
                 for _ in range(warmup_steps):
                     model(self.tokens, cache=cache)
             current.wait_stream(side)
             cache.reset()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), self._packed():
                 self.logits = model(self.tokens, cache=cache).logits[:, -1]  # (B, vocab)
             self.graph = graph
         finally:
@@ -85,9 +96,13 @@ class DecodeStep:
             )
         self.tokens[:, 0].copy_(tokens)
         if self.graph is None:
-            return self.model(self.tokens, cache=cache).logits[:, -1]
+            with self._packed():
+                return self.model(self.tokens, cache=cache).logits[:, -1]
         self.replay()
         return self.logits
+
+    def _packed(self):
+        return self.packed.installed() if self.packed is not None else contextlib.nullcontext()
 
     def replay(self) -> None:
         """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counters."""

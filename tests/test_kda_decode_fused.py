@@ -3,6 +3,7 @@ eager step (outputs, conv tails, recurrent state) over several tokens, float32 a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -69,3 +70,23 @@ def test_the_layer_takes_the_fused_path_on_cuda_only():
     x = torch.randn(1, 1, 24, device=DEV)
     assert kda._fused_decode_ok(x, 4) == torch.cuda.is_available()
     assert not kda._fused_decode_ok(x.double(), 4) and not kda._fused_decode_ok(x, 1)
+
+
+def test_fused_step_with_packed_projections(monkeypatch):
+    """The fused step reading its projections as slices of one packed product (what a decode step installs):
+    the same outputs, tails and state as with separate projections (float32; the packed product may round its
+    last bit differently)."""
+    from hybrid_attention.layers.packed import PackedProjections
+
+    layer = make_layer(8, 4, torch.float32, seed=3)
+    x = torch.randn(2, 4, 24, device=DEV)
+    caches = [layer.empty_cache(2) for _ in range(2)]
+    outs = []
+    with torch.no_grad():
+        for cache, packed in zip(caches, (None, PackedProjections(layer)), strict=True):
+            with packed.installed() if packed is not None else contextlib.nullcontext():
+                outs.append(torch.cat([layer._decode_fused(x[:, t : t + 1], cache) for t in range(4)], 1))
+    assert_close("outputs", outs[1], outs[0], 1e-6)
+    assert_close("state", caches[1].state, caches[0].state, 1e-6)
+    for name in ("conv_q", "conv_k", "conv_v"):  # the tails hold projection outputs: one product's rounding
+        assert_close(name, getattr(caches[1], name), getattr(caches[0], name), 1e-6)

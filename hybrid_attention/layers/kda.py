@@ -24,6 +24,7 @@ from torch import nn
 
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
+from hybrid_attention.layers.packed import project
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import triton_runs_on
@@ -164,11 +165,12 @@ class KimiDeltaAttention(nn.Module):
             return self._decode_fused(x, cache)
         conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
 
-        q = self.q_conv(self.q_proj(x), conv_q).view(B, T, H, D)
-        k = self.k_conv(self.k_proj(x), conv_k).view(B, T, H, D)
-        v = self.v_conv(self.v_proj(x), conv_v).view(B, T, H, D)
-        beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x.dtype)))  # [B, T, H]
-        z = self.f_up(self.f_down(x)).view(B, T, H, D)  # raw decay logits
+        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, self.packed_linears())
+        q = self.q_conv(q_in, conv_q).view(B, T, H, D)
+        k = self.k_conv(k_in, conv_k).view(B, T, H, D)
+        v = self.v_conv(v_in, conv_v).view(B, T, H, D)
+        beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
+        z = self.f_up(f_in).view(B, T, H, D)  # raw decay logits
 
         if cache is None:
             # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA.
@@ -187,8 +189,12 @@ class KimiDeltaAttention(nn.Module):
                 )
             cache.state.copy_(state.detach())
 
-        gate = self.g_up(self.g_down(x)).view(B, T, H, D)
+        gate = self.g_up(g_in).view(B, T, H, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
+
+    def packed_linears(self) -> list[nn.Linear]:
+        """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_down, self.g_down]
 
     def _decode_fused(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
         """One-token decode on CUDA: the same computation as the eager path, with conv + SiLU + L2 norm + gate + beta
@@ -198,12 +204,13 @@ class KimiDeltaAttention(nn.Module):
         from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
         from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
+        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, self.packed_linears())
         q, k, v, g, beta = kda_decode_inputs(
-            self.q_proj(x),
-            self.k_proj(x),
-            self.v_proj(x),
-            self.b_proj(x),
-            self.f_up(self.f_down(x)),
+            q_in,
+            k_in,
+            v_in,
+            b_in,
+            self.f_up(f_in),
             (cache.conv_q, cache.conv_k, cache.conv_v),
             (self.q_conv.weight, self.k_conv.weight, self.v_conv.weight),
             self.A_log,
@@ -212,7 +219,7 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=self.lower_bound,
         )
         o = fused_recurrent_kda_step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
-        y = kda_gated_output_norm(o, self.g_up(self.g_down(x)), self.o_norm.weight, self.o_norm.eps, dtype=x.dtype)
+        y = kda_gated_output_norm(o, self.g_up(g_in), self.o_norm.weight, self.o_norm.eps, dtype=x.dtype)
         return self.o_proj(y)
 
     def extra_repr(self) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.layers.packed import project
 from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.triton_support import triton_runs_on
 
@@ -181,17 +182,19 @@ class GatedMLA(nn.Module):
         dtype = dtype if dtype is not None else self.kv_down.weight.dtype
         return MLACache(rows=torch.zeros(batch_size, max_seq_len, self.latent_dim, device=device, dtype=dtype))
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> q: [B, T, H, d_n + d_s]."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_up(self.q_norm(self.q_down(x)))
-        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim)
+    def packed_linears(self) -> list[nn.Linear]:
+        """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
+        q_in = self.q_proj if self.q_lora_rank is None else self.q_down
+        return [q_in, self.kv_down, self.k_shared, self.g_proj]
 
-    def _latent_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> cache rows [c ; k_s]: [B, T, d_c + d_s]."""
-        return torch.cat([self.kv_norm(self.kv_down(x)), self.k_shared(x)], dim=-1)
+    def _query(self, q_in: torch.Tensor) -> torch.Tensor:
+        """The query projection (q_proj x, or q_down x with a query LoRA) [B, T, *] -> q: [B, T, H, d_n + d_s]."""
+        q = q_in if self.q_lora_rank is None else self.q_up(self.q_norm(q_in))
+        return q.view(*q_in.shape[:2], self.num_heads, self.qk_head_dim)
+
+    def _latent_rows(self, kv: torch.Tensor, k_shared: torch.Tensor) -> torch.Tensor:
+        """kv_down x [B, T, d_c], k_shared x [B, T, d_s] -> cache rows [c ; k_s]: [B, T, d_c + d_s]."""
+        return torch.cat([self.kv_norm(kv), k_shared], dim=-1)
 
     def _prefill_attention(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Decompressed path, queries and keys of equal length: q [B, T, H, d_n + d_s], rows [B, T, d_c + d_s]
@@ -256,18 +259,17 @@ class GatedMLA(nn.Module):
             # Validate before any write so a bad call leaves the cache untouched.
             cache._check_append(B, T, self.latent_dim)
 
-        q = self._query(x)  # (B, T, H, d_n + d_s)
+        q_in, kv, k_shared, g_in = project(self, x, self.packed_linears())
+        q = self._query(q_in)  # (B, T, H, d_n + d_s)
         if cache is not None and T == 1 and _fused_append_ok(x) and not torch.is_grad_enabled():
             # Decoding on CUDA: norm + row + write + length advance in one kernel (same values as the eager append).
             from hybrid_attention.ops.mla.append import append_latent_row
 
-            append_latent_row(
-                self.kv_down(x), self.k_shared(x), self.kv_norm.weight, self.kv_norm.eps, cache.rows, cache.lengths
-            )
+            append_latent_row(kv, k_shared, self.kv_norm.weight, self.kv_norm.eps, cache.rows, cache.lengths)
             cache.length += 1
             o = self._absorbed_attention(q, cache.rows, cache.lengths)
-            return self._output(x, o)
-        new_rows = self._latent_rows(x)  # (B, T, d_c + d_s)
+            return self._output(g_in, o)
+        new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
             o = self._prefill_attention(q, new_rows)
         elif cache.length == 0 and T > 1:
@@ -277,12 +279,13 @@ class GatedMLA(nn.Module):
         else:
             cache.append(new_rows)
             o = self._absorbed_attention(q, cache.rows, cache.lengths)
-        return self._output(x, o)
+        return self._output(g_in, o)
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden], per-head outputs o [B, T, H, d_v] -> W_o (sigmoid(W_g x) * concat_h o_h)."""
-        B, T, _ = x.shape
-        gate = torch.sigmoid(self.g_proj(x))  # (B, T, H*d_v)
+    def _output(self, g_in: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The gate projection W_g x [B, T, H*d_v], per-head outputs o [B, T, H, d_v] -> W_o (sigmoid(W_g x) *
+        concat_h o_h)."""
+        B, T, _ = g_in.shape
+        gate = torch.sigmoid(g_in)  # (B, T, H*d_v)
         return self.o_proj(gate * o.reshape(B, T, self.num_heads * self.v_head_dim))
 
     def extra_repr(self) -> str:

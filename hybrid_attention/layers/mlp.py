@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.layers.packed import project
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -16,4 +18,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, self.packed_linears())
+        return self.down_proj(F.silu(gate) * up)
+
+    def packed_linears(self) -> list[nn.Linear]:
+        """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
+        return [self.gate_proj, self.up_proj]

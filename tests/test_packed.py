@@ -1,0 +1,93 @@
+"""Packed decode projections (layers/packed.py): one product over concatenated weights equals the separate
+projections; every KDA, Gated MLA and SwiGLU layer is covered; the copies are installed only while a decode step
+runs; a decode step with them equals one without and the full forward."""
+
+import pytest
+import torch
+from torch import nn
+
+from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.layers import GatedMLA, KimiDeltaAttention, SwiGLU
+from hybrid_attention.layers.packed import PackedLinear, PackedProjections
+from hybrid_attention.model import HybridConfig, HybridLM
+from tests.helpers import assert_close
+
+
+def tiny_model(dtype=torch.float64) -> HybridLM:
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch")).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):  # non-trivial AttnRes mixing
+                p.normal_()
+    return model
+
+
+def test_packed_linear_equals_the_separate_projections():
+    torch.manual_seed(1)
+    linears = [nn.Linear(24, n, bias=False).double() for n in (16, 3, 0, 40)]  # a zero-width one (d_s = 0)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    outs = PackedLinear(linears)(x)
+    assert len(outs) == 4
+    for lin, out in zip(linears, outs, strict=True):
+        ref = lin(x)
+        assert out.shape == ref.shape
+        if ref.numel():
+            assert_close(f"packed output of width {lin.out_features}", out, ref, 1e-14)
+
+
+def test_packed_linear_rejects_bias_and_mixed_inputs():
+    with pytest.raises(ValueError, match="none with a bias"):
+        PackedLinear([nn.Linear(8, 4, bias=True)])
+    with pytest.raises(ValueError, match="none with a bias"):
+        PackedLinear([])
+    with pytest.raises(ValueError, match="input widths differ"):
+        PackedLinear([nn.Linear(8, 4, bias=False), nn.Linear(6, 4, bias=False)])
+
+
+def test_every_mixer_and_mlp_is_packed_and_only_while_installed():
+    model = tiny_model()
+    packed = PackedProjections(model)
+    kinds = (KimiDeltaAttention, GatedMLA, SwiGLU)
+    expected = {m for m in model.modules() if isinstance(m, kinds)}
+    assert set(packed.by_module) == expected and len(expected) == 2 * len(model.layers)
+    n_params = sum(lin.weight.numel() for m in expected for lin in m.packed_linears())
+    assert packed.nbytes() == n_params * 8
+    with pytest.raises(RuntimeError, match="boom"), packed.installed():
+        assert all(m.packed_projection is not None for m in expected)
+        raise RuntimeError("boom")
+    assert all(getattr(m, "packed_projection", None) is None for m in expected)  # cleared, even after an error
+
+
+def test_decode_step_with_packing_equals_without_and_the_full_forward(monkeypatch):
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 9))
+    calls = []
+    packed_call = PackedLinear.__call__
+    monkeypatch.setattr(PackedLinear, "__call__", lambda self, x: calls.append(1) or packed_call(self, x))
+    logits = {}
+    for pack in (True, False):
+        cache = model.make_cache(2, 16)
+        step = DecodeStep(model, cache, cuda_graph=False, pack_projections=pack)
+        assert (step.packed is not None) == pack
+        logits[pack] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1)
+    assert len(calls) == ids.shape[1] * 2 * len(model.layers)  # every mixer and MLP, every packed step
+    with torch.no_grad():
+        full = model(ids).logits
+    assert len(calls) == ids.shape[1] * 2 * len(model.layers)  # a plain call does not use them
+    assert_close("packed decode vs unpacked", logits[True], logits[False], 1e-12)
+    assert_close("packed decode vs full forward", logits[True], full, 1e-10)
+    assert all(getattr(m, "packed_projection", None) is None for m in model.modules())
+
+
+def test_packed_copies_are_a_snapshot_the_parameters_stay_separate():
+    """The step's copies are taken when it is built (its contract: the weights do not change while it is used);
+    the parameters are not replaced or aliased, so training and checkpoints are unaffected."""
+    model = tiny_model()
+    before = {name: p for name, p in model.named_parameters()}
+    step = DecodeStep(model, model.make_cache(1, 4), cuda_graph=False)
+    assert {name: p for name, p in model.named_parameters()} == before
+    kda = model.layers[0].mixer
+    packed_q = step.packed.by_module[kda].weight[: kda.q_proj.out_features]
+    assert torch.equal(packed_q, kda.q_proj.weight)
+    assert packed_q.data_ptr() != kda.q_proj.weight.data_ptr()
