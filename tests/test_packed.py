@@ -36,10 +36,13 @@ def test_packed_linear_equals_the_separate_projections():
             assert_close(f"packed output of width {lin.out_features}", out, ref, 1e-14)
 
 
-def test_packed_linear_rejects_bias_and_mixed_inputs():
-    with pytest.raises(ValueError, match="none with a bias"):
-        PackedLinear([nn.Linear(8, 4, bias=True)])
-    with pytest.raises(ValueError, match="none with a bias"):
+def test_packed_linear_with_a_bias_and_bad_input():
+    torch.manual_seed(2)
+    linears = [nn.Linear(8, 4, bias=False).double(), nn.Linear(8, 6, bias=True).double()]
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for lin, out in zip(linears, PackedLinear(linears)(x), strict=True):
+        assert_close(f"packed output of width {lin.out_features}", out, lin(x), 1e-14)
+    with pytest.raises(ValueError, match="at least one"):
         PackedLinear([])
     with pytest.raises(ValueError, match="input widths differ"):
         PackedLinear([nn.Linear(8, 4, bias=False), nn.Linear(6, 4, bias=False)])
@@ -53,6 +56,12 @@ def test_every_mixer_and_mlp_is_packed_and_only_while_installed():
     assert set(packed.by_module) == expected and len(expected) == 2 * len(model.layers)
     n_params = sum(lin.weight.numel() for m in expected for lin in m.packed_linears())
     assert packed.nbytes() == n_params * 8
+    assert {id(m) for m in packed.singles} == {
+        id(m)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and not any(m is p for k in expected for p in k.packed_linears())
+    }
+    assert model.lm_head in packed.singles and model.layers[0].mixer.o_proj in packed.singles
     with pytest.raises(RuntimeError, match="boom"), packed.installed():
         assert all(m.packed_projection is not None for m in expected)
         raise RuntimeError("boom")

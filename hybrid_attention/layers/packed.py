@@ -6,6 +6,9 @@ projections of one layer that read the same x (KDA: q, k, v, beta, and the decay
 Gated MLA: q, the latent down projection, the shared key and the gate; SwiGLU: gate and up) can be read as one
 concatenated weight [sum of outputs, in] in one launch, with the same products.
 
+With HA_DECODE_GEMV=triton the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the
+model's other linear layers while a step runs.
+
 The parameters stay separate (the optimizer, Muon's per-matrix updates and checkpoints see them as they are). A
 `PackedProjections` holds concatenated copies, made once by `graphs.DecodeStep` (whose contract already is that the
 weights do not change while it is used), and installs them on the layers only for the duration of a step: a plain
@@ -15,6 +18,8 @@ in bf16); `DecodeStep(pack_projections=False)` skips them.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -22,20 +27,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.ops.triton_support import triton_available
+
+
+def decode_gemv_enabled() -> bool:
+    """HA_DECODE_GEMV=triton routes decode-step products to `ops.gemv`; "torch" (the default) keeps F.linear."""
+    mode = os.environ.get("HA_DECODE_GEMV", "torch")
+    if mode not in ("torch", "triton"):
+        raise ValueError(f"HA_DECODE_GEMV must be torch or triton, got {mode!r}")
+    return mode == "triton"
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the decode GEMV kernel (`ops.gemv`) when HA_DECODE_GEMV=triton and it takes these tensors."""
+    if decode_gemv_enabled() and triton_available():
+        from hybrid_attention.ops.gemv import gemv, gemv_applies  # imports triton
+
+        if gemv_applies(x, weight):
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
 
 class PackedLinear:
-    """Bias-free `nn.Linear`s that read the same input, as one weight: x [..., in] -> their outputs, in order."""
+    """`nn.Linear`s that read the same input, as one weight (and one bias, zeros where a layer has none):
+    x [..., in] -> their outputs, in order."""
 
     def __init__(self, linears: Sequence[nn.Linear]):
-        if not linears or any(lin.bias is not None for lin in linears):
-            raise ValueError("PackedLinear: needs at least one nn.Linear, none with a bias")
+        if not linears:
+            raise ValueError("PackedLinear: needs at least one nn.Linear")
         if len({lin.in_features for lin in linears}) != 1:
             raise ValueError(f"PackedLinear: input widths differ: {[lin.in_features for lin in linears]}")
         self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.bias = None
+        if any(lin.bias is not None for lin in linears):
+            zeros = lambda lin: lin.weight.new_zeros(lin.out_features)  # noqa: E731
+            self.bias = torch.cat([zeros(lin) if lin.bias is None else lin.bias.detach() for lin in linears])
         self.sizes = [lin.out_features for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+        return decode_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
@@ -48,23 +78,39 @@ def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) ->
 
 
 class PackedProjections:
-    """Packed copies of every layer's input projections in `model` (`module.packed_linears()` names them)."""
+    """Packed copies of every layer's input projections in `model` (`module.packed_linears()` names them); the
+    model's other `nn.Linear`s (output projections, the low-rank up projections, the head) are `singles`."""
 
     def __init__(self, model: nn.Module):
         self.by_module = {
             m: PackedLinear(m.packed_linears()) for m in model.modules() if hasattr(type(m), "packed_linears")
         }
+        packed = {id(lin) for m in self.by_module for lin in m.packed_linears()}
+        self.singles = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in packed]
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture)."""
+        """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture); with
+        HA_DECODE_GEMV=triton the singles run through the decode GEMV too (their own weights, no copies)."""
+        singles = self.singles if decode_gemv_enabled() else []
         for module, packed in self.by_module.items():
             module.packed_projection = packed
+        for lin in singles:  # an instance attribute shadows nn.Linear.forward for this block only
+            lin.forward = functools.partial(_single_forward, lin)
         try:
             yield
         finally:
             for module in self.by_module:
                 module.packed_projection = None
+            for lin in singles:
+                del lin.forward
 
     def nbytes(self) -> int:
-        return sum(p.weight.numel() * p.weight.element_size() for p in self.by_module.values())
+        """Bytes of the packed copies (weights and biases)."""
+        return sum(
+            t.numel() * t.element_size() for p in self.by_module.values() for t in (p.weight, p.bias) if t is not None
+        )
+
+
+def _single_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return decode_linear(x, lin.weight, lin.bias)

@@ -1,0 +1,40 @@
+"""The decode GEMV kernel (`ops.gemv`) on a CUDA GPU at k3-scaled shapes against F.linear in float64, and a
+CUDA-graph decode step routed through it (HA_DECODE_GEMV=triton) against the default step. Run:
+`python -m pytest -q tests/gpu/test_gemv_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import assert_as_accurate, assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("M", [1, 32])
+@pytest.mark.parametrize("N, K", [(3336, 1024), (1024, 2816), (8192, 1024), (1024, 128)])
+def test_gemv_as_accurate_as_cublas(M, N, K):
+    from hybrid_attention.ops.gemv import gemv
+
+    torch.manual_seed(N + K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    ref = F.linear(x.double(), w.double())
+    # Both round a float32 sum to bf16: within 2x of cuBLAS' error, or within bf16's unit roundoff.
+    assert_as_accurate(f"gemv M={M} N={N} K={K}", gemv(x, w), ref, F.linear(x, w), floor=2**-8)
+
+
+def test_graph_decode_through_the_gemv(monkeypatch):
+    from hybrid_attention.graphs import DecodeStep
+    from tests.gpu.test_generate_gpu import K3_BLOCK, make_model, prompt
+
+    model = make_model(layer_types=K3_BLOCK)
+    ids = prompt(2, 6, model.config.vocab_size)
+    logits = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("HA_DECODE_GEMV", mode)
+        step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=True)
+        logits[mode] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1).float()
+    assert_close("graph decode with the Triton GEMV vs cuBLAS", logits["triton"], logits["torch"], 1e-2)
