@@ -1,11 +1,13 @@
-"""Where a CUDA-graph decode step of k3-scaled spends its time: every kernel of one replay, grouped by name.
+"""Where a CUDA-graph decode step (or a prefill) of k3-scaled spends its time: every kernel, grouped by name.
 
     python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--no-pack] [--out f]
+    python benchmarks/profile_decode.py --prefill [--model ...] [--context 4096]
 
 Replays the captured step (as bench_decode.py builds it) under torch.profiler and reads the kernels of the last
-replay from the trace: count, summed kernel time and the idle gaps between consecutive kernels. Kernel time near the
-step time means the kernels themselves are slow; large gaps mean the step is bound by launch latency. Prints a table
-per kernel name, then one JSON line.
+replay from the trace (with --prefill: of one eager prefill of --context tokens into an empty cache): count, summed
+kernel time and the idle gaps between consecutive kernels. Kernel time near the step time means the kernels
+themselves are slow; large gaps mean the step is bound by launch latency. Prints a table per kernel name, then one
+JSON line.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from bench_common import env_info, log
 from bench_decode import MODELS, build_model, fill_cache, median_event_ms
 
 
-def replay_kernels(step, replays: int = 3) -> list[dict]:
-    """Kernels of the last of `replays` graph replays: dicts with name, ts and dur (microseconds), in launch order."""
+def profiled_kernels(fn, replays: int = 3) -> list[dict]:
+    """Kernels of the last of `replays` calls of fn (a graph replay, a prefill): dicts with name, ts and dur
+    (microseconds), in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            step.replay()
+            fn()
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -38,7 +41,7 @@ def replay_kernels(step, replays: int = 3) -> list[dict]:
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         raise RuntimeError("profile_decode: the profiler recorded no kernels inside the graph replays")
-    # Replays are separated by a host sync: split at the largest gaps.
+    # Calls are separated by a host sync: split at the largest gaps.
     gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"], reverse=True)
     cuts = sorted(gaps[: replays - 1])
     last = kernels[cuts[-1] :] if cuts else kernels
@@ -63,25 +66,37 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
+    p.add_argument("--prefill", action="store_true", help="profile one eager prefill of --context tokens instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
         return 1
+    from hybrid_attention.generate import prefill
     from hybrid_attention.graphs import DecodeStep
 
     model = build_model(MODELS[args.model], "auto")
     cache = model.make_cache(args.batch, args.context + 64)
-    step = DecodeStep(model, cache, cuda_graph=True, pack_projections=not args.no_pack)
-    fill_cache(cache, args.context)
-    for _ in range(3):
-        step.replay()
-    step_ms, _ = median_event_ms(step.replay, 20)
-    log(f"{args.model} B={args.batch} context={args.context}: {step_ms:.3f} ms per replay")
+    if args.prefill:
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device="cuda")
+
+        def call():
+            cache.reset()
+            prefill(model, ids, cache)
+
+        what = "prefill"
+    else:
+        step = DecodeStep(model, cache, cuda_graph=True, pack_projections=not args.no_pack)
+        fill_cache(cache, args.context)
+        call, what = step.replay, "replay"
+    for _ in range(3):  # warm-up: compilation, autotuning
+        call()
+    step_ms, _ = median_event_ms(call, 5 if args.prefill else 20)
+    log(f"{args.model} B={args.batch} context={args.context}: {step_ms:.3f} ms per {what}")
     result = dict(env=env_info(["benchmarks/profile_decode.py", *argv]), model=args.model, batch=args.batch)
-    result["packed_projections"] = not args.no_pack
-    result.update(context=args.context, step_ms=step_ms, **summarise(replay_kernels(step)))
+    result.update(packed_projections=not args.no_pack and not args.prefill, mode=what)
+    result.update(context=args.context, step_ms=step_ms, **summarise(profiled_kernels(call)))
     print(f"\n{result['kernels']} kernels, span {result['span_us']:.1f} us, kernel time {result['kernel_us']:.1f} us, "
-          f"gaps {result['gap_us']:.1f} us (replay {step_ms * 1e3:.1f} us)")  # fmt: skip
+          f"gaps {result['gap_us']:.1f} us ({what} {step_ms * 1e3:.1f} us)")  # fmt: skip
     print(f"{'count':>5} {'total us':>9} {'us each':>8}  kernel")
     for name, s in sorted(result["by_name"].items(), key=lambda kv: -kv[1]["us"]):
         print(f"{s['count']:>5} {s['us']:>9.1f} {s['us'] / s['count']:>8.2f}  {name[:110]}")
