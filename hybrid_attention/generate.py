@@ -131,15 +131,16 @@ def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ValueError(f"generate: top_p={top_p}; expected None or in (0, 1]")
 
 
-def _decode_step(model, cache, cuda_graph: bool | None) -> DecodeStep:
+def _decode_step(model, cache, cuda_graph: bool | None, pack_projections: bool) -> DecodeStep:
     """The decode step: captured in a CUDA graph on CUDA (cuda_graph None or True), eager otherwise or on failure."""
+    pack = dict(pack_projections=pack_projections)
     if cuda_graph is not None or not model.embed.weight.is_cuda:
-        return DecodeStep(model, cache, cuda_graph=bool(cuda_graph))  # raises for cuda_graph=True off CUDA
+        return DecodeStep(model, cache, cuda_graph=bool(cuda_graph), **pack)  # raises for cuda_graph=True off CUDA
     try:
-        return DecodeStep(model, cache, cuda_graph=True)
+        return DecodeStep(model, cache, cuda_graph=True, **pack)
     except Exception as exc:  # any capture problem: same tokens, only slower (the capture leaves the cache reset)
         warnings.warn(f"generate: CUDA-graph capture failed, decoding eagerly: {exc!r}", RuntimeWarning, stacklevel=3)
-        return DecodeStep(model, cache, cuda_graph=False)
+        return DecodeStep(model, cache, cuda_graph=False, **pack)
 
 
 @torch.no_grad()
@@ -156,13 +157,16 @@ def generate_stream(
     attention_mask: torch.Tensor | None = None,
     cuda_graph: bool | None = None,
     prefill_chunk_size: int | None = None,
+    pack_projections: bool = True,
 ) -> Iterator[torch.Tensor]:
     """Yields one LongTensor [B] per new token. Stops early once every sequence has produced `eos_token_id`
     (sequences that finished earlier keep emitting eos).
 
     input_ids: [B, T], or a list of B 1-D prompts of any lengths. attention_mask: [B, T] of 0/1 marking the real
     tokens of a padded batch (one run of ones per row: left or right padding). cuda_graph: None = on CUDA models,
-    True = required, False = never. prefill_chunk_size: tokens per sequence per prefill call.
+    True = required, False = never. prefill_chunk_size: tokens per sequence per prefill call. pack_projections:
+    decode with packed weight copies of the projections that read the same input (`graphs.DecodeStep`; one more
+    copy of those weights in memory while generating).
     """
     _check_args(max_new_tokens, temperature, top_k, top_p)
     prompts = _split_prompts(model, input_ids, attention_mask)
@@ -176,7 +180,7 @@ def generate_stream(
         device = prompts[0].device
     cache = model.make_cache(batch_size, longest + max_new_tokens)
     # Built before the prefill: warm-up and capture need the empty cache (and reset it).
-    step = _decode_step(model, cache, cuda_graph if max_new_tokens > 1 else False)
+    step = _decode_step(model, cache, cuda_graph if max_new_tokens > 1 else False, pack_projections)
     if prompts is None:
         logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
     else:
@@ -212,6 +216,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     cuda_graph: bool | None = None,
     prefill_chunk_size: int | None = None,
+    pack_projections: bool = True,
 ) -> torch.Tensor | list[torch.Tensor]:
     """input_ids [B, T] -> [B, T + new] with new <= max_new_tokens (fewer when every sequence hit eos); the new
     tokens follow the (padded) prompt block. A list of 1-D prompts -> a list of 1-D tensors, prompt + new tokens."""
@@ -228,6 +233,7 @@ def generate(
             attention_mask=attention_mask,
             cuda_graph=cuda_graph,
             prefill_chunk_size=prefill_chunk_size,
+            pack_projections=pack_projections,
         )
     )
     if isinstance(input_ids, torch.Tensor):

@@ -368,11 +368,13 @@ class HybridLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cuda_graph: bool | None = None,
         prefill_chunk_size: int | None = None,
+        pack_projections: bool = True,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Prefill (in chunks), then decode with the cache. input_ids [B, T] -> [B, T + new] (new <= max_new_tokens).
 
         Prompts of different lengths: a list of 1-D prompts (returns a list), or [B, T] with a padded
-        `attention_mask`. cuda_graph: None = CUDA-graph decoding on CUDA models. See `generate.generate`.
+        `attention_mask`. cuda_graph: None = CUDA-graph decoding on CUDA models. pack_projections: decode with packed
+        weight copies (`graphs.DecodeStep`). See `generate.generate`.
         """
         # The decoding loop lives in generate.py (it owns sampling and CUDA graphs); imported here to keep
         # `model.generate(...)` as the one-line entry point users expect.
@@ -390,6 +392,7 @@ class HybridLM(nn.Module):
             attention_mask=attention_mask,
             cuda_graph=cuda_graph,
             prefill_chunk_size=prefill_chunk_size,
+            pack_projections=pack_projections,
         )
 
     # ------------------------------------------------------------------------------------------------- accounting

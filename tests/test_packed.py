@@ -100,3 +100,16 @@ def test_packed_copies_are_a_snapshot_the_parameters_stay_separate():
     packed_q = step.packed.by_module[kda].weight[: kda.q_proj.out_features]
     assert torch.equal(packed_q, kda.q_proj.weight)
     assert packed_q.data_ptr() != kda.q_proj.weight.data_ptr()
+
+
+def test_generate_with_and_without_packing(monkeypatch):
+    """model.generate(pack_projections=False) builds no packed copies and gives the same greedy tokens."""
+    model = tiny_model()
+    built = []
+    init = PackedProjections.__init__
+    monkeypatch.setattr(PackedProjections, "__init__", lambda self, m: built.append(1) or init(self, m))
+    prompt = torch.randint(0, 256, (2, 6))
+    packed = model.generate(prompt, 8, temperature=0)
+    assert len(built) == 1
+    plain = model.generate(prompt, 8, temperature=0, pack_projections=False)
+    assert len(built) == 1 and torch.equal(packed, plain)
