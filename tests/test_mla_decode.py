@@ -216,7 +216,7 @@ def test_default_num_splits_fills_one_wave():
     """132 SMs (H200): B=1 at long context gets one split per resident program; large batches need none."""
     assert default_num_splits(1, 524288, 132) == 264
     assert default_num_splits(32, 32768, 132) == 8  # 256 programs: one wave, never a near-empty second one
-    assert default_num_splits(1, 4096, 132) == 8  # at least 512 rows per split of a full cache
+    assert default_num_splits(1, 4096, 132) == 32  # at least MIN_SPLIT_TOKENS = 128 rows per split of a full cache
     assert default_num_splits(300, 1 << 20, 132) == 1
     assert default_num_splits(1, 10, 132) == 1
 
