@@ -45,11 +45,14 @@ def output_pass(request, monkeypatch):
     return request.param
 
 
-def compare(inputs, tol_o, tol_g, **kw):
+def compare(inputs, tol_o, tol_g, grad_tols=None, **kw):
+    """Outputs and every gradient against the float64 reference; grad_tols overrides tol_g per gradient name.
+    The output gradients are drawn from their own seeded generator: the same draw whatever ran before."""
     q, v, h0 = inputs[0], inputs[2], inputs[5]
     N = q.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
-    do = torch.randn(v.shape, dtype=torch.float64, device=DEV)
-    dS = torch.randn(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64, device=DEV)
+    gen = torch.Generator().manual_seed(1000)
+    do = torch.randn(v.shape, dtype=torch.float64, generator=gen).to(DEV)
+    dS = torch.randn(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64, generator=gen).to(DEV)
     o, S, grads = run(triton_kda, inputs, do, dS, **kw)
     ro, rS, rgrads = run(reference_kda, inputs, do, dS, **kw)
     assert o.dtype == v.dtype and S.dtype == torch.float32
@@ -57,7 +60,7 @@ def compare(inputs, tol_o, tol_g, **kw):
     assert_close("final state", S, rS, tol_o)
     assert set(grads) == set(rgrads) and (h0 is None) == ("h0" not in grads)
     for name, ref in rgrads.items():
-        tol = tol_g
+        tol = (grad_tols or {}).get(name, tol_g)
         if name == "A_log":  # a sum over (t, c) with cancellation: its error is that of dz times the sum's condition
             terms = rgrads["g"].double() * (inputs[3].double() + inputs[7].double().view(q.shape[2], -1))
             tol = tol_g * float((terms.abs().sum((0, 1, 3)) / ref.double().abs().clamp_min(1e-30)).max())
@@ -143,11 +146,15 @@ def test_float16(output_pass):
 
 def test_bfloat16_gate_gradient_as_accurate_as_the_others(monkeypatch):
     """bf16 at a real head size with GPU rounding: every quantity within 1e-2, half of DESIGN.md's 2e-2 gradient
-    tolerance. dg is the one that needs care: it is a reverse cumulative sum of terms that cancel in pairs, and
-    before its score part was built from the dots' own rounded operands it measured 1.5e-2 here (and 2.2e-2 on the
-    H200 at T = 4097) while every other quantity stayed below 5e-3."""
+    tolerance, except d beta, which is held to DESIGN.md's 2e-2. dg is the one that needs care: it is a reverse
+    cumulative sum of terms that cancel in pairs, and before its score part was built from the dots' own rounded
+    operands it measured 1.5e-2 here (and 2.2e-2 on the H200 at T = 4097) while every other quantity stayed below
+    5e-3. d beta (one number per token and head, a sum over K and V) depends on the output-gradient draw through
+    cancellation: over 30 draws of dO and dS on these inputs it measured 7e-4 to 1.45e-2 (dq, dk, dv, dg, dh0 always
+    2.3e-3 to 4.7e-3)."""
     round_bfloat16_like_the_gpu(monkeypatch)
-    compare(make_inputs(1, 300, 2, 64, 64, dtype=torch.bfloat16, seed=6), 1e-2, 1e-2)
+    inputs = make_inputs(1, 300, 2, 64, 64, dtype=torch.bfloat16, seed=6)
+    compare(inputs, 1e-2, 1e-2, grad_tols={"beta": 2e-2})
 
 
 def test_no_grad_forward_default_scale_and_dispatch(output_pass):
