@@ -28,6 +28,18 @@ def test_gemv_equals_linear_float32(M, N, K, bias):
     )
 
 
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_every_gemv_config(index, monkeypatch):
+    """Each autotune config alone (its BN, BK): N and K that none of them divides."""
+    from hybrid_attention.ops import gemv as gemv_mod
+
+    tuner = gemv_mod._gemv_kernel
+    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
+    torch.manual_seed(index)
+    x, w, b = torch.randn(2, 300, device=DEV), torch.randn(77, 300, device=DEV), torch.randn(77, device=DEV)
+    assert_close(f"gemv config {index}", gemv(x, w, b), F.linear(x.double(), w.double(), b.double()).float(), 1e-6)
+
+
 def test_gemv_strided_rows_leading_dims_and_half_precision():
     torch.manual_seed(0)
     packed = torch.randn(2, 1, 96, device=DEV, dtype=torch.float16)

@@ -38,3 +38,17 @@ def test_graph_decode_through_the_gemv(monkeypatch):
         step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=True)
         logits[mode] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1).float()
     assert_close("graph decode with the Triton GEMV vs cuBLAS", logits["triton"], logits["torch"], 1e-2)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_every_gemv_config(index, monkeypatch):
+    """Each autotune config alone at a k3-scaled shape (the autotuner may pick any of them)."""
+    from hybrid_attention.ops import gemv as gemv_mod
+
+    tuner = gemv_mod._gemv_kernel
+    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
+    torch.manual_seed(index)
+    x = torch.randn(4, 2816, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1000, 2816, device="cuda", dtype=torch.bfloat16) * 2816**-0.5
+    ref = F.linear(x.double(), w.double())
+    assert_as_accurate(f"gemv config {index}", gemv_mod.gemv(x, w), ref, F.linear(x, w), floor=2**-8)

@@ -38,15 +38,21 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
 def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
     """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
     them all, slowly) and when HA_KDA_AUTOTUNE=0 (read at call time: tests skip the tuning runs and compiles).
-    A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner."""
+    A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner. Every config stays
+    listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the interpreter)."""
     configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
-    if interpreting():
-        configs = configs[:1]
 
     def prune(configs, named_args, **kwargs):
         return configs[:1] if os.environ.get("HA_KDA_AUTOTUNE", "1") == "0" else configs
 
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
+    def decorate(fn):
+        tuner = triton.autotune(
+            configs=configs[:1] if interpreting() else configs, key=key, prune_configs_by={"early_config_prune": prune}
+        )(fn)
+        tuner.all_configs = configs
+        return tuner
+
+    return decorate
 
 
 def tuning_width(pairs: int) -> int:
