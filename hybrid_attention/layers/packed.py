@@ -69,8 +69,8 @@ class PackedLinear:
 
 
 def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
-    """The outputs of `linears` (bias-free, in this order) on x: from the module's installed `PackedLinear` if a
-    decode step installed one, else one call each."""
+    """The outputs of `linears` (in this order) on x: from the module's `PackedLinear` if a decode step installed
+    one, else one call each."""
     packed = getattr(module, "packed_projection", None)
     if packed is not None:
         return packed(x)
