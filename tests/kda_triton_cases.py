@@ -108,3 +108,31 @@ def round_bfloat16_like_the_gpu(monkeypatch) -> None:
         return original(values, src, dst, rounding_mode)
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+def autotuned_kernels() -> dict:
+    """Every autotuned KDA kernel by name (the output pass runs only with HA_KDA_SPLIT_OUTPUT=1); each tuner lists
+    its configs in `all_configs`."""
+    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
+
+    return {
+        "prep": triton_prep._prep_kernel,
+        "state_fwd": triton_fwd._state_fwd_kernel,
+        "output": triton_fwd._output_kernel,
+        "state_bwd": triton_bwd._state_bwd_kernel,
+        "score_grad": triton_bwd._score_grad_kernel,
+        "dqkg": triton_bwd_chunk._dqkg_kernel,
+    }
+
+
+def force_config(monkeypatch, kernel: str, index: int):
+    """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with the output
+    pass on when that kernel is the output pass; returns the config."""
+    tuner = autotuned_kernels()[kernel]
+    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
+    return tuner.all_configs[index]
+
+
+# Every config but the first of every autotuned kernel (the first runs in all other tests).
+CONFIG_CASES = [(n, i) for n, kernel in autotuned_kernels().items() for i in range(1, len(kernel.all_configs))]

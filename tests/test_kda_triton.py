@@ -19,7 +19,9 @@ from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 from tests.helpers import assert_close, rel_err
 from tests.kda_triton_cases import (
+    CONFIG_CASES,
     changed_after,
+    force_config,
     make_inputs,
     poison_torch_empty,
     reference_kda,
@@ -95,30 +97,12 @@ def test_backward_k_tile_knob(monkeypatch, k_tile):
     compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)
 
 
-def _autotuned_kernels():
-    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
-
-    return {
-        "prep": triton_prep._prep_kernel,
-        "state_fwd": triton_fwd._state_fwd_kernel,
-        "output": triton_fwd._output_kernel,
-        "state_bwd": triton_bwd._state_bwd_kernel,
-        "score_grad": triton_bwd._score_grad_kernel,
-        "dqkg": triton_bwd_chunk._dqkg_kernel,
-    }
-
-
-CONFIG_CASES = [(n, i) for n, kernel in _autotuned_kernels().items() for i in range(1, len(kernel.all_configs))]
-
-
 @pytest.mark.parametrize("kernel, index", CONFIG_CASES, ids=[f"{n}-{i}" for n, i in CONFIG_CASES])
 def test_every_autotune_config(kernel, index, monkeypatch):
     """Each non-first config alone (the other tests run only the first): its block sizes (a V tile wider than V
     here, so masks matter) must give the reference. Warps and stages do nothing under the interpreter; the GPU test
     of the same name covers them."""
-    tuner = _autotuned_kernels()[kernel]
-    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
+    force_config(monkeypatch, kernel, index)
     compare(make_inputs(1, 70, 1, 32, 48, gate=True, l2norm=True, seed=20 + index), TOL32, TOL32, l2norm=True)
 
 

@@ -22,7 +22,16 @@ import pytest
 import torch
 
 from tests.helpers import rel_err
-from tests.kda_triton_cases import changed_after, make_inputs, poison_torch_empty, reference_kda, run, triton_kda
+from tests.kda_triton_cases import (
+    CONFIG_CASES,
+    changed_after,
+    force_config,
+    make_inputs,
+    poison_torch_empty,
+    reference_kda,
+    run,
+    triton_kda,
+)
 
 os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -110,33 +119,15 @@ def test_fused_gate_and_l2norm(dtype):
     check(compare(f"{dtype} gate+l2norm B2 T1000", inputs, l2norm=True))
 
 
-def _autotuned_kernels():
-    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
-
-    return {
-        "prep": triton_prep._prep_kernel,
-        "state_fwd": triton_fwd._state_fwd_kernel,
-        "state_bwd": triton_bwd._state_bwd_kernel,
-        "score_grad": triton_bwd._score_grad_kernel,
-        "dqkg": triton_bwd_chunk._dqkg_kernel,
-        "output": triton_fwd._output_kernel,  # runs with HA_KDA_SPLIT_OUTPUT=1 only
-    }
-
-
 # Every config but the first of every autotuned kernel (the first runs in all other tests). A config that faults or
 # miscomputes at one size only must not be left for the autotuner to find: a (BV 32, 2 stages) state backward
 # config faulted at K = V = 64 in a benchmark while every test here passed with the first configs.
-CONFIG_CASES = [(name, i) for name, kernel in _autotuned_kernels().items() for i in range(1, len(kernel.all_configs))]
-
-
 @pytest.mark.parametrize("size", [64, 128])
 @pytest.mark.parametrize("kernel, index", CONFIG_CASES, ids=[f"{n}-{i}" for n, i in CONFIG_CASES])
 def test_every_autotune_config(kernel, index, size, monkeypatch):
-    tuner = _autotuned_kernels()[kernel]
-    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])  # one config: the autotuner runs it directly
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
+    config = force_config(monkeypatch, kernel, index)
     inputs = make_inputs(1, 300, 2, size, size, dtype=BF16, gate=True, l2norm=True, seed=size + index)
-    check(compare(f"{kernel} config {tuner.configs[0]} K=V={size}", inputs, l2norm=True))
+    check(compare(f"{kernel} config {config} K=V={size}", inputs, l2norm=True))
 
 
 @pytest.mark.parametrize("case", ["T4097", "varlen"])
