@@ -10,8 +10,9 @@
 A `KDACache` carries the conv tails and the recurrent state between calls, so a prompt can be fed whole,
 in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
 preallocated buffers can be captured by CUDA graphs; they carry values, not gradients. Decoding one token on CUDA
-(no autograd) runs three Triton kernels around the projections: inputs (`ops.kda.decode_fused`), the recurrent
-step (`ops.kda.triton_recurrent`) and the gated output norm, instead of about 75 small kernels.
+(no autograd) runs three Triton kernels around the projections: inputs (`ops.kda.decode_fused`, with the decay's
+up projection), the recurrent step (`ops.kda.triton_recurrent`) and the gated output norm (with the gate's up
+projection), instead of about 75 small kernels.
 """
 
 from __future__ import annotations
@@ -197,9 +198,10 @@ class KimiDeltaAttention(nn.Module):
         return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_down, self.g_down]
 
     def _decode_fused(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
-        """One-token decode on CUDA: the same computation as the eager path, with conv + SiLU + L2 norm + gate + beta
-        in one Triton kernel and the gated output norm in another (`ops.kda.decode_fused`); the recurrence is the
-        fused Triton step (`ops.kda.triton_recurrent`, state updated in place).
+        """One-token decode on CUDA: the same computation as the eager path, with the decay up projection, conv + SiLU
+        + L2 norm + gate + beta in one Triton kernel and the gate up projection + gated output norm in another
+        (`ops.kda.decode_fused`); the recurrence is the fused Triton step (`ops.kda.triton_recurrent`, state updated
+        in place).
         x [B, 1, hidden] -> [B, 1, hidden]."""
         from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
         from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
@@ -210,7 +212,8 @@ class KimiDeltaAttention(nn.Module):
             k_in,
             v_in,
             b_in,
-            self.f_up(f_in),
+            f_in,
+            self.f_up.weight,
             (cache.conv_q, cache.conv_k, cache.conv_v),
             (self.q_conv.weight, self.k_conv.weight, self.v_conv.weight),
             self.A_log,
@@ -219,7 +222,9 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=self.lower_bound,
         )
         o = fused_recurrent_kda_step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
-        y = kda_gated_output_norm(o, self.g_up(g_in), self.o_norm.weight, self.o_norm.eps, dtype=x.dtype)
+        y = kda_gated_output_norm(
+            o, g_in, self.g_up.weight, self.g_up.bias, self.o_norm.weight, self.o_norm.eps, dtype=x.dtype
+        )
         return self.o_proj(y)
 
     def extra_repr(self) -> str:

@@ -1,21 +1,23 @@
-"""Fused one-token KDA decode pieces around the recurrence: inputs (conv + SiLU + L2 norm + gate + beta) and the
-gated output norm. Inference only, used by `KimiDeltaAttention` when it decodes one token on CUDA.
+"""Fused one-token KDA decode pieces around the recurrence: inputs (decay up projection + conv + SiLU + L2 norm +
+gate + beta) and the gated output norm (with the gate's up projection). Inference only, used by
+`KimiDeltaAttention` when it decodes one token on CUDA.
 
 Per head, for the token's projections (DESIGN.md "Layers", MATH.md "KDA recurrence"):
 
     q, k, v = SiLU(conv_step(W_q x)), SiLU(conv_step(W_k x)), SiLU(conv_step(W_v x))   conv tails updated in place
     q, k    = q / ||q||, k / ||k||                     (float32, eps 1e-6 inside the root)
+    z       = W_f_up (W_f_down x)                      (this head's [D, R] slice of W_f_up, in the kernel)
     g       = lower_bound * sigmoid(exp(A_log_h) * (z + dt_bias))      beta = sigmoid(b)
     ...       the recurrence (ops.kda: recurrent_kda) ...
-    y       = RMSNorm_head(o) * sigmoid(gate)
+    y       = RMSNorm_head(o) * sigmoid(W_g_up (W_g_down x) + bias)
 
-Eager PyTorch runs these as about 60 small kernels per layer and token; here they are two (the output norm is
-the forward kernel of `ops.gated_norm`). Rounding follows the
-eager layer step by step (the conv output, the SiLU output and the normalised q/k are rounded to the activation
-dtype, the RMSNorm output before the gate), so the two paths agree to float32 precision in float32 and to bf16
-rounding in bf16. q, k, v come back in float32 holding those rounded values, which is what the recurrence computes
-in anyway (it saves three casts). The inputs kernel runs one program per (sequence, head); the head dim must fit
-one block.
+Eager PyTorch runs these as about 60 small kernels per layer and token; here they are two, and the two low-rank
+up projections (cuBLAS GEMVs of about 3.5 us each at batch 1 on an H200) live inside them: each program reads its
+head's [D, R] slice. Rounding follows the eager layer step by step (the up projections' outputs, the conv output, the
+SiLU output and the normalised q/k are rounded to the activation dtype, the RMSNorm output before the gate), so the
+two paths agree to float32 precision in float32 and to bf16 rounding in bf16. q, k, v come back in float32 holding
+those rounded values, which is what the recurrence computes in anyway (it saves three casts). Both kernels run one
+program per (sequence, head); the head dim must fit one block.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.gated_norm import gated_norm_forward
 from hybrid_attention.ops.kda.triton_utils import L2_EPS
 
 
@@ -55,12 +56,62 @@ def _l2_round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _matvec(w_ptr, x_ptr, rows, ok, R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """sum_r w[rows, r] x[r] for this head's rows of a contiguous [*, R] weight, float32 (the low-rank up
+    projections: a [D, R] slice per head, read in [D, BLOCK_R] tiles)."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < R
+        w = tl.load(w_ptr + rows[:, None] * R + rr[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        xr = tl.load(x_ptr + rr, mask=r_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _decode_output_kernel(
+    o_ptr,  # [B, H, D] recurrence output (any float dtype), contiguous
+    g_ptr,  # [B, R] low-rank gate input g_down x (stride stride_g)
+    gup_ptr,  # [C, R] g_up weight, contiguous
+    gup_b_ptr,  # [C] g_up bias (unused without HAS_BIAS)
+    nw_ptr,  # [D] the per-head RMSNorm weight
+    y_ptr,  # [B, C] output, activation dtype
+    stride_g,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """y = round(RMSNorm(round(o)) * w) * sigmoid(round(g_up (g_down x) + bias)) for one (sequence, head), rounded
+    as `GatedRMSNorm` and the eager g_up (round = to the output dtype)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    offs = h * D + d
+    dt = y_ptr.dtype.element_ty
+    x = tl.load(o_ptr + (b * H + h) * D + d, mask=ok, other=0.0).to(dt).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y1 = (x * rstd * tl.load(nw_ptr + d, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    gate = _matvec(gup_ptr, g_ptr + b * stride_g, offs, ok, R, BLOCK_D, BLOCK_R)
+    if HAS_BIAS:
+        gate += tl.load(gup_b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    gate = gate.to(dt).to(tl.float32)
+    tl.store(y_ptr + b * (H * D) + offs, (y1 * tl.sigmoid(gate)).to(dt), mask=ok)
+
+
+@triton.jit
 def _decode_inputs_kernel(
     xq_ptr,  # [B, C] projections (stride stride_x between sequences), activation dtype
     xk_ptr,
     xv_ptr,
     b_ptr,  # [B, H] beta logits (stride stride_b)
-    z_ptr,  # [B, C] decay logits (stride stride_z)
+    f_ptr,  # [B, R] low-rank decay input f_down x (stride stride_f)
+    fup_ptr,  # [C, R] f_up weight, contiguous: the decay logits are z = f_up (f_down x)
     tq_ptr,  # [B, C, W - 1] conv tails, contiguous, updated in place
     tk_ptr,
     tv_ptr,
@@ -76,12 +127,14 @@ def _decode_inputs_kernel(
     beta_out,  # [B, H] float32
     stride_x,
     stride_b,
-    stride_z,
+    stride_f,
     lower_bound,
     H: tl.constexpr,
     D: tl.constexpr,
     W: tl.constexpr,
+    R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -98,7 +151,7 @@ def _decode_inputs_kernel(
     q = _l2_round(tl.where(ok, q, 0.0), dtype)
     k = _l2_round(tl.where(ok, k, 0.0), dtype)
 
-    z = tl.load(z_ptr + b * stride_z + offs, mask=ok, other=0.0).to(tl.float32)
+    z = _matvec(fup_ptr, f_ptr + b * stride_f, offs, ok, R, BLOCK_D, BLOCK_R).to(dtype).to(tl.float32)  # as f_up rounds
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     g = lower_bound * tl.sigmoid(rate * (z + tl.load(dt_bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)))
     beta = tl.sigmoid(tl.load(b_ptr + b * stride_b + h).to(tl.float32))
@@ -119,12 +172,20 @@ def _rows(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _up_weight(weight: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A low-rank up projection's weight [rows, R], contiguous (the kernels read it row-major)."""
+    if weight.dim() != 2 or weight.shape[0] != rows:
+        raise ValueError(f"kda decode: {name} must be [{rows}, rank], got {tuple(weight.shape)}")
+    return weight.contiguous()
+
+
 def kda_decode_inputs(
     q_in: torch.Tensor,
     k_in: torch.Tensor,
     v_in: torch.Tensor,
     b_in: torch.Tensor,
-    z: torch.Tensor,
+    f_in: torch.Tensor,
+    f_up_weight: torch.Tensor,
     tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     A_log: torch.Tensor,
@@ -136,7 +197,9 @@ def kda_decode_inputs(
     """One-token KDA inputs for B sequences.
 
     Args:
-        q_in, k_in, v_in: [B, 1, H*D] projections (before the conv); z: [B, 1, H*D] decay logits; b_in: [B, 1, H].
+        q_in, k_in, v_in: [B, 1, H*D] projections (before the conv); b_in: [B, 1, H].
+        f_in: [B, 1, R] the decay's down projection; f_up_weight: [H*D, R]: the decay logits z = f_up_weight f_in
+            are computed here (rounded to the activation dtype, as the eager f_up), one [D, R] slice per head.
         tails: conv tails (q, k, v), each [B, H*D, W-1] contiguous, shifted in place (W = conv kernel size >= 2).
         conv_weights: (q, k, v) conv weights, each [H*D, 1, W].  A_log: [H].  dt_bias: [H*D].
     Returns:
@@ -150,7 +213,10 @@ def kda_decode_inputs(
     W = conv_weights[0].shape[-1]
     if C != H * D or W < 2:
         raise ValueError(f"kda decode: width {C} must be num_heads * head_dim and conv size >= 2 (got {W})")
-    xq, xk, xv, zz = (_rows(t, C, n) for t, n in ((q_in, "q_in"), (k_in, "k_in"), (v_in, "v_in"), (z, "z")))
+    xq, xk, xv = (_rows(t, C, n) for t, n in ((q_in, "q_in"), (k_in, "k_in"), (v_in, "v_in")))
+    fup = _up_weight(f_up_weight, C, "f_up_weight")
+    R = fup.shape[1]
+    ff = _rows(f_in, R, "f_in")
     bb = _rows(b_in, H, "b_in")
     if xk.stride(0) != xq.stride(0) or xv.stride(0) != xq.stride(0):
         xq, xk, xv = xq.contiguous(), xk.contiguous(), xv.contiguous()
@@ -166,7 +232,8 @@ def kda_decode_inputs(
         xk,
         xv,
         bb,
-        zz,
+        ff,
+        fup,
         *tails,
         *weights,
         A_log,
@@ -178,23 +245,52 @@ def kda_decode_inputs(
         beta,
         xq.stride(0),
         bb.stride(0),
-        zz.stride(0),
+        ff.stride(0),
         float(lower_bound),
         H=H,
         D=D,
         W=W,
+        R=R,
         BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_R=min(32, triton.next_power_of_2(R)),
         num_warps=4 if D <= 256 else 8,
     )
     return q, k, v, g, beta
 
 
 def kda_gated_output_norm(
-    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *, dtype: torch.dtype
+    o: torch.Tensor,
+    g_in: torch.Tensor,
+    g_up_weight: torch.Tensor,
+    g_up_bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """o [B, 1, H, D] (any float dtype), gate [B, 1, H*D], weight [D] -> [B, 1, H*D] in `dtype`:
-    RMSNorm_head(o rounded to dtype) * sigmoid(gate), as `GatedRMSNorm` computes it (the forward kernel of
-    `ops.gated_norm`, which rounds its input to the output dtype first)."""
+    """o [B, 1, H, D] (any float dtype), g_in [B, 1, R] the gate's down projection, g_up_weight [H*D, R], g_up_bias
+    [H*D] or None, weight [D] -> [B, 1, H*D] in `dtype`: RMSNorm_head(o rounded to dtype) * sigmoid(gate) with
+    gate = g_up_weight g_in + g_up_bias rounded to dtype, as the eager g_up and `GatedRMSNorm` compute it."""
     B, _, H, D = o.shape
-    gg = _rows(gate, H * D, "gate").contiguous()
-    return gated_norm_forward(o.contiguous(), gg, weight, eps, dtype).view(B, 1, H * D)
+    gup = _up_weight(g_up_weight, H * D, "g_up_weight")
+    R = gup.shape[1]
+    gg = _rows(g_in, R, "g_in")
+    y = torch.empty(B, 1, H * D, device=o.device, dtype=dtype)
+    _decode_output_kernel[(B, H)](
+        o.contiguous(),
+        gg,
+        gup,
+        g_up_bias if g_up_bias is not None else gup,
+        weight,
+        y,
+        gg.stride(0),
+        float(eps),
+        HAS_BIAS=g_up_bias is not None,
+        H=H,
+        D=D,
+        R=R,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_R=min(32, triton.next_power_of_2(R)),
+        num_warps=4 if D <= 256 else 8,
+    )
+    return y
