@@ -285,8 +285,13 @@ class GatedMLA(nn.Module):
         """The gate projection W_g x [B, T, H*d_v], per-head outputs o [B, T, H, d_v] -> W_o (sigmoid(W_g x) *
         concat_h o_h)."""
         B, T, _ = g_in.shape
-        gate = torch.sigmoid(g_in)  # (B, T, H*d_v)
-        return self.o_proj(gate * o.reshape(B, T, self.num_heads * self.v_head_dim))
+        o = o.reshape(B, T, self.num_heads * self.v_head_dim)
+        decoding = getattr(self, "packed_projection", None) is not None  # a decode step installed packed weights
+        if decoding and triton_runs_on(g_in, cpu_interpreter=False) and o.dtype == g_in.dtype:
+            from hybrid_attention.ops.act_mul import act_mul  # imports triton
+
+            return self.o_proj(act_mul(g_in, o, "sigmoid"))  # one kernel instead of two, the same rounding
+        return self.o_proj(torch.sigmoid(g_in) * o)  # (B, T, H*d_v)
 
     def extra_repr(self) -> str:
         return (

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.layers.packed import project
+from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 class SwiGLU(nn.Module):
@@ -19,6 +20,11 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
         gate, up = project(self, x, self.packed_linears())
+        if getattr(self, "packed_projection", None) is not None and triton_runs_on(x, cpu_interpreter=False):
+            from hybrid_attention.ops.act_mul import act_mul  # imports triton
+
+            # A decode step (it installed the packed weights): one kernel instead of two, the same rounding.
+            return self.down_proj(act_mul(gate, up, "silu"))
         return self.down_proj(F.silu(gate) * up)
 
     def packed_linears(self) -> list[nn.Linear]:

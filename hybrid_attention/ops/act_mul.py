@@ -1,0 +1,50 @@
+"""act(a) * b in one Triton kernel, for inference: SwiGLU's SiLU(gate) * up and Gated MLA's sigmoid(gate) * o.
+
+Eager PyTorch runs each as two elementwise kernels (the activation, then the product), each a full pass over the
+activations; at batch-1 decoding they are two launches per layer (benchmarks/RESULTS.md, the decode step kernel by
+kernel). Rounding follows the eager ops: act(a) is rounded to the input dtype before the product, and the product
+to the output dtype, both computed in float32. No autograd: the layers use it only without gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACTS = ("silu", "sigmoid")
+
+
+@triton.jit
+def _act_mul_kernel(a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    av = tl.load(a + row * stride_a + cols, mask=ok, other=0.0)
+    bv = tl.load(b + row * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
+    af = av.to(tl.float32)
+    act = af * tl.sigmoid(af) if SILU else tl.sigmoid(af)
+    act = act.to(av.dtype).to(tl.float32)
+    tl.store(y + row * width + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
+    """act(a) * b for a, b of one shape and dtype [..., width] (each may be a slice with a row stride): a new
+    contiguous tensor of that shape, as `act(a) * b` in eager PyTorch computes it."""
+    if act not in ACTS:
+        raise ValueError(f"act_mul: act must be one of {ACTS}, got {act!r}")
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"act_mul: a and b must match, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    width = a.shape[-1]
+    a2, b2 = _rows(a, width), _rows(b, width)
+    y = torch.empty(a.shape, device=a.device, dtype=a.dtype)
+    if y.numel():
+        block = min(1024, triton.next_power_of_2(width))
+        grid = (a2.shape[0], triton.cdiv(width, block))
+        _act_mul_kernel[grid](a2, b2, y, width, a2.stride(0), b2.stride(0), SILU=act == "silu", BLOCK=block)
+    return y
