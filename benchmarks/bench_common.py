@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import sys
 
 import torch
@@ -27,3 +28,12 @@ def env_info(argv) -> dict:
         except Exception:
             info[name] = None
     return info
+
+
+def emit_json(result: dict, out: str | None) -> None:
+    """The result as one JSON line on stdout (last, after the tables), and also into `out` when given."""
+    line = json.dumps(result, default=str)
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)

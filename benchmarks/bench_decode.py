@@ -26,7 +26,7 @@ import sys
 import time
 
 import torch
-from bench_common import env_info, log
+from bench_common import emit_json, env_info, log
 
 CONTEXTS = [4096, 16384, 65536, 131072, 524288]
 BATCHES = [1, 32]
@@ -317,11 +317,7 @@ def main(argv=None) -> int:
     result["elapsed_s"] = time.monotonic() - t0
     print("\nTargets:", json.dumps(result["targets"]))
     print(f"Failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
-    line = json.dumps(result, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    emit_json(result, args.out)
     return 0
 
 

@@ -17,12 +17,11 @@ shapes and prints the best ones.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
-from bench_common import env_info
+from bench_common import emit_json, env_info
 
 H, D_C, D_S, D_N = 8, 256, 32, 96
 D = D_C + D_S
@@ -251,11 +250,7 @@ def main():
         rows=rows,
         tune=tuned,
     )
-    line = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tempfile
 from collections import defaultdict
 
 import torch
-from bench_common import env_info, log
+from bench_common import emit_json, env_info, log
 from bench_decode import MODELS, build_model, fill_cache, median_event_ms
 
 
@@ -100,11 +100,7 @@ def main(argv=None) -> int:
     print(f"{'count':>5} {'total us':>9} {'us each':>8}  kernel")
     for name, s in sorted(result["by_name"].items(), key=lambda kv: -kv[1]["us"]):
         print(f"{s['count']:>5} {s['us']:>9.1f} {s['us'] / s['count']:>8.2f}  {name[:110]}")
-    line = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    emit_json(result, args.out)
     return 0
 
 
