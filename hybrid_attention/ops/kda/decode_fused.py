@@ -172,6 +172,15 @@ def _rows(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _per_head_launch(H: int, D: int, R: int) -> dict:
+    """Sizes and warps of the two decode kernels (one program per (sequence, head), the head in one block, the
+    up projection's rank R in tiles of up to 32)."""
+    BLOCK_D = triton.next_power_of_2(D)
+    return dict(
+        H=H, D=D, R=R, BLOCK_D=BLOCK_D, BLOCK_R=min(32, triton.next_power_of_2(R)), num_warps=4 if D <= 256 else 8
+    )
+
+
 def _up_weight(weight: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     """A low-rank up projection's weight [rows, R], contiguous (the kernels read it row-major)."""
     if weight.dim() != 2 or weight.shape[0] != rows:
@@ -247,13 +256,8 @@ def kda_decode_inputs(
         bb.stride(0),
         ff.stride(0),
         float(lower_bound),
-        H=H,
-        D=D,
         W=W,
-        R=R,
-        BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_R=min(32, triton.next_power_of_2(R)),
-        num_warps=4 if D <= 256 else 8,
+        **_per_head_launch(H, D, R),
     )
     return q, k, v, g, beta
 
@@ -286,11 +290,6 @@ def kda_gated_output_norm(
         gg.stride(0),
         float(eps),
         HAS_BIAS=g_up_bias is not None,
-        H=H,
-        D=D,
-        R=R,
-        BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_R=min(32, triton.next_power_of_2(R)),
-        num_warps=4 if D <= 256 else 8,
+        **_per_head_launch(H, D, R),
     )
     return y
