@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_as_accurate, assert_close
+from tests.helpers import assert_as_accurate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,8 +27,10 @@ def test_gemv_as_accurate_as_cublas(M, N, K):
 
 
 def test_graph_decode_through_the_gemv(monkeypatch):
+    """Both bf16 decodes round differently, and 4 layers amplify that (1.8e-2 apart, measured): each is held
+    against the float64 full forward, the Triton GEMV's decode as accurate as the cuBLAS one."""
     from hybrid_attention.graphs import DecodeStep
-    from tests.gpu.test_generate_gpu import K3_BLOCK, make_model, prompt
+    from tests.gpu.test_generate_gpu import K3_BLOCK, float64_copy, make_model, prompt
 
     model = make_model(layer_types=K3_BLOCK)
     ids = prompt(2, 6, model.config.vocab_size)
@@ -37,7 +39,9 @@ def test_graph_decode_through_the_gemv(monkeypatch):
         monkeypatch.setenv("HA_DECODE_GEMV", mode)
         step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=True)
         logits[mode] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1).float()
-    assert_close("graph decode with the Triton GEMV vs cuBLAS", logits["triton"], logits["torch"], 1e-2)
+    with torch.no_grad():
+        ref64 = float64_copy(model)(ids.cpu()).logits
+    assert_as_accurate("graph decode with the Triton GEMV", logits["triton"], ref64, logits["torch"])
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
