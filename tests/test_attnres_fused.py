@@ -40,9 +40,12 @@ def composition(sources, query, key_weight, norm_weight, eps=1e-6, norm_eps=1e-5
 
 @needs_triton
 @pytest.mark.parametrize("S", [1, 4, 9])
-@pytest.mark.parametrize("D, block_d", [(48, None), (40, 16), (64, 16)])
+@pytest.mark.parametrize(
+    "D, block_s, block_d", [(48, None, None), (48, 2, None), (40, 4, None), (40, None, 16), (64, None, 16)]
+)
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_triton_matches_composition(S, D, block_d, with_norm):
+def test_triton_matches_composition(S, D, block_s, block_d, with_norm):
+    """One pass over all sources, one pass in chunks of block_s sources (online softmax), and D-chunked passes."""
     buf, query, key_weight, norm_weight = make_sources(S, D, slots=S + 3, seed=S * D)
     norm_weight = norm_weight if with_norm else None
     ref = composition(buf[:S], query, key_weight, norm_weight)
@@ -50,14 +53,14 @@ def test_triton_matches_composition(S, D, block_d, with_norm):
         sources = buf.to(dtype).to(DEV)[:S]  # a view of the first S slots; the NaN slots must never be read
         args = [t.float().to(DEV) for t in (query, key_weight)]
         nw = None if norm_weight is None else norm_weight.float().to(DEV)
-        out = _attn_res_norm_triton(sources, *args, 1e-6, nw, 1e-5, block_d=block_d)
+        out = _attn_res_norm_triton(sources, *args, 1e-6, nw, 1e-5, block_s=block_s, block_d=block_d)
         assert out.dtype == dtype and out.shape == (2, 3, D)
         assert_close(f"triton S={S} D={D} {dtype}", out, ref.to(out.device), tol)
 
 
 @needs_triton
-@pytest.mark.parametrize("block_d", [None, 16])
-def test_latest_source_is_stored_into_its_slot(block_d):
+@pytest.mark.parametrize("block_s, block_d", [(None, None), (4, None), (1, None), (None, 16)])
+def test_latest_source_is_stored_into_its_slot(block_s, block_d):
     """With `latest`, slot S - 1 may hold garbage (NaN) before the call: the kernel uses and stores `latest`."""
     S, D = 6, 40
     buf, query, key_weight, norm_weight = make_sources(S, D, slots=S + 2, seed=7)
@@ -69,7 +72,7 @@ def test_latest_source_is_stored_into_its_slot(block_d):
         lat = latest.float().to(DEV)
         args = (work[:S], query.float().to(DEV), key_weight.float().to(DEV), 1e-6, norm_weight.float().to(DEV), 1e-5)
         if backend == "triton":
-            out = _attn_res_norm_triton(*args, latest=lat, block_d=block_d)
+            out = _attn_res_norm_triton(*args, latest=lat, block_s=block_s, block_d=block_d)
         else:
             out = attn_res_norm(*args[:4], norm_weight=args[4], norm_eps=1e-5, latest=lat, backend="torch")
         assert_close(f"{backend} with latest", out, ref.to(out.device), 1e-5)

@@ -11,10 +11,12 @@ slot while reading it, so the buffer costs no copy kernel.
 
 `attn_res_norm` dispatches to a Triton kernel (CUDA, or the interpreter on CPU when asked for) or to the PyTorch
 composition of `naive.attn_res` and an RMSNorm, which is the reference. Inference only: there is no backward.
-Kernel: one program per token row; a [BLOCK_S, BLOCK_D] tile of all sources at once, in D-chunks when the tile would
-be too large: pass 1 accumulates each source's sum of squares and its dot product with w * gamma, then the softmax
-over the S logits, pass 2 the mixture (rounded to the output dtype, as the unfused composition rounds h before the
-norm), pass 3 (chunked case only) the RMSNorm scaling of what pass 2 wrote.
+Kernel: one program per token row. When a row of every source fits a tile (D <= 16384, always in our models) it
+reads the sources once, BLOCK_S at a time, with an online softmax over the depth (running max and sum, the mixture
+rescaled as the max grows, as flash attention does over keys), then rounds h to the output dtype (as the unfused
+composition rounds h before the norm) and applies the RMSNorm from registers. Wider rows go in D-chunks with every
+source in the tile: pass 1 accumulates each source's sum of squares and its dot product with w * gamma, then the
+softmax over the S logits, pass 2 the mixture, pass 3 the RMSNorm scaling of what pass 2 wrote.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ except ImportError:  # the PyTorch path still works
 
 _BACKENDS = ("auto", "torch", "triton")
 MAX_TILE = 16384  # fp32 elements of one [BLOCK_S, BLOCK_D] tile: 64 registers per thread at 8 warps
+MAX_ROW = 16384  # the widest D read in one pass (a whole row per source); wider rows go in D-chunks, three passes
+FEW_ROWS = 256  # up to this many rows the kernel is latency-bound (decoding): read all sources at once
 
 
 if triton is not None:
@@ -53,7 +57,7 @@ if triton is not None:
         norm_eps,
         HAS_NORM: tl.constexpr,
         HAS_LATEST: tl.constexpr,
-        ONE_CHUNK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -62,29 +66,38 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         s_ok = offs_s < S
         is_latest = offs_s == S - 1
-        if HAS_LATEST:
-            from_buffer = offs_s < S - 1
-        else:
-            from_buffer = s_ok
+        from_buffer = (offs_s < S - 1) if HAS_LATEST else s_ok
         tile = src_ptr + row * stride_m + offs_s.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
         slot = src_ptr + row * stride_m + (S - 1) * stride_s  # where the latest source is stored
         out_row = out_ptr + row * D
 
-        if ONE_CHUNK:
-            # Every source of the row fits one tile: a single read, everything else in registers.
+        if ONE_PASS:
+            # Every row of D fits the tile: one read of the sources, BLOCK_S of them at a time, with an online
+            # softmax over the depth (a running max and sum, the mixture rescaled as the max grows).
             d_ok = offs_d < D
-            v = tl.load(tile, mask=from_buffer[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_LATEST:
-                lat = tl.load(latest_ptr + row * D + offs_d, mask=d_ok, other=0.0)
-                tl.store(slot + offs_d, lat, mask=d_ok)
-                v = tl.where(is_latest[:, None], lat.to(tl.float32)[None, :], v)
             w = tl.load(query_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             w = w * tl.load(key_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # gamma folded into w
-            logits = tl.sum(v * w[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-            logits = tl.where(s_ok, logits, float("-inf"))
-            p = tl.exp(logits - tl.max(logits, axis=0))
-            p = p / tl.sum(p, axis=0)
-            h = tl.sum(p[:, None] * v, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
+            run_max = float("-inf")
+            run_sum = 0.0
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                src_s = s0 + offs_s
+                in_buffer = (src_s < S - 1) if HAS_LATEST else (src_s < S)
+                v = tl.load(tile + s0 * stride_s, mask=in_buffer[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                if HAS_LATEST:  # noqa: SIM102 (a compile-time test, then a run-time one: kept apart for Triton)
+                    if s0 + BLOCK_S >= S:  # the chunk holding source S - 1
+                        lat = tl.load(latest_ptr + row * D + offs_d, mask=d_ok, other=0.0)
+                        tl.store(slot + offs_d, lat, mask=d_ok)
+                        v = tl.where((src_s == S - 1)[:, None], lat.to(tl.float32)[None, :], v)
+                logits = tl.sum(v * w[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+                logits = tl.where(src_s < S, logits, float("-inf"))
+                new_max = tl.maximum(run_max, tl.max(logits, axis=0))
+                rescale = tl.exp(run_max - new_max)  # 0 on the first chunk (run_max = -inf)
+                p = tl.exp(logits - new_max)
+                run_sum = run_sum * rescale + tl.sum(p, axis=0)
+                acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
+                run_max = new_max
+            h = (acc / run_sum).to(out_ptr.dtype.element_ty).to(tl.float32)
             if HAS_NORM:
                 nw = tl.load(norm_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps) * nw
@@ -127,6 +140,26 @@ if triton is not None:
                     h = tl.load(out_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                     nw = tl.load(norm_w_ptr + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                     tl.store(out_row + d0 + offs_d, (h * inv * nw).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _launch_shape(M: int, S: int, D: int, block_s=None, block_d=None) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCK_D, num_warps) for M rows of S sources of width D; block_s / block_d force a shape (tests).
+
+    Measured on an H200 at D = 1024 (benchmarks/RESULTS.md, 2026-11-30 second session): with few rows each program
+    waits on its loads, so it reads every source in one tile (8 warps; 10 us against 21 us for 4 at a time, 32 rows,
+    27 sources); with thousands of rows many programs keep the GPU busy, so small tiles (4 warps, 4 sources of 1024)
+    read faster: 84 us at 4096 rows and 27 sources (2.7 TB/s) against 229 us for all 27 at once."""
+    full_d = triton.next_power_of_2(D)
+    all_s = triton.next_power_of_2(S)
+    if block_d is None:
+        block_d = full_d if full_d <= MAX_ROW else max(16, MAX_TILE // all_s)
+    block_d = min(block_d, full_d)
+    if block_d < D:  # D-chunked passes: every source in the tile
+        return all_s, block_d, 8 if all_s * block_d >= 8192 else 4
+    if block_s is None:
+        budget = 2 * MAX_TILE if M <= FEW_ROWS else MAX_TILE // 4
+        block_s = max(1, min(all_s, budget // full_d))
+    return block_s, block_d, 8 if block_s * block_d >= 8192 and M <= FEW_ROWS else 4
 
 
 def _check(sources, query, key_weight, norm_weight, latest) -> None:
@@ -201,7 +234,9 @@ def attn_res_norm(
     return _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps, latest=latest)
 
 
-def _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps, *, latest=None, block_d=None):
+def _attn_res_norm_triton(
+    sources, query, key_weight, eps, norm_weight, norm_eps, *, latest=None, block_s=None, block_d=None
+):
     S, D = sources.shape[0], sources.shape[-1]
     out_shape = sources.shape[1:]
     # [S, M, D] without copying when the slots are row-contiguous (the preallocated buffer is).
@@ -215,12 +250,7 @@ def _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps
     out = torch.empty(M, D, device=sources.device, dtype=sources.dtype)
     if M == 0:
         return out.view(out_shape)
-    block_s = triton.next_power_of_2(S)
-    full_d = triton.next_power_of_2(D)
-    if block_d is None:
-        block_d = full_d if block_s * full_d <= MAX_TILE else max(16, MAX_TILE // block_s)
-    block_d = min(block_d, full_d)
-    tile = block_s * block_d
+    block_s, block_d, num_warps = _launch_shape(M, S, D, block_s, block_d)
     _attn_res_norm_kernel[(M,)](
         src,
         lat if lat is not None else src,
@@ -236,9 +266,9 @@ def _attn_res_norm_triton(sources, query, key_weight, eps, norm_weight, norm_eps
         float(norm_eps),
         HAS_NORM=norm_weight is not None,
         HAS_LATEST=lat is not None,
-        ONE_CHUNK=block_d >= D,
+        ONE_PASS=block_d >= D,
         BLOCK_S=block_s,
         BLOCK_D=block_d,
-        num_warps=8 if tile >= 8192 else 4,
+        num_warps=num_warps,
     )
     return out.view(out_shape)
