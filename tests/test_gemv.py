@@ -94,5 +94,18 @@ def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
     assert_close("decode step with the Triton GEMV", logits["triton"], logits["torch"], 1e-5)
     assert not any("forward" in vars(m) for m in model.modules())  # the singles' overrides are gone
     monkeypatch.setenv("HA_DECODE_GEMV", "cublas")
-    with pytest.raises(ValueError, match="HA_DECODE_GEMV must be torch or triton"):
+    with pytest.raises(ValueError, match="HA_DECODE_GEMV must be auto, torch or triton"):
         step(ids[:, 0])
+
+
+@pytest.mark.parametrize("mode, on_cpu", [(None, False), ("auto", False), ("triton", True), ("torch", False)])
+def test_decode_gemv_choice(monkeypatch, mode, on_cpu):
+    """Unset means auto: the GEMV kernel on CUDA only; triton forces it (the interpreter on CPU)."""
+    from hybrid_attention.layers.packed import decode_gemv_enabled
+
+    if mode is None:
+        monkeypatch.delenv("HA_DECODE_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("HA_DECODE_GEMV", mode)
+    assert decode_gemv_enabled(torch.zeros(1, 4)) is on_cpu
+    assert decode_gemv_enabled() is (mode != "torch")

@@ -6,8 +6,9 @@ projections of one layer that read the same x (KDA: q, k, v, beta, and the decay
 Gated MLA: q, the latent down projection, the shared key and the gate; SwiGLU: gate and up) can be read as one
 concatenated weight [sum of outputs, in] in one launch, with the same products.
 
-With HA_DECODE_GEMV=triton the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the
-model's other linear layers while a step runs.
+On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
+linear layers while a step runs (HA_DECODE_GEMV: auto, the default; triton forces it, also on CPU under the
+interpreter; torch keeps cuBLAS).
 
 The parameters stay separate (the optimizer, Muon's per-matrix updates and checkpoints see them as they are). A
 `PackedProjections` holds concatenated copies, made once by `graphs.DecodeStep` (whose contract already is that the
@@ -30,17 +31,20 @@ from torch import nn
 from hybrid_attention.ops.triton_support import triton_available
 
 
-def decode_gemv_enabled() -> bool:
-    """HA_DECODE_GEMV=triton routes decode-step products to `ops.gemv`; "torch" (the default) keeps F.linear."""
-    mode = os.environ.get("HA_DECODE_GEMV", "torch")
-    if mode not in ("torch", "triton"):
-        raise ValueError(f"HA_DECODE_GEMV must be torch or triton, got {mode!r}")
-    return mode == "triton"
+def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
+    """Whether decode-step products of `x` go to `ops.gemv`: HA_DECODE_GEMV=triton always (the interpreter on
+    CPU), "torch" never (F.linear), "auto" (the default) on CUDA, where it measured 4% faster per k3-scaled step than
+    cuBLAS at batch 1 (benchmarks/RESULTS.md, 2026-11-30 second session). Without `x`: whether it may, on some
+    device."""
+    mode = os.environ.get("HA_DECODE_GEMV", "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"HA_DECODE_GEMV must be auto, torch or triton, got {mode!r}")
+    return mode == "triton" or (mode == "auto" and (x is None or x.is_cuda))
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the decode GEMV kernel (`ops.gemv`) when HA_DECODE_GEMV=triton and it takes these tensors."""
-    if decode_gemv_enabled() and triton_available():
+    if decode_gemv_enabled(x) and triton_available():
         from hybrid_attention.ops.gemv import gemv, gemv_applies  # imports triton
 
         if gemv_applies(x, weight):
@@ -91,7 +95,7 @@ class PackedProjections:
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture); with
-        HA_DECODE_GEMV=triton the singles run through the decode GEMV too (their own weights, no copies)."""
+        the decode GEMV on (see `decode_gemv_enabled`) the singles run through it too (their own weights, no copies)."""
         singles = self.singles if decode_gemv_enabled() else []
         for module, packed in self.by_module.items():
             module.packed_projection = packed
