@@ -114,12 +114,17 @@ def test_split_output_knob_rejects_bad_values(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "mode, pairs, split", [("auto", 32, True), ("auto", 33, False), ("0", 1, False), ("1", 4096, True)]
+    "mode, pairs, split",
+    [("auto", 32, True), ("auto", 33, False), ("0", 1, False), ("1", 4096, True), (None, 32, True), (None, 64, False)],
 )
 def test_split_output_choice(monkeypatch, mode, pairs, split):
+    """None: the variable unset, which means auto."""
     from hybrid_attention.ops.kda.triton_fwd import split_output
 
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", mode)
+    if mode is None:
+        monkeypatch.delenv("HA_KDA_SPLIT_OUTPUT", raising=False)
+    else:
+        monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", mode)
     assert split_output(pairs) is split
 
 
