@@ -26,26 +26,26 @@ from bench_decode import MODELS, build_model, fill_cache, median_event_ms
 
 def profiled_kernels(fn, replays: int = 3) -> list[dict]:
     """Kernels of the last of `replays` calls of fn (a graph replay, a prefill): dicts with name, ts and dur
-    (microseconds), in launch order."""
-    from torch.profiler import ProfilerActivity, profile
+    (microseconds), in launch order. The profiler's schedule records only that call (the earlier ones warm CUPTI
+    up); splitting one trace of every call at its largest idle gaps mixed several calls when a call's own gaps
+    were larger than those between calls (a host-bound prefill)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            fn()
-            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
+        only_last = schedule(wait=0, warmup=replays - 1, active=1)
+        export = lambda prof: prof.export_chrome_trace(path)  # noqa: E731 (the events are cleared after the cycle)
+        with profile(activities=[ProfilerActivity.CUDA], schedule=only_last, on_trace_ready=export) as prof:
+            for _ in range(replays):
+                fn()
+                torch.cuda.synchronize()
+                prof.step()
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
-        raise RuntimeError("profile_decode: the profiler recorded no kernels inside the graph replays")
-    # Calls are separated by a host sync: split at the largest gaps.
-    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"], reverse=True)
-    cuts = sorted(gaps[: replays - 1])
-    last = kernels[cuts[-1] :] if cuts else kernels
-    return [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"])) for e in last]
+        raise RuntimeError("profile_decode: the profiler recorded no kernels in the profiled call")
+    return [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"])) for e in kernels]
 
 
 def summarise(kernels: list[dict]) -> dict:
