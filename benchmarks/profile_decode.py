@@ -1,7 +1,7 @@
 """Where a CUDA-graph decode step (or a prefill) of k3-scaled spends its time: every kernel, grouped by name.
 
     python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--no-pack] [--out f]
-    python benchmarks/profile_decode.py --prefill [--model ...] [--context 4096]
+    python benchmarks/profile_decode.py --prefill [--model ...] [--context 4096] [--host 30]
 
 Replays the captured step (as bench_decode.py builds it) under torch.profiler and reads the kernels of the last
 replay from the trace (with --prefill: of one eager prefill of --context tokens into an empty cache): count, summed
@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
     p.add_argument("--prefill", action="store_true", help="profile one eager prefill of --context tokens instead")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="also print the N Python functions with the most host time in one call (cProfile)")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
@@ -100,8 +102,30 @@ def main(argv=None) -> int:
     print(f"{'count':>5} {'total us':>9} {'us each':>8}  kernel")
     for name, s in sorted(result["by_name"].items(), key=lambda kv: -kv[1]["us"]):
         print(f"{s['count']:>5} {s['us']:>9.1f} {s['us'] / s['count']:>8.2f}  {name[:110]}")
+    if args.host:
+        print_host_profile(call, args.host)
     emit_json(result, args.out)
     return 0
+
+
+def print_host_profile(call, top: int) -> None:
+    """Where the host spends one call, by Python function (own time and cumulative): with idle gaps between the
+    kernels (a host-bound prefill) this names what keeps the GPU waiting: launch overheads, a host sync (time in
+    `item`, `tolist`, `synchronize`), Python work per layer."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+        print(f"\nhost time of one call, by {key}:\n{text.getvalue()}")
 
 
 if __name__ == "__main__":
