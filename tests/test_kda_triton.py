@@ -130,14 +130,16 @@ def test_split_output_choice(monkeypatch, mode, pairs, split):
     assert split_output(pairs) is split
 
 
-@pytest.mark.parametrize("seg_chunks", ["1", "2", "3"])
-def test_walk_in_segments(monkeypatch, seg_chunks):
-    """The state walk in segments (full and partial last segments, 5 chunks of which the last is partial), with a
-    start state, the gate and l2norm in the kernels: outputs, final state and every gradient (the backward reads
-    the per-chunk states that the segments' walks stored) against the reference."""
+@pytest.mark.parametrize("seg_chunks, K, h0", [("1", 32, True), ("2", 24, False), ("3", 32, True)])
+def test_walk_in_segments(monkeypatch, seg_chunks, K, h0):
+    """The state walk in segments (full and partial last segments, 5 chunks of which the last is partial), with and
+    without a start state, the gate and l2norm in the kernels: outputs, final state and every gradient (the backward
+    reads the per-chunk states that the segments' walks stored) against the reference. K = 24: a column tile of the
+    transfer pass holds identity and U columns both."""
     monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1")
     monkeypatch.setenv("HA_KDA_SEGMENT_CHUNKS", seg_chunks)
-    compare(make_inputs(2, 270, 2, 32, 16, gate=True, l2norm=True, seed=30), TOL32, TOL32, l2norm=True)
+    inputs = make_inputs(2, 270, 2, K, 16, h0=h0, gate=True, l2norm=True, seed=30)
+    compare(inputs, TOL32, TOL32, l2norm=True)
 
 
 def test_segments_are_used_and_matter(monkeypatch):
