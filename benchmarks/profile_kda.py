@@ -13,12 +13,11 @@ Set HA_KDA_AUTOTUNE=0 to skip autotuning (first config of every kernel).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 
 import torch
-from bench_common import env_info, log
+from bench_common import emit_json, env_info, log
 from bench_kda import layer_output, make_layer, op_inputs, ours_op
 
 
@@ -55,10 +54,7 @@ def main(argv=None) -> None:
             result["modes"].update(profile_modes(f"{impl} layer", *layer_fns(impl, B, T, H, D), args))
     else:
         result["modes"] = profile_modes("op", *op_fns(B, T, H, D), args)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit_json(result, args.out)
 
 
 def profile_modes(label: str, fwd, fwd_bwd, args) -> dict[str, dict[str, float]]:
