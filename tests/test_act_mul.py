@@ -39,14 +39,12 @@ def test_act_mul_rejects_bad_input():
 def test_decode_step_with_act_mul(monkeypatch):
     """The layers take act_mul only inside a decode step on CUDA; here the CUDA check is lifted so the interpreter
     runs it, and the step must give the logits of a step without packing (which never takes it)."""
-    import hybrid_attention.layers.mla as mla_mod
-    import hybrid_attention.layers.mlp as mlp_mod
+    import hybrid_attention.layers.packed as packed_mod
     import hybrid_attention.ops.act_mul as act_mod
     from hybrid_attention.graphs import DecodeStep
     from hybrid_attention.model import HybridConfig, HybridLM
 
-    for mod in (mla_mod, mlp_mod):
-        monkeypatch.setattr(mod, "triton_runs_on", lambda x, cpu_interpreter=True: True)
+    monkeypatch.setattr(packed_mod, "triton_runs_on", lambda x, cpu_interpreter=True: True)
     calls = []
     real = act_mod.act_mul
     monkeypatch.setattr(act_mod, "act_mul", lambda a, b, act: calls.append(act) or real(a, b, act))

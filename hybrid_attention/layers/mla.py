@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.layers.packed import project
+from hybrid_attention.layers.packed import decode_act_mul, project
 from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.triton_support import triton_runs_on
 
@@ -286,12 +286,7 @@ class GatedMLA(nn.Module):
         concat_h o_h)."""
         B, T, _ = g_in.shape
         o = o.reshape(B, T, self.num_heads * self.v_head_dim)
-        decoding = getattr(self, "packed_projection", None) is not None  # a decode step installed packed weights
-        if decoding and triton_runs_on(g_in, cpu_interpreter=False) and o.dtype == g_in.dtype:
-            from hybrid_attention.ops.act_mul import act_mul  # imports triton
-
-            return self.o_proj(act_mul(g_in, o, "sigmoid"))  # one kernel instead of two, the same rounding
-        return self.o_proj(torch.sigmoid(g_in) * o)  # (B, T, H*d_v)
+        return self.o_proj(decode_act_mul(self, g_in, o, "sigmoid"))  # (B, T, H*d_v) before W_o
 
     def extra_repr(self) -> str:
         return (

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.layers.packed import project
-from hybrid_attention.ops.triton_support import triton_runs_on
+from hybrid_attention.layers.packed import decode_act_mul, project
 
 
 class SwiGLU(nn.Module):
@@ -20,12 +18,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
         gate, up = project(self, x, self.packed_linears())
-        if getattr(self, "packed_projection", None) is not None and triton_runs_on(x, cpu_interpreter=False):
-            from hybrid_attention.ops.act_mul import act_mul  # imports triton
-
-            # A decode step (it installed the packed weights): one kernel instead of two, the same rounding.
-            return self.down_proj(act_mul(gate, up, "silu"))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(decode_act_mul(self, gate, up, "silu"))
 
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.ops.triton_support import triton_available
+from hybrid_attention.ops.triton_support import triton_available, triton_runs_on
+
+_ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
@@ -43,13 +45,25 @@ def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the decode GEMV kernel (`ops.gemv`) when HA_DECODE_GEMV=triton and it takes these tensors."""
+    """F.linear, or the decode GEMV kernel (`ops.gemv`) when `decode_gemv_enabled(x)` and it takes these tensors."""
     if decode_gemv_enabled(x) and triton_available():
         from hybrid_attention.ops.gemv import gemv, gemv_applies  # imports triton
 
         if gemv_applies(x, weight):
             return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def decode_act_mul(module: nn.Module, a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
+    """act(a) * b (SwiGLU's SiLU(gate) * up, Gated MLA's sigmoid(gate) * o): in one Triton kernel (`ops.act_mul`,
+    the same rounding as the eager ops) while a decode step has installed its packed weights on `module` and the
+    tensors are on CUDA, else the two eager ops."""
+    decoding = getattr(module, "packed_projection", None) is not None
+    if decoding and a.dtype == b.dtype and triton_runs_on(a, cpu_interpreter=False):
+        from hybrid_attention.ops.act_mul import act_mul  # imports triton
+
+        return act_mul(a, b, act)
+    return _ACTS[act](a) * b
 
 
 class PackedLinear:
