@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.triton_support import as_rows
+
 ACTS = ("silu", "sigmoid")
 
 
@@ -28,11 +30,6 @@ def _act_mul_kernel(a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOC
     tl.store(y + row * width + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    x2 = x.reshape(-1, width)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     """act(a) * b for a, b of one shape and dtype [..., width] (each may be a slice with a row stride): a new
     contiguous tensor of that shape, as `act(a) * b` in eager PyTorch computes it."""
@@ -41,7 +38,7 @@ def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"act_mul: a and b must match, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
     width = a.shape[-1]
-    a2, b2 = _rows(a, width), _rows(b, width)
+    a2, b2 = as_rows(a, width), as_rows(b, width)
     y = torch.empty(a.shape, device=a.device, dtype=a.dtype)
     if y.numel():
         block = min(1024, triton.next_power_of_2(width))

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import autotune
-from hybrid_attention.ops.triton_support import interpreting, triton_runs_on
+from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_runs_on
 
 MAX_ROWS = 64  # beyond this cuBLAS' tiled GEMM is the right tool
 
@@ -70,8 +70,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"gemv: needs Triton for {x.dtype} on {x.device}, x and weight of one dtype (got {weight.dtype}), at most "
             f"{MAX_ROWS} rows (got {x.numel() // max(1, K)}) and a weight with unit stride along K"
         )
-    x2 = x.reshape(-1, K)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = as_rows(x, K)
     M = x2.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M > 0 and N > 0:

@@ -34,3 +34,10 @@ def triton_runs_on(x: torch.Tensor, *, cpu_interpreter: bool = True) -> bool:
     if not triton_available() or x.dtype not in TRITON_DTYPES:
         return False
     return x.is_cuda or (cpu_interpreter and x.device.type == "cpu" and interpreting())
+
+
+def as_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., width] -> [rows, width] with unit stride along width (a view when possible), the row-strided layout
+    the kernel wrappers pass on (a slice of a packed projection keeps its row stride, no copy)."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()

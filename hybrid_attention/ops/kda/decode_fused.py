@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import L2_EPS
+from hybrid_attention.ops.triton_support import as_rows
 
 
 @triton.jit
@@ -166,10 +167,9 @@ def _decode_inputs_kernel(
 
 def _rows(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
     """[B, 1, width] or [B, width] -> [B, width] with unit stride in the last dim (a view when possible)."""
-    x2 = x.reshape(x.shape[0], -1)
-    if x2.shape[1] != width:
+    if x.numel() != x.shape[0] * width:
         raise ValueError(f"kda decode: {name} must hold {width} values per sequence, got shape {tuple(x.shape)}")
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return as_rows(x, width)
 
 
 def _per_head_launch(H: int, D: int, R: int) -> dict:

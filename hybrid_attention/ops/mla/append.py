@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.triton_support import as_rows
+
 
 @triton.jit
 def _append_kernel(
@@ -78,10 +80,8 @@ def append_latent_row(
             f"append_latent_row: expected kv [B, 1, d_c], k_shared [B, 1, d_s], int32 lengths [B]; got "
             f"{tuple(kv.shape)}, {tuple(k_shared.shape)}, {lengths.dtype} {tuple(lengths.shape)}"
         )
-    kv2 = kv.reshape(B, d_c)
-    ks2 = k_shared.reshape(B, d_s) if d_s > 0 else kv2
-    kv2 = kv2 if kv2.stride(-1) == 1 else kv2.contiguous()
-    ks2 = ks2 if ks2.stride(-1) == 1 else ks2.contiguous()
+    kv2 = as_rows(kv, d_c)
+    ks2 = as_rows(k_shared, d_s) if d_s > 0 else kv2
     _append_kernel[(B,)](
         kv2,
         ks2,
