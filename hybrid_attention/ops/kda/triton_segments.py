@@ -32,8 +32,8 @@ import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
     CHUNK,
+    advance_state,
     autotune,
-    chunk_decay,
     empty,
     load_raw,
     load_state,
@@ -78,7 +78,7 @@ def _segment_transfer_kernel(
         Ut = tl.load(u_h + u_offs, mask=(r < nv)[:, None] & u_ok[None, :], other=0.0).to(tl.float32)
         D = Ut - mm(Wt, X, IO, PREC, EMU)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
-        X = X * tl.exp2(chunk_decay(glast, c0 + j, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
+        X = advance_state(X, Kt, D, glast, c0 + j, h, H, K, BK, IO, PREC, EMU)
     offs = (s * H + h).to(tl.int64) * K * (K + V) + rk[:, None] * (K + V) + cols[None, :]
     tl.store(xfer + offs, X, mask=(rk < K)[:, None] & (cols < K + V)[None, :])
 
@@ -165,5 +165,5 @@ def segment_starts(saved, h0, ht, layout, *, seg_chunks, H, K, V, BK, final, dty
     seq, part = seg // n_seg, seg % n_seg
     chunk_off = seq * layout.nt + part * seg_chunks
     bos = seq * layout.T + part * seg_chunks * CHUNK
-    cu = torch.cat([bos, torch.tensor([T_tot], device=q.device, dtype=torch.int32)]).to(torch.int32)
+    cu = torch.cat([bos, bos.new_full((1,), T_tot)])  # built on the device: no host copy, CUDA-graph safe
     return starts, cu, chunk_off.to(torch.int32)
