@@ -64,9 +64,6 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < S
-        is_latest = offs_s == S - 1
-        from_buffer = (offs_s < S - 1) if HAS_LATEST else s_ok
         tile = src_ptr + row * stride_m + offs_s.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
         slot = src_ptr + row * stride_m + (S - 1) * stride_s  # where the latest source is stored
         out_row = out_ptr + row * D
@@ -103,6 +100,9 @@ if triton is not None:
                 h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps) * nw
             tl.store(out_row + offs_d, h.to(out_ptr.dtype.element_ty), mask=d_ok)
         else:
+            s_ok = offs_s < S
+            is_latest = offs_s == S - 1
+            from_buffer = (offs_s < S - 1) if HAS_LATEST else s_ok
             # Pass 1: per source, sum of squares and dot product with w * gamma.
             sq = tl.zeros([BLOCK_S], tl.float32)
             dot = tl.zeros([BLOCK_S], tl.float32)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 # Rows a split should stream at least, so that its start-up and (m, l, acc) write-back stay small next to its reads.
 # 512 left batch-1 decoding at 4K context with 8 programs on a 132-SM H200 (12.9 us per call, 0.19 TB/s of cache);
-# at 128 it gets 32. Chosen from that profile, not yet timed.
+# at 128 it gets 32: 5.5 us per call in the same profile of the whole step (benchmarks/RESULTS.md, 2026-11-30).
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 512
 RESIDENT_PER_SM = 2  # programs an SM holds at once with the default config (~85 KB shared memory each on sm_90)
