@@ -32,7 +32,7 @@ def _norm_rows(x, w, rows, d, n_rows, eps, D: tl.constexpr, DT: tl.constexpr):
     """(rstd, w, x * rstd) of BR rows, float32; x is rounded to DT first so a float32 input (the decode
     step's recurrence output) is normalised as the eager layer does after its cast."""
     xf = _load_rows(x, rows, d, n_rows, D).to(DT).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + tl.cast(eps, tl.float32))  # fp32 also when inductor passes fp64
     wf = tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)
     return rstd, wf, xf * rstd[:, None]
 

@@ -61,6 +61,10 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
+        # torch.compile (inductor) passes float scalars as fp64: left so, they would turn the float32 running max
+        # of the depth softmax into fp64 inside its loop, which Triton rejects.
+        eps = tl.cast(eps, tl.float32)
+        norm_eps = tl.cast(norm_eps, tl.float32)
         row = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
