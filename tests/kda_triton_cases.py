@@ -112,15 +112,14 @@ def round_bfloat16_like_the_gpu(monkeypatch) -> None:
 
 
 def autotuned_kernels() -> dict:
-    """Every autotuned KDA kernel by name (the output pass runs only with HA_KDA_SPLIT_OUTPUT=1, the segment
-    transfer pass also needs HA_KDA_SEGMENT_CHUNKS); each tuner lists its configs in `all_configs`."""
-    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep, triton_segments
+    """Every autotuned KDA kernel by name (the output pass runs only with HA_KDA_SPLIT_OUTPUT=1); each tuner lists
+    its configs in `all_configs`."""
+    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
 
     return {
         "prep": triton_prep._prep_kernel,
         "state_fwd": triton_fwd._state_fwd_kernel,
         "output": triton_fwd._output_kernel,
-        "segment_transfer": triton_segments._segment_transfer_kernel,
         "state_bwd": triton_bwd._state_bwd_kernel,
         "score_grad": triton_bwd._score_grad_kernel,
         "dqkg": triton_bwd_chunk._dqkg_kernel,
@@ -129,12 +128,10 @@ def autotuned_kernels() -> dict:
 
 def force_config(monkeypatch, kernel: str, index: int):
     """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with the output
-    pass on when that kernel is the output pass, and the walk in segments of one chunk for the segment transfer
-    pass (which needs the output pass); returns the config."""
+    pass on when that kernel is the output pass; returns the config."""
     tuner = autotuned_kernels()[kernel]
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel in ("output", "segment_transfer") else "0")
-    monkeypatch.setenv("HA_KDA_SEGMENT_CHUNKS", "1" if kernel == "segment_transfer" else "0")
+    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
     return tuner.all_configs[index]
 
 

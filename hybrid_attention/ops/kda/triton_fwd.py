@@ -13,8 +13,6 @@ The walk is as long as one program's: with few (sequence, head) pairs (one 64K-t
 takes most of the forward, and O is half of every step (H200, B=1, T=64K: 2.89 ms with O, 1.54 ms without). With
 `split_output`, the walk leaves O out and stores S and D, and `_output_kernel` computes O for every chunk in
 parallel. Both ways multiply the same rounded operands (the dots round S and D to the io dtype, the stores too).
-With `split_output` and HA_KDA_SEGMENT_CHUNKS, the walk itself runs in segments of each sequence in parallel
-(triton_segments.py).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_prep import prep_fwd
-from hybrid_attention.ops.kda.triton_segments import segment_chunks, segment_starts
 from hybrid_attention.ops.kda.triton_utils import (
     ChunkLayout,
     advance_state,
@@ -193,21 +190,13 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     if split and not save:  # the output pass needs S per chunk and D: scratch here, kept for the backward otherwise
         hbuf, vnew = empty(q, layout.n_chunks, H, K, V, dtype=v.dtype), empty(q, H, T_tot, V, dtype=v.dtype)
     BK = max(16, triton.next_power_of_2(K))
-    walks, varlen, start, store_ht = layout.n_seq, layout.varlen, h0, final
-    seg_chunks = segment_chunks(layout.nt, layout.n_seq * H, layout.varlen) if split else 0
-    if seg_chunks:  # the walk in segments (triton_segments.py): start states and ht first, then every segment
-        start, cu, chunk_off = segment_starts(
-            saved, h0, ht, layout, seg_chunks=seg_chunks, H=H, K=K, V=V, BK=BK, final=final, dtypes=(io, prec, emu)
-        )
-        walks, varlen, store_ht = cu.numel() - 1, True, False
-        width = tuning_width(walks * H)
-    grid = lambda meta: (triton.cdiv(V, meta["BV"]), walks, H)
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), layout.n_seq, H)
     _state_fwd_kernel[grid](
         saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"],
-        none if start is None else start, o, ht, hbuf, vnew,
+        none if h0 is None else h0, o, ht, hbuf, vnew,
         cu, chunk_off, Tn, NT, T_tot, width,
-        H=H, K=K, V=V, BK=BK, VARLEN=varlen, HAS_H0=start is not None,
-        STORE_HT=store_ht, SAVE=save or split, OUT=not split, IO=io, PREC=prec, EMU=emu,
+        H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, HAS_H0=h0 is not None,
+        STORE_HT=final, SAVE=save or split, OUT=not split, IO=io, PREC=prec, EMU=emu,
     )  # fmt: skip
     if split:
         grid = lambda meta: (layout.n_chunks, H, triton.cdiv(V, meta["BV"]))
