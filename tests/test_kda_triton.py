@@ -106,38 +106,6 @@ def test_every_autotune_config(kernel, index, monkeypatch):
     compare(make_inputs(1, 70, 1, 32, 48, gate=True, l2norm=True, seed=20 + index), TOL32, TOL32, l2norm=True)
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32-gate-at-bound", "fp32-varlen", "fp32-gate-l2norm-K80", "fp16", "bf16"])
-def test_row_tile_scores(monkeypatch, case):
-    """HA_KDA_PREP_SCORES=rows: the prep kernel's scores as whole [64, 64] tiles (one dot per sub-chunk anchor)
-    instead of [16, 16] blocks; outputs, final states and every gradient against the float64 reference, with the
-    tolerances of the default path (bf16 with GPU rounding). At the gate's bound (g = -5 everywhere) the exponents
-    inside a sub-chunk span their full 115.4 (log2), which the clamp of the later columns must leave alone."""
-    monkeypatch.setenv("HA_KDA_PREP_SCORES", "rows")
-    if case == "fp32":
-        compare(make_inputs(2, 70, 2, 32, 16, h0=True, seed=40), TOL32, TOL32)
-    elif case == "fp32-gate-at-bound":
-        inputs = list(make_inputs(1, 70, 1, 16, 16, h0=True, seed=44))
-        inputs[3] = torch.full_like(inputs[3], -5.0)
-        # dg: 2.1e-5 here, and 2.0e-5 with the default block scores (a reverse cumsum with cancellation, in fp32)
-        compare(tuple(inputs), TOL32, TOL32, grad_tols={"g": 5e-5})
-    elif case == "fp32-varlen":
-        cu = torch.tensor([0, 5, 5, 70, 90], device=DEV)
-        compare(make_inputs(1, 90, 1, 16, 16, N=4, seed=41), TOL32, TOL32, cu_seqlens=cu)
-    elif case == "fp32-gate-l2norm-K80":
-        compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=42), TOL32, TOL32, l2norm=True)
-    elif case == "fp16":
-        compare(make_inputs(1, 70, 1, 32, 32, dtype=torch.float16, seed=43), 1e-2, 2e-2)
-    else:
-        round_bfloat16_like_the_gpu(monkeypatch)
-        compare(make_inputs(1, 300, 2, 64, 64, dtype=torch.bfloat16, seed=6), 1e-2, 1e-2, grad_tols={"beta": 2e-2})
-
-
-def test_row_tile_scores_knob_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("HA_KDA_PREP_SCORES", "wide")
-    with pytest.raises(ValueError, match="HA_KDA_PREP_SCORES must be 'blocks' or 'rows', got 'wide'"):
-        triton_kda(*make_inputs(1, 8, 1, 16, 16, seed=1))
-
-
 def test_split_output_knob_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "yes")
     q, k, v, g, beta = make_inputs(1, 8, 1, 16, 16, h0=False)[:5]

@@ -17,8 +17,6 @@ Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,16 +41,16 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 
 @triton.jit
-def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr, R: tl.constexpr):
-    """1 / sqrt(sum_c x^2 + eps) for R rows (ones without L2NORM)."""
+def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / sqrt(sum_c x^2 + eps) for 16 rows (ones without L2NORM)."""
     if L2NORM:
-        ss = tl.zeros([R], dtype=tl.float32)
+        ss = tl.zeros([16], dtype=tl.float32)
         for kk in range(0, K, BK):
-            t = load_tile(x, row0, nrows, stride, kk, K, R, BK)
+            t = load_tile(x, row0, nrows, stride, kk, K, 16, BK)
             ss += tl.sum(t * t, 1)
         return 1.0 / tl.sqrt(ss + L2_EPS)
     else:
-        return tl.full([R], 1.0, dtype=tl.float32)
+        return tl.full([16], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -64,64 +62,6 @@ def _acc_pair(aq, ak, qr, kr, kb, Gb, ca, ADT: tl.constexpr, PREC: tl.constexpr,
 
 
 @triton.jit
-def _acc_rows(aq, ak, qr, kr, kt, G, ca, rows, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """Add one K tile of the rows of sub-chunk a (`rows`) of Aqk and Akk against all 64 columns, anchored at c_a:
-    rows qr, kr = (q, k) * 2^(G - c_row + SHIFT), columns k * 2^(c_a - SHIFT - G). Columns after sub-chunk a
-    (c_a - G beyond the in-sub-chunk span) are clamped to stay finite; the causal mask drops them."""
-    kc = tl.trans(kt * tl.exp2(tl.minimum(ca[None, :] - G, 2 * SHIFT + 1.0) - SHIFT))
-    aq = aq + mm(tl.where(rows, qr, 0.0), kc, ADT, PREC, EMU)
-    return aq, ak + mm(tl.where(rows, kr, 0.0), kc, ADT, PREC, EMU)
-
-
-@triton.jit
-def _row_scores(qh, kh, gh, a_log, dt_bias, h, lower_bound, beta, rq, rk, aqk_h, akk_h, lc, t0, n0, scale,
-                H: tl.constexpr, K: tl.constexpr, BKA: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr,
-                SAVE: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
-    """The scores as whole [64, 64] tiles (HA_KDA_PREP_SCORES=rows): per K tile, one M = 64 dot per sub-chunk anchor
-    (rows of the other sub-chunks zeroed) instead of ten [16, 16] block dots. Stores Aqk (and Akk), writes
-    L = Diag(beta) Akk to the float32 scratch lc [64, 64]; returns the diagonal inverses and the blocks of L below."""
-    r = tl.arange(0, 64)
-    blk = (r // 16)[:, None]
-    sk = H * K
-    rq64 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 64)
-    rk64 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 64)
-    if L2NORM:  # kept for the backward, and read back in the W / U phase
-        tl.store(rq + (t0 + r) * H + h, rq64, mask=r < n0)
-        tl.store(rk + (t0 + r) * H + h, rk64, mask=r < n0)
-    aq = tl.zeros([64, 64], dtype=tl.float32)
-    ak = tl.zeros([64, 64], dtype=tl.float32)
-    for kk in range(0, K, BKA):
-        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKA), 0)
-        c1 = tl.sum(tl.where(r[:, None] == 15, G, 0.0), 0)  # the anchors: G before each sub-chunk
-        c2 = tl.sum(tl.where(r[:, None] == 31, G, 0.0), 0)
-        c3 = tl.sum(tl.where(r[:, None] == 47, G, 0.0), 0)
-        crow = tl.where(blk == 1, c1[None, :], tl.where(blk == 2, c2[None, :], tl.where(blk == 3, c3[None, :], 0.0)))
-        f = tl.exp2(G - crow + SHIFT)
-        kt = load_tile(kh, t0, n0, sk, kk, K, 64, BKA) * rk64[:, None]
-        qr = load_tile(qh, t0, n0, sk, kk, K, 64, BKA) * rq64[:, None] * f
-        kr = kt * f
-        aq, ak = _acc_rows(aq, ak, qr, kr, kt, G, tl.zeros([BKA], dtype=tl.float32), blk == 0, ADT, PREC, EMU)
-        aq, ak = _acc_rows(aq, ak, qr, kr, kt, G, c1, blk == 1, ADT, PREC, EMU)
-        aq, ak = _acc_rows(aq, ak, qr, kr, kt, G, c2, blk == 2, ADT, PREC, EMU)
-        aq, ak = _acc_rows(aq, ak, qr, kr, kt, G, c3, blk == 3, ADT, PREC, EMU)
-    store_tile(aqk_h, tl.where(r[:, None] >= r[None, :], aq, 0.0) * scale, t0, n0, 64, 0, 64, 64, 64)
-    lk = tl.where(r[:, None] > r[None, :], ak, 0.0)
-    if SAVE:
-        store_tile(akk_h, lk, t0, n0, 64, 0, 64, 64, 64)
-    b = load_rows(beta + h, t0, n0, H, 64)
-    store_tile(lc, lk * b[:, None], 0, 64, 64, 0, 64, 64, 64)  # every row: beta is zero past the end
-    tl.debug_barrier()  # rows stored by one thread are read by all
-    d0, d1, d2, d3 = inv_unit_lower4(lc, 64)
-    l10 = load_tile(lc, 16, 16, 64, 0, 64, 16, 16)
-    l20 = load_tile(lc, 32, 16, 64, 0, 64, 16, 16)
-    l21 = load_tile(lc, 32, 16, 64, 16, 64, 16, 16)
-    l30 = load_tile(lc, 48, 16, 64, 0, 64, 16, 16)
-    l31 = load_tile(lc, 48, 16, 64, 16, 64, 16, 16)
-    l32 = load_tile(lc, 48, 16, 64, 32, 64, 16, 16)
-    return d0, d1, d2, d3, l10, l20, l21, l30, l31, l32
-
-
-@triton.jit
 def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
     """Block (A, B) of a chunk's [64, 64] matrix into its [rows, 64] storage."""
     store_tile(ptr, x, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
@@ -129,18 +69,18 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
 
 # Two pipeline stages (loads of the next K tile issued before this one's dots): 1.42 ms vs 1.59 ms with one at
 # the anchor shape on an H200; 8 warps measured slower still.
-@autotune([{}, {}], [(4, 2), (4, 1)], ["K", "V", "GATE", "L2NORM", "SAVE", "ROWS"])
+@autotune([{}, {}], [(4, 2), (4, 1)], ["K", "V", "GATE", "L2NORM", "SAVE"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
     w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
-    ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L ([chunks, H, 64, 64], all of L, with ROWS)
+    ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L
     cu, chunk_seq, chunk_tok,
     scale, lower_bound, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, ROWS: tl.constexpr,
+    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,140 +96,132 @@ def _prep_kernel(
     qh = q + h * K
     kh = k + h * K
     gh = g + h * K
-    if ROWS:
-        d0, d1, d2, d3, l10, l20, l21, l30, l31, l32 = _row_scores(
-            qh, kh, gh, a_log, dt_bias, h, lower_bound, beta, rq, rk,
-            aqk + h.to(tl.int64) * T_tot * 64, akk + h.to(tl.int64) * T_tot * 64,
-            ldiag + (c * H + h).to(tl.int64) * 4096, t0, n0, scale,
-            H, K, BKA, GATE, L2NORM, SAVE, ADT, PREC, EMU,
-        )  # fmt: skip
-    else:
-        b0 = load_rows(beta + h, t0, n0, H, 16)
-        b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
-        b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
-        b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
-        rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM, 16)
-        rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
-        rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
-        rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
-        rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM, 16)
-        rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM, 16)
-        rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM, 16)
-        rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM, 16)
-        if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
-            r16 = tl.arange(0, 16)
-            tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
-            tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
-            tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
-            tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
-            tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
-            tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
-            tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
-            tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
+    b0 = load_rows(beta + h, t0, n0, H, 16)
+    b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
+    b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
+    b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
+    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM)
+    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM)
+    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM)
+    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM)
+    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM)
+    if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
+        r16 = tl.arange(0, 16)
+        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
+        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
+        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
+        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
+        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
+        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
+        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
+        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
 
-        # ---- scores: 10 blocks (a, b), b <= a, of Aqk and Akk, accumulated over K tiles ----
-        zero = tl.zeros([16, 16], dtype=tl.float32)
-        aq00 = zero
-        ak00 = zero
-        aq10 = zero
-        ak10 = zero
-        aq11 = zero
-        ak11 = zero
-        aq20 = zero
-        ak20 = zero
-        aq21 = zero
-        ak21 = zero
-        aq22 = zero
-        ak22 = zero
-        aq30 = zero
-        ak30 = zero
-        aq31 = zero
-        ak31 = zero
-        aq32 = zero
-        ak32 = zero
-        aq33 = zero
-        ak33 = zero
-        for kk in range(0, K, BKA):
-            g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
-            g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
-            g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
-            g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
-            c0 = tl.zeros([BKA], dtype=tl.float32)
-            c1 = tl.sum(g0, 0)
-            c2 = c1 + tl.sum(g1, 0)
-            c3 = c2 + tl.sum(g2, 0)
-            G0 = tl.cumsum(g0, 0)
-            G1 = tl.cumsum(g1, 0) + c1[None, :]
-            G2 = tl.cumsum(g2, 0) + c2[None, :]
-            G3 = tl.cumsum(g3, 0) + c3[None, :]
-            f0 = tl.exp2(G0 + SHIFT)
-            f1 = tl.exp2(G1 - c1[None, :] + SHIFT)
-            f2 = tl.exp2(G2 - c2[None, :] + SHIFT)
-            f3 = tl.exp2(G3 - c3[None, :] + SHIFT)
-            k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA) * rk0[:, None]
-            k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA) * rk1[:, None]
-            k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA) * rk2[:, None]
-            k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA) * rk3[:, None]
-            qr0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA) * rq0[:, None] * f0
-            qr1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA) * rq1[:, None] * f1
-            qr2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA) * rq2[:, None] * f2
-            qr3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA) * rq3[:, None] * f3
-            kr0 = k0 * f0
-            kr1 = k1 * f1
-            kr2 = k2 * f2
-            kr3 = k3 * f3
-            aq00, ak00 = _acc_pair(aq00, ak00, qr0, kr0, k0, G0, c0, ADT, PREC, EMU)
-            aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
-            aq11, ak11 = _acc_pair(aq11, ak11, qr1, kr1, k1, G1, c1, ADT, PREC, EMU)
-            aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
-            aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
-            aq22, ak22 = _acc_pair(aq22, ak22, qr2, kr2, k2, G2, c2, ADT, PREC, EMU)
-            aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
-            aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
-            aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
-            aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
+    # ---- scores: 10 blocks (a, b), b <= a, of Aqk and Akk, accumulated over K tiles ----
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    aq00 = zero
+    ak00 = zero
+    aq10 = zero
+    ak10 = zero
+    aq11 = zero
+    ak11 = zero
+    aq20 = zero
+    ak20 = zero
+    aq21 = zero
+    ak21 = zero
+    aq22 = zero
+    ak22 = zero
+    aq30 = zero
+    ak30 = zero
+    aq31 = zero
+    ak31 = zero
+    aq32 = zero
+    ak32 = zero
+    aq33 = zero
+    ak33 = zero
+    for kk in range(0, K, BKA):
+        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
+        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
+        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
+        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
+        c0 = tl.zeros([BKA], dtype=tl.float32)
+        c1 = tl.sum(g0, 0)
+        c2 = c1 + tl.sum(g1, 0)
+        c3 = c2 + tl.sum(g2, 0)
+        G0 = tl.cumsum(g0, 0)
+        G1 = tl.cumsum(g1, 0) + c1[None, :]
+        G2 = tl.cumsum(g2, 0) + c2[None, :]
+        G3 = tl.cumsum(g3, 0) + c3[None, :]
+        f0 = tl.exp2(G0 + SHIFT)
+        f1 = tl.exp2(G1 - c1[None, :] + SHIFT)
+        f2 = tl.exp2(G2 - c2[None, :] + SHIFT)
+        f3 = tl.exp2(G3 - c3[None, :] + SHIFT)
+        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA) * rk0[:, None]
+        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA) * rk1[:, None]
+        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA) * rk2[:, None]
+        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA) * rk3[:, None]
+        qr0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA) * rq0[:, None] * f0
+        qr1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA) * rq1[:, None] * f1
+        qr2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA) * rq2[:, None] * f2
+        qr3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA) * rq3[:, None] * f3
+        kr0 = k0 * f0
+        kr1 = k1 * f1
+        kr2 = k2 * f2
+        kr3 = k3 * f3
+        aq00, ak00 = _acc_pair(aq00, ak00, qr0, kr0, k0, G0, c0, ADT, PREC, EMU)
+        aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
+        aq11, ak11 = _acc_pair(aq11, ak11, qr1, kr1, k1, G1, c1, ADT, PREC, EMU)
+        aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
+        aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
+        aq22, ak22 = _acc_pair(aq22, ak22, qr2, kr2, k2, G2, c2, ADT, PREC, EMU)
+        aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
+        aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
+        aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
+        aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
 
-        aqk_h = aqk + h.to(tl.int64) * T_tot * 64
-        _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)
-        _store_blk(aqk_h, aq10 * scale, t0, n0, 1, 0)
-        _store_blk(aqk_h, tril(aq11, False) * scale, t0, n0, 1, 1)
-        _store_blk(aqk_h, aq20 * scale, t0, n0, 2, 0)
-        _store_blk(aqk_h, aq21 * scale, t0, n0, 2, 1)
-        _store_blk(aqk_h, tril(aq22, False) * scale, t0, n0, 2, 2)
-        _store_blk(aqk_h, aq30 * scale, t0, n0, 3, 0)
-        _store_blk(aqk_h, aq31 * scale, t0, n0, 3, 1)
-        _store_blk(aqk_h, aq32 * scale, t0, n0, 3, 2)
-        _store_blk(aqk_h, tril(aq33, False) * scale, t0, n0, 3, 3)
+    aqk_h = aqk + h.to(tl.int64) * T_tot * 64
+    _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)
+    _store_blk(aqk_h, aq10 * scale, t0, n0, 1, 0)
+    _store_blk(aqk_h, tril(aq11, False) * scale, t0, n0, 1, 1)
+    _store_blk(aqk_h, aq20 * scale, t0, n0, 2, 0)
+    _store_blk(aqk_h, aq21 * scale, t0, n0, 2, 1)
+    _store_blk(aqk_h, tril(aq22, False) * scale, t0, n0, 2, 2)
+    _store_blk(aqk_h, aq30 * scale, t0, n0, 3, 0)
+    _store_blk(aqk_h, aq31 * scale, t0, n0, 3, 1)
+    _store_blk(aqk_h, aq32 * scale, t0, n0, 3, 2)
+    _store_blk(aqk_h, tril(aq33, False) * scale, t0, n0, 3, 3)
 
-        if SAVE:  # strictly lower Akk, for beta's score gradient in the backward (its dL * Akk row sums)
-            akk_h = akk + h.to(tl.int64) * T_tot * 64
-            _store_blk(akk_h, tril(ak00, True), t0, n0, 0, 0)
-            _store_blk(akk_h, ak10, t0, n0, 1, 0)
-            _store_blk(akk_h, tril(ak11, True), t0, n0, 1, 1)
-            _store_blk(akk_h, ak20, t0, n0, 2, 0)
-            _store_blk(akk_h, ak21, t0, n0, 2, 1)
-            _store_blk(akk_h, tril(ak22, True), t0, n0, 2, 2)
-            _store_blk(akk_h, ak30, t0, n0, 3, 0)
-            _store_blk(akk_h, ak31, t0, n0, 3, 1)
-            _store_blk(akk_h, ak32, t0, n0, 3, 2)
-            _store_blk(akk_h, tril(ak33, True), t0, n0, 3, 3)
+    if SAVE:  # strictly lower Akk, for beta's score gradient in the backward (its dL * Akk row sums)
+        akk_h = akk + h.to(tl.int64) * T_tot * 64
+        _store_blk(akk_h, tril(ak00, True), t0, n0, 0, 0)
+        _store_blk(akk_h, ak10, t0, n0, 1, 0)
+        _store_blk(akk_h, tril(ak11, True), t0, n0, 1, 1)
+        _store_blk(akk_h, ak20, t0, n0, 2, 0)
+        _store_blk(akk_h, ak21, t0, n0, 2, 1)
+        _store_blk(akk_h, tril(ak22, True), t0, n0, 2, 2)
+        _store_blk(akk_h, ak30, t0, n0, 3, 0)
+        _store_blk(akk_h, ak31, t0, n0, 3, 1)
+        _store_blk(akk_h, ak32, t0, n0, 3, 2)
+        _store_blk(akk_h, tril(ak33, True), t0, n0, 3, 3)
 
-        # ---- T = (I + L)^{-1}, L = Diag(beta) Akk, block by block ----
-        # The diagonal blocks go through a float32 [64, 16] scratch so that the substitution reads their rows back
-        # (all rows: beta is zero on rows past the end, so those rows of L are zero).
-        ld_c = ldiag + (c * H + h).to(tl.int64) * 1024
-        store_tile(ld_c, tril(ak00, True) * b0[:, None], 0, 16, 16, 0, 16, 16, 16)
-        store_tile(ld_c, tril(ak11, True) * b1[:, None], 16, 16, 16, 0, 16, 16, 16)
-        store_tile(ld_c, tril(ak22, True) * b2[:, None], 32, 16, 16, 0, 16, 16, 16)
-        store_tile(ld_c, tril(ak33, True) * b3[:, None], 48, 16, 16, 0, 16, 16, 16)
-        tl.debug_barrier()  # rows stored by one thread are read by all
-        d0, d1, d2, d3 = inv_unit_lower4(ld_c, 16)
-        l10 = ak10 * b1[:, None]
-        l20 = ak20 * b2[:, None]
-        l21 = ak21 * b2[:, None]
-        l30 = ak30 * b3[:, None]
-        l31 = ak31 * b3[:, None]
-        l32 = ak32 * b3[:, None]
+    # ---- T = (I + L)^{-1}, L = Diag(beta) Akk, block by block ----
+    # The diagonal blocks go through a float32 [64, 16] scratch so that the substitution reads their rows back
+    # (all rows: beta is zero on rows past the end, so those rows of L are zero).
+    ld_c = ldiag + (c * H + h).to(tl.int64) * 1024
+    store_tile(ld_c, tril(ak00, True) * b0[:, None], 0, 16, 16, 0, 16, 16, 16)
+    store_tile(ld_c, tril(ak11, True) * b1[:, None], 16, 16, 16, 0, 16, 16, 16)
+    store_tile(ld_c, tril(ak22, True) * b2[:, None], 32, 16, 16, 0, 16, 16, 16)
+    store_tile(ld_c, tril(ak33, True) * b3[:, None], 48, 16, 16, 0, 16, 16, 16)
+    tl.debug_barrier()  # rows stored by one thread are read by all
+    d0, d1, d2, d3 = inv_unit_lower4(ld_c)
+    l10 = ak10 * b1[:, None]
+    l20 = ak20 * b2[:, None]
+    l21 = ak21 * b2[:, None]
+    l30 = ak30 * b3[:, None]
+    l31 = ak31 * b3[:, None]
+    l32 = ak32 * b3[:, None]
     # T_ac = -T_aa sum_{c <= b < a} L_ab T_bc
     t10 = -mm32(d1, mm32(l10, d0, PREC), PREC)
     t21 = -mm32(d2, mm32(l21, d1, PREC), PREC)
@@ -341,18 +273,6 @@ def _prep_kernel(
         store_tile(u_h, mm(tmat, x, IO, PREC, EMU), t0, n0, V, vv, V, 64, BV)
 
 
-def row_scores() -> bool:
-    """HA_KDA_PREP_SCORES: "blocks" (the default: ten [16, 16] block dots per K tile) or "rows" (whole [64, 64]
-    tiles, one M = 64 dot per sub-chunk anchor; L goes through a [64, 64] float32 scratch)."""
-    mode = os.environ.get("HA_KDA_PREP_SCORES", "blocks")
-    if mode not in ("blocks", "rows"):
-        raise ValueError(f"HA_KDA_PREP_SCORES must be 'blocks' or 'rows', got {mode!r}")
-    return mode == "rows"
-
-
-ROWS_BKA = 32  # the K tile of the row-tile scores (module-level so that a benchmark can sweep it)
-
-
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
     """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
     `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk (see allocate_fwd);
@@ -364,17 +284,14 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     # Whole [64, 128] tiles for W, U, qg, kg: 1.30 ms vs 1.41 with 64 at the anchor shape on an H200.
     BKW = min(128, max(16, triton.next_power_of_2(K)))
     BV = min(128, max(16, triton.next_power_of_2(V)))
-    rows = row_scores()
-    if rows:
-        BKA = min(ROWS_BKA, max(16, triton.next_power_of_2(K)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _prep_kernel[(layout.n_chunks, H)](
         q, k, v, g, beta, a_log, dt_bias,
         out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["akk"],
-        empty(q, layout.n_chunks, H, 64, 64 if rows else 16, dtype=torch.float32),
+        empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32),
         cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot,
         H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
         VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, SAVE=save,
-        IO=IO, ADT=ADT, PREC=PREC, EMU=EMU, ROWS=rows,
+        IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
     )  # fmt: skip

@@ -267,17 +267,15 @@ def tril(x, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _lower_row(ptr, i, a: tl.constexpr, bcast, ROW: tl.constexpr):
-    """Row i of diagonal block a of a chunk's [64, ROW] scratch, broadcast so that element [j, c] holds L_a[i, j]
-    (ROW 16: the diagonal blocks stacked; ROW 64: the whole matrix, block a at columns 16a..16a+15)."""
-    col0: tl.constexpr = 16 * a if ROW == 64 else 0
-    return tl.load(ptr + (16 * a + i) * ROW + col0 + bcast)
+def _lower_row(ptr, i, a: tl.constexpr, bcast):
+    """Row i of diagonal block a of a chunk's [64, 16] scratch, broadcast so that element [j, c] holds L_a[i, j]."""
+    return tl.load(ptr + (16 * a + i) * 16 + bcast)
 
 
 @triton.jit
-def inv_unit_lower4(ptr, ROW: tl.constexpr):
-    """(I + L_a)^{-1} for the four strictly lower [16, 16] float32 diagonal blocks L_a stored at ptr in a row-major
-    [64, ROW] scratch (see _lower_row; every row written), by forward substitution.
+def inv_unit_lower4(ptr):
+    """(I + L_a)^{-1} for the four strictly lower [16, 16] float32 blocks L_a stored at ptr as a [64, 16] row-major
+    scratch (block a in rows 16a..16a+15, every row written), by forward substitution.
 
     Row i of X = (I + L)^{-1} is e_i - L[i, :] X: rows j < i are final and L[i, j >= i] = 0, so the whole
     current X can be used. Row i of L is read back from memory already broadcast to X's layout, so a step costs
@@ -293,10 +291,10 @@ def inv_unit_lower4(ptr, ROW: tl.constexpr):
     X3 = eye
     for i in range(1, 16):
         sel = r[:, None] == i
-        X0 = tl.where(sel, X0 - tl.sum(_lower_row(ptr, i, 0, bcast, ROW) * X0, 0)[None, :], X0)
-        X1 = tl.where(sel, X1 - tl.sum(_lower_row(ptr, i, 1, bcast, ROW) * X1, 0)[None, :], X1)
-        X2 = tl.where(sel, X2 - tl.sum(_lower_row(ptr, i, 2, bcast, ROW) * X2, 0)[None, :], X2)
-        X3 = tl.where(sel, X3 - tl.sum(_lower_row(ptr, i, 3, bcast, ROW) * X3, 0)[None, :], X3)
+        X0 = tl.where(sel, X0 - tl.sum(_lower_row(ptr, i, 0, bcast) * X0, 0)[None, :], X0)
+        X1 = tl.where(sel, X1 - tl.sum(_lower_row(ptr, i, 1, bcast) * X1, 0)[None, :], X1)
+        X2 = tl.where(sel, X2 - tl.sum(_lower_row(ptr, i, 2, bcast) * X2, 0)[None, :], X2)
+        X3 = tl.where(sel, X3 - tl.sum(_lower_row(ptr, i, 3, bcast) * X3, 0)[None, :], X3)
     return X0, X1, X2, X3
 
 
