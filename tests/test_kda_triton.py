@@ -106,6 +106,15 @@ def test_every_autotune_config(kernel, index, monkeypatch):
     compare(make_inputs(1, 70, 1, 32, 48, gate=True, l2norm=True, seed=20 + index), TOL32, TOL32, l2norm=True)
 
 
+def test_gate_at_its_bound():
+    """g = -5 everywhere: the exponents inside a sub-chunk span their full 115.4 (log2), the range the anchors and
+    SHIFT are sized for. dg is held to 5e-5: a reverse cumulative sum with cancellation, it measures 2.0e-5 here in
+    float32 (every other quantity within 1e-5)."""
+    inputs = list(make_inputs(1, 70, 1, 16, 16, h0=True, seed=44))
+    inputs[3] = torch.full_like(inputs[3], -5.0)
+    compare(tuple(inputs), TOL32, TOL32, grad_tols={"g": 5e-5})
+
+
 def test_split_output_knob_rejects_bad_values(monkeypatch):
     monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "yes")
     q, k, v, g, beta = make_inputs(1, 8, 1, 16, 16, h0=False)[:5]
