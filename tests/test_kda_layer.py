@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.layers.kda import KDACache, KimiDeltaAttention
+from hybrid_attention.ops.kda import chunk_kda
 from tests.helpers import assert_close
 
 HIDDEN, HEADS, HEAD_DIM = 32, 2, 8
@@ -68,6 +69,31 @@ def test_cached_decoding_equals_full_forward(pieces):
         x_next = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
         full_next = layer(torch.cat([x, x_next], dim=1))[:, -1:]
         assert_close("next token", layer(x_next, cache), full_next, 1e-10)
+
+
+def test_prefill_into_the_cache_runs_the_fused_kernels(monkeypatch):
+    """backend="triton" (our kernels; the Triton interpreter on CPU): a prefill into the cache calls the chunk op with
+    the gate and the q/k L2 norm fused, as the full forward does, and the cached state as its initial state. Pieces
+    of 20 and 30 tokens, then one token, equal the full forward."""
+    pytest.importorskip("triton")
+    import hybrid_attention.layers.kda as kda_module
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return chunk_kda(*args, **kwargs)
+
+    monkeypatch.setattr(kda_module, "chunk_kda", spy)
+    torch.manual_seed(5)
+    layer = make_layer(torch.float32, backend="triton")
+    x = torch.randn(2, 51, HIDDEN)
+    with torch.no_grad():
+        full = layer(x)
+        pieced, _ = decode_in_pieces(layer, x, [20, 30, 1])
+    assert_close("prefill in pieces through the Triton kernels", pieced, full, 1e-5)
+    with_cache = [c for c in calls if c["initial_state"] is not None]
+    assert len(with_cache) == 2 and all(c["A_log"] is layer.A_log and c["use_qk_l2norm"] for c in with_cache)
 
 
 def test_cache_is_updated_in_place():

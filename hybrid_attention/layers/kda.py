@@ -173,21 +173,21 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
         z = self.f_up(f_in).view(B, T, H, D)  # raw decay logits
 
-        if cache is None:
-            # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA.
-            gate_args = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
-            o, _ = chunk_kda(q, k, v, z, beta, backend=self.backend, use_qk_l2norm=True, **gate_args)
-        else:
+        if cache is not None and T <= 16 and not torch.is_grad_enabled():  # a few tokens: the recurrence itself
             q, k = l2_normalize(q), l2_normalize(k)
             g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.lower_bound)
-            if T <= 16 and not torch.is_grad_enabled():
-                o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
-            else:
-                # Clone: autograd may keep the initial state for backward, and the cache is overwritten below.
-                initial_state = cache.state.clone()
-                o, state = chunk_kda(
-                    q, k, v, g, beta, initial_state=initial_state, output_final_state=True, backend=self.backend
-                )
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+        else:
+            # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA (also for a
+            # prefill into the cache). Clone the cached state: autograd may keep the initial state for backward,
+            # and the cache is overwritten below.
+            gate_args = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+            initial_state = None if cache is None else cache.state.clone()
+            o, state = chunk_kda(
+                q, k, v, z, beta, initial_state=initial_state, output_final_state=cache is not None,
+                backend=self.backend, use_qk_l2norm=True, **gate_args,
+            )  # fmt: skip
+        if cache is not None:
             cache.state.copy_(state.detach())
 
         gate = self.g_up(g_in).view(B, T, H, D)
