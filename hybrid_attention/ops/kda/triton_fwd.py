@@ -26,8 +26,8 @@ import triton.language as tl
 from hybrid_attention.ops.kda.triton_prep import prep_fwd
 from hybrid_attention.ops.kda.triton_utils import (
     ChunkLayout,
-    advance_state,
     autotune,
+    chunk_decay,
     chunk_info,
     dot_setup,
     empty,
@@ -91,7 +91,7 @@ def _state_fwd_kernel(
             O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
             store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
-        S = advance_state(S, Kt, D, glast, cj, h, H, K, BK, IO, PREC, EMU)
+        S = S * tl.exp2(chunk_decay(glast, cj, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
     if STORE_HT:
         store_state(ht, n * H + h, S, soffs, smask, K, V)
 

@@ -221,13 +221,6 @@ def chunk_decay(glast, cj, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def advance_state(S, Kt, D, glast, cj, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, IO: tl.constexpr,
-                  PREC: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
-    """The state at the end of chunk cj: Diag(2^Gam) S + kg^T D (S [BK, cols] float32, kg tile Kt [64, BK])."""
-    return S * tl.exp2(chunk_decay(glast, cj, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
-
-
-@triton.jit
 def chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN: tl.constexpr):
     """(sequence, first token, end of sequence) of chunk c; sequence -1 marks a spare grid slot (varlen)."""
     if VARLEN:
