@@ -41,16 +41,19 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 
 @triton.jit
-def _rstd(x, row0, nrows, stride, K, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """1 / sqrt(sum_c x^2 + eps) for 16 rows (ones without L2NORM)."""
+def _rstd(ss, L2NORM: tl.constexpr):
+    """1 / sqrt(sum_c x^2 + eps) from the row sums of squares (ones without L2NORM)."""
     if L2NORM:
-        ss = tl.zeros([16], dtype=tl.float32)
-        for kk in range(0, K, BK):
-            t = load_tile(x, row0, nrows, stride, kk, K, 16, BK)
-            ss += tl.sum(t * t, 1)
         return 1.0 / tl.sqrt(ss + L2_EPS)
     else:
-        return tl.full([16], 1.0, dtype=tl.float32)
+        return tl.full(ss.shape, 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _norm_pair(aq, ak, rq_a, rk_a, rk_b):
+    """Blocks (a, b) of Aqk and Akk from raw q, k to normalised: rows times 1 / ||q_t|| (1 / ||k_t||), columns times
+    1 / ||k_i||."""
+    return aq * rq_a[:, None] * rk_b[None, :], ak * rk_a[:, None] * rk_b[None, :]
 
 
 @triton.jit
@@ -100,25 +103,6 @@ def _prep_kernel(
     b1 = load_rows(beta + h, t0 + 16, n1, H, 16)
     b2 = load_rows(beta + h, t0 + 32, n2, H, 16)
     b3 = load_rows(beta + h, t0 + 48, n3, H, 16)
-    rq0 = _rstd(qh, t0, n0, sk, K, BKA, L2NORM)
-    rq1 = _rstd(qh, t0 + 16, n1, sk, K, BKA, L2NORM)
-    rq2 = _rstd(qh, t0 + 32, n2, sk, K, BKA, L2NORM)
-    rq3 = _rstd(qh, t0 + 48, n3, sk, K, BKA, L2NORM)
-    rk0 = _rstd(kh, t0, n0, sk, K, BKA, L2NORM)
-    rk1 = _rstd(kh, t0 + 16, n1, sk, K, BKA, L2NORM)
-    rk2 = _rstd(kh, t0 + 32, n2, sk, K, BKA, L2NORM)
-    rk3 = _rstd(kh, t0 + 48, n3, sk, K, BKA, L2NORM)
-    if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
-        r16 = tl.arange(0, 16)
-        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
-        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
-        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
-        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
-        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
-        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
-        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
-        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
-
     # ---- scores: 10 blocks (a, b), b <= a, of Aqk and Akk, accumulated over K tiles ----
     zero = tl.zeros([16, 16], dtype=tl.float32)
     aq00 = zero
@@ -141,6 +125,16 @@ def _prep_kernel(
     ak32 = zero
     aq33 = zero
     ak33 = zero
+    # With the fused l2norm the dots take the raw q and k and the blocks are scaled afterwards by 1 / ||q_t|| and
+    # 1 / ||k_i|| (rows and columns), so the norms come from the loads of this loop: no pass over q and k before it.
+    ssq0 = tl.zeros([16], dtype=tl.float32)
+    ssq1 = ssq0
+    ssq2 = ssq0
+    ssq3 = ssq0
+    ssk0 = ssq0
+    ssk1 = ssq0
+    ssk2 = ssq0
+    ssk3 = ssq0
     for kk in range(0, K, BKA):
         g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
         g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
@@ -158,14 +152,27 @@ def _prep_kernel(
         f1 = tl.exp2(G1 - c1[None, :] + SHIFT)
         f2 = tl.exp2(G2 - c2[None, :] + SHIFT)
         f3 = tl.exp2(G3 - c3[None, :] + SHIFT)
-        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA) * rk0[:, None]
-        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA) * rk1[:, None]
-        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA) * rk2[:, None]
-        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA) * rk3[:, None]
-        qr0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA) * rq0[:, None] * f0
-        qr1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA) * rq1[:, None] * f1
-        qr2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA) * rq2[:, None] * f2
-        qr3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA) * rq3[:, None] * f3
+        k0 = load_tile(kh, t0, n0, sk, kk, K, 16, BKA)
+        k1 = load_tile(kh, t0 + 16, n1, sk, kk, K, 16, BKA)
+        k2 = load_tile(kh, t0 + 32, n2, sk, kk, K, 16, BKA)
+        k3 = load_tile(kh, t0 + 48, n3, sk, kk, K, 16, BKA)
+        q0 = load_tile(qh, t0, n0, sk, kk, K, 16, BKA)
+        q1 = load_tile(qh, t0 + 16, n1, sk, kk, K, 16, BKA)
+        q2 = load_tile(qh, t0 + 32, n2, sk, kk, K, 16, BKA)
+        q3 = load_tile(qh, t0 + 48, n3, sk, kk, K, 16, BKA)
+        if L2NORM:
+            ssq0 += tl.sum(q0 * q0, 1)
+            ssq1 += tl.sum(q1 * q1, 1)
+            ssq2 += tl.sum(q2 * q2, 1)
+            ssq3 += tl.sum(q3 * q3, 1)
+            ssk0 += tl.sum(k0 * k0, 1)
+            ssk1 += tl.sum(k1 * k1, 1)
+            ssk2 += tl.sum(k2 * k2, 1)
+            ssk3 += tl.sum(k3 * k3, 1)
+        qr0 = q0 * f0
+        qr1 = q1 * f1
+        qr2 = q2 * f2
+        qr3 = q3 * f3
         kr0 = k0 * f0
         kr1 = k1 * f1
         kr2 = k2 * f2
@@ -180,6 +187,35 @@ def _prep_kernel(
         aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
         aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
         aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
+
+    rq0 = _rstd(ssq0, L2NORM)
+    rq1 = _rstd(ssq1, L2NORM)
+    rq2 = _rstd(ssq2, L2NORM)
+    rq3 = _rstd(ssq3, L2NORM)
+    rk0 = _rstd(ssk0, L2NORM)
+    rk1 = _rstd(ssk1, L2NORM)
+    rk2 = _rstd(ssk2, L2NORM)
+    rk3 = _rstd(ssk3, L2NORM)
+    if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
+        r16 = tl.arange(0, 16)
+        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
+        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
+        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
+        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
+        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
+        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
+        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
+        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
+        aq00, ak00 = _norm_pair(aq00, ak00, rq0, rk0, rk0)
+        aq10, ak10 = _norm_pair(aq10, ak10, rq1, rk1, rk0)
+        aq11, ak11 = _norm_pair(aq11, ak11, rq1, rk1, rk1)
+        aq20, ak20 = _norm_pair(aq20, ak20, rq2, rk2, rk0)
+        aq21, ak21 = _norm_pair(aq21, ak21, rq2, rk2, rk1)
+        aq22, ak22 = _norm_pair(aq22, ak22, rq2, rk2, rk2)
+        aq30, ak30 = _norm_pair(aq30, ak30, rq3, rk3, rk0)
+        aq31, ak31 = _norm_pair(aq31, ak31, rq3, rk3, rk1)
+        aq32, ak32 = _norm_pair(aq32, ak32, rq3, rk3, rk2)
+        aq33, ak33 = _norm_pair(aq33, ak33, rq3, rk3, rk3)
 
     aqk_h = aqk + h.to(tl.int64) * T_tot * 64
     _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)

@@ -27,6 +27,8 @@ MAX_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
 SHIFT = tl.constexpr(57.7)  # half of the largest in-sub-chunk exponent span (115.4 in log2 for g >= -5)
 L2_EPS = tl.constexpr(1e-6)  # x / sqrt(sum x^2 + eps), as FLA's in-kernel l2norm
+# Fixed when triton is imported, as the interpreter itself is: selects the plain-Python fallback of inline PTX.
+INTERPRET = tl.constexpr(interpreting())
 
 
 def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -164,18 +166,34 @@ def rows_or_one(ptr, row0, nrows, H, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def fast_rcp(x):
+    """1 / x for float32 by rcp.approx.ftz (within 1 ulp). Plain division lowers to div.full.f32, whose range checks
+    cost about six instructions per element (with this and the ex2 sigmoid below, the prep kernel compiles to 9%
+    fewer instructions)."""
+    if INTERPRET:  # the interpreter runs no PTX
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+
+
+@triton.jit
 def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
                R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only)."""
+    """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only).
+    sigmoid(x) = 1 / (1 + 2^(-x log2 e)): one ex2 and one rcp per element (tl.sigmoid's exp and division expand to
+    about twenty instructions)."""
     x = load_tile(g, row0, nrows, stride, col0, K, R, C)
     if GATE:
         r = tl.arange(0, R)
         c = col0 + tl.arange(0, C)
         bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
-        xx = tl.exp(tl.load(a_log + h).to(tl.float32)) * (x + bias[None, :])
-        s = tl.sigmoid(xx)
-        gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], lower_bound * s, 0.0)
-        return gn * LOG2E, lower_bound * s * (1.0 - s), xx
+        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+        xx = rate * (x + bias[None, :])
+        e = tl.exp2((x + bias[None, :]) * (-rate * LOG2E))
+        s = fast_rcp(1.0 + e)
+        gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], (lower_bound * LOG2E) * s, 0.0)
+        return gn, lower_bound * s * (1.0 - s), xx
     else:
         return x * LOG2E, x, x
 
