@@ -47,10 +47,12 @@ from hybrid_attention.ops.kda.triton_utils import (
 # At the anchor shape on an H200 (inference / training): BV 64, 4 warps, 1 stage 0.32 / 0.43 ms; BV 128, 8 warps,
 # 2 stages 0.37 / 0.46; BV 32, 4 warps, 1 stage 0.55 / 0.70. With few (sequence, head) pairs the pass is as long as
 # one program's walk: at B=1, T=64K, H=16 (16 pairs) BV 16 with 2 stages takes 2.89 / 3.26 ms, BV 32 one stage
-# 3.70 / 4.20, BV 64 one stage 3.99 / 4.94. WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
+# 3.70 / 4.20, BV 64 one stage 3.99 / 4.94; three stages (loads two chunks ahead) were added later and are what the
+# tuner picks there (BV 16, 4 warps: the whole forward 4.78 -> 4.19 ms, RESULTS.md 2026-11-30 fourth session).
+# WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
 @autotune(
-    [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}],
-    [(4, 1), (8, 2), (4, 1), (4, 2), (4, 2)],
+    [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}, {"BV": 16}, {"BV": 16}],
+    [(4, 1), (8, 2), (4, 1), (4, 2), (4, 2), (4, 3), (8, 3)],
     ["K", "V", "SAVE", "OUT", "HAS_H0", "STORE_HT", "WIDTH"],
 )
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
