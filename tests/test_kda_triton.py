@@ -236,6 +236,20 @@ def test_decode_step(gate, l2norm, T):
     assert_close("state (in place)", state, rS, TOL32)
 
 
+def test_decode_step_wide_tile(monkeypatch):
+    """The 64-column state tile that large batches take, with V = 100 (a masked second tile)."""
+    import hybrid_attention.ops.kda.triton_recurrent as recurrent
+
+    monkeypatch.setattr(recurrent, "value_tile", lambda B, H, V: 64)
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 2, 2, 32, 100, gate=True, l2norm=True, seed=12)
+    state = h0.clone()
+    o = fused_recurrent_kda_step(q, k, v, g, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                 use_qk_l2norm=True)  # fmt: skip
+    ro, rS = reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)
+    assert_close("o", o, ro, TOL32)
+    assert_close("state (in place)", state, rS, TOL32)
+
+
 def test_prefill_then_decode_equals_one_pass():
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 22, 1, 16, 16, gate=True, l2norm=True, seed=11)
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
