@@ -186,16 +186,17 @@ def test_poisoned_buffers(monkeypatch):
     check(compare("bf16 NaN-poisoned varlen gate+l2norm", inputs, cu_seqlens=cu, l2norm=True))
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_decode_step(T):
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+@pytest.mark.parametrize("B, H, T, tile", [(64, 4, 1, 32), (64, 4, 4, 32), (256, 16, 1, 64)])
+def test_decode_step(B, H, T, tile):
+    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step, value_tile
 
-    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(64, T, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
+    assert value_tile(B, H, 128) == tile  # both state tiles are exercised
+    q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(B, T, H, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
     state = h0.clone()
     o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                                  use_qk_l2norm=True)  # fmt: skip
     ro, rS = reference_kda(q, k, v, z, beta, h0, A_log, dt_bias, l2norm=True)
-    case = f"decode B64 T{T} gate+l2norm"
+    case = f"decode B{B} H{H} T{T} gate+l2norm"
     check([record(case, "o", rel_err(o, ro), 1e-2), record(case, "state", rel_err(state, rS), 1e-5)])
 
 
