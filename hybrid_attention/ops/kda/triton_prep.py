@@ -12,7 +12,8 @@ backward the strictly lower Akk ([rows, 64]). A float32 scratch [chunks, H, 64, 
 The 64 x 64 matrices are built from 16 x 16 blocks (a, b), b <= a, each anchored at c_a, the cumulative gate before
 sub-chunk a (see triton_utils). The inverse is forward substitution inside the four diagonal blocks (float32, their
 rows read back from the scratch) and block products below them.
-Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM).
+Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM; the score dots take the raw
+q and k, and the blocks are scaled by the norms afterwards, summed from the same loads).
 """
 
 from __future__ import annotations
