@@ -1,17 +1,20 @@
 """Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
 
-    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm] [--forward-only]
+    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm] [--forward-only] [--sass]
 
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
 compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
 Spilled registers in these kernels cost far more than any tuning gains, so this is the first check after a
 kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. HA_KDA_AUTOTUNE=0 is
-set here, so every kernel compiles its first config only.
+set here, so every kernel compiles its first config only. --sass adds each kernel's static SASS instruction count
+and its most frequent opcodes: these kernels are bound by the instructions they issue (Nsight Compute, RESULTS.md
+2026-11-30 fourth session), so a change that removes instructions without adding registers is the one to time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -77,6 +80,26 @@ def resource_usage(cubin: bytes) -> str:
     return f"regs {field('REG'):>4}  stack {field('STACK'):>6} B  local {field('LOCAL'):>6} B"
 
 
+def sass_summary(cubin: bytes, top: int = 8) -> str:
+    """Static instruction count of a compiled kernel and its `top` most frequent opcodes (cuobjdump --dump-sass)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in text.splitlines():  # "        /*0a30*/                   FADD R3, R2, R1 ;"
+        if not line.strip().startswith("/*") or ";" not in line:
+            continue
+        words = line.split("*/", 1)[1].split()
+        if words:
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            ops[op.split(".")[0]] += 1
+    common = " ".join(f"{op} {n}" for op, n in ops.most_common(top))
+    return f"    {sum(ops.values())} SASS instructions: {common}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
@@ -84,6 +107,7 @@ def main() -> None:
     ap.add_argument("--no-gate", action="store_true")
     ap.add_argument("--no-l2norm", action="store_true")
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--sass", action="store_true", help="also the static SASS instruction count per kernel")
     args = ap.parse_args()
     B, T, H, K, V = (int(x) for x in args.shape.split(","))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -113,6 +137,8 @@ def main() -> None:
         usage = resource_usage(kernel.asm["cubin"])
         show = {k: v for k, v in consts.items() if k in ("BV", "BK", "num_warps", "num_stages")}
         print(f"{name:<24} {usage}  smem {shared:>6} B  {show}")
+        if args.sass:
+            print(sass_summary(kernel.asm["cubin"]))
 
 
 if __name__ == "__main__":
