@@ -80,6 +80,19 @@ def resource_usage(cubin: bytes) -> str:
     return f"regs {field('REG'):>4}  stack {field('STACK'):>6} B  local {field('LOCAL'):>6} B"
 
 
+def count_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (without modifiers) of the instructions in cuobjdump --dump-sass text; a predicate (@P0) is skipped."""
+    ops = collections.Counter()
+    for line in sass.splitlines():  # "        /*0a30*/   @!P0 FADD.FTZ R3, R2, R1 ;  /* 0x... */"
+        if not line.strip().startswith("/*") or ";" not in line:
+            continue
+        words = line.split("*/", 1)[1].split()
+        if words:
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            ops[op.split(".")[0]] += 1
+    return ops
+
+
 def sass_summary(cubin: bytes, top: int = 8) -> str:
     """Static instruction count of a compiled kernel and its `top` most frequent opcodes (cuobjdump --dump-sass)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -87,15 +100,7 @@ def sass_summary(cubin: bytes, top: int = 8) -> str:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
-    ops = collections.Counter()
-    for line in text.splitlines():  # "        /*0a30*/                   FADD R3, R2, R1 ;"
-        if not line.strip().startswith("/*") or ";" not in line:
-            continue
-        words = line.split("*/", 1)[1].split()
-        if words:
-            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-            ops[op.split(".")[0]] += 1
+        ops = count_opcodes(subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout)
     common = " ".join(f"{op} {n}" for op, n in ops.most_common(top))
     return f"    {sum(ops.values())} SASS instructions: {common}"
 
