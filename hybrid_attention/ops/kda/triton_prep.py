@@ -42,12 +42,9 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 
 @triton.jit
-def _rstd(ss, L2NORM: tl.constexpr):
-    """1 / sqrt(sum_c x^2 + eps) from the row sums of squares (ones without L2NORM)."""
-    if L2NORM:
-        return 1.0 / tl.sqrt(ss + L2_EPS)
-    else:
-        return tl.full(ss.shape, 1.0, dtype=tl.float32)
+def _rstd(ss):
+    """1 / sqrt(sum_c x^2 + eps) from the row sums of squares."""
+    return 1.0 / tl.sqrt(ss + L2_EPS)
 
 
 @triton.jit
@@ -189,15 +186,15 @@ def _prep_kernel(
         aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
         aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
 
-    rq0 = _rstd(ssq0, L2NORM)
-    rq1 = _rstd(ssq1, L2NORM)
-    rq2 = _rstd(ssq2, L2NORM)
-    rq3 = _rstd(ssq3, L2NORM)
-    rk0 = _rstd(ssk0, L2NORM)
-    rk1 = _rstd(ssk1, L2NORM)
-    rk2 = _rstd(ssk2, L2NORM)
-    rk3 = _rstd(ssk3, L2NORM)
-    if L2NORM:  # kept for the backward, and read back below as whole-chunk vectors
+    if L2NORM:  # 1 / norms kept for the backward, and read back below as whole-chunk vectors
+        rq0 = _rstd(ssq0)
+        rq1 = _rstd(ssq1)
+        rq2 = _rstd(ssq2)
+        rq3 = _rstd(ssq3)
+        rk0 = _rstd(ssk0)
+        rk1 = _rstd(ssk1)
+        rk2 = _rstd(ssk2)
+        rk3 = _rstd(ssk3)
         r16 = tl.arange(0, 16)
         tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
         tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)

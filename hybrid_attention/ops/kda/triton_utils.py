@@ -189,8 +189,9 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
         c = col0 + tl.arange(0, C)
         bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-        xx = rate * (x + bias[None, :])
-        e = tl.exp2((x + bias[None, :]) * (-rate * LOG2E))
+        zb = x + bias[None, :]
+        xx = rate * zb
+        e = tl.exp2(zb * (-rate * LOG2E))
         s = fast_rcp(1.0 + e)
         gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], (lower_bound * LOG2E) * s, 0.0)
         return gn, lower_bound * s * (1.0 - s), xx
