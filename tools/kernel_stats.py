@@ -67,15 +67,20 @@ def _compile_only_run(self, *args, grid, warmup, **kwargs):
 _original_run = JITFunction.run
 
 
-def resource_usage(cubin: bytes) -> str:
-    """REG / STACK / LOCAL of a compiled kernel from cuobjdump. Spills show as STACK > 0 at the register cap (255):
-    ptxas puts spilled registers in the stack frame; LOCAL counts other local arrays."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """The text `cuobjdump <flag>` prints for a compiled kernel (Triton's bundled cuobjdump)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> str:
+    """REG / STACK / LOCAL of a compiled kernel from cuobjdump. Spills show as STACK > 0 at the register cap (255):
+    ptxas puts spilled registers in the stack frame; LOCAL counts other local arrays."""
+    text = cuobjdump(cubin, "--dump-resource-usage")
     field = lambda name: (re.search(rf"\b{name}:(\d+)", text) or [None, "?"])[1]
     return f"regs {field('REG'):>4}  stack {field('STACK'):>6} B  local {field('LOCAL'):>6} B"
 
@@ -95,12 +100,7 @@ def count_opcodes(sass: str) -> collections.Counter:
 
 def sass_summary(cubin: bytes, top: int = 8) -> str:
     """Static instruction count of a compiled kernel and its `top` most frequent opcodes (cuobjdump --dump-sass)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        ops = count_opcodes(subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout)
+    ops = count_opcodes(cuobjdump(cubin, "--dump-sass"))
     common = " ".join(f"{op} {n}" for op, n in ops.most_common(top))
     return f"    {sum(ops.values())} SASS instructions: {common}"
 
