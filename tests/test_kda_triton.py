@@ -225,27 +225,21 @@ def test_poisoned_buffers(monkeypatch, output_pass):
     assert all(torch.isfinite(x).all() for x in grads.values())
 
 
-@pytest.mark.parametrize("gate, l2norm, T", [(False, False, 1), (True, True, 3)])
-def test_decode_step(gate, l2norm, T):
-    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(3, T, 2, 32, 16, gate=gate, l2norm=l2norm, seed=10)
+# tile 64: the state tile that large batches take (forced here), with V = 100 a masked second tile; None: the
+# tile chosen for this small batch.
+@pytest.mark.parametrize(
+    "gate, l2norm, T, V, tile", [(False, False, 1, 16, None), (True, True, 3, 16, None), (True, True, 2, 100, 64)]
+)
+def test_decode_step(gate, l2norm, T, V, tile, monkeypatch):
+    import hybrid_attention.ops.kda.triton_recurrent as recurrent
+
+    if tile is not None:
+        monkeypatch.setattr(recurrent, "value_tile", lambda B, H, V: tile)
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(3, T, 2, 32, V, gate=gate, l2norm=l2norm, seed=10)
     state = h0.clone()
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
     o = fused_recurrent_kda_step(q, k, v, g, beta, state, use_qk_l2norm=l2norm, **kw)
     ro, rS = reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=l2norm)
-    assert_close("o", o, ro, TOL32)
-    assert_close("state (in place)", state, rS, TOL32)
-
-
-def test_decode_step_wide_tile(monkeypatch):
-    """The 64-column state tile that large batches take, with V = 100 (a masked second tile)."""
-    import hybrid_attention.ops.kda.triton_recurrent as recurrent
-
-    monkeypatch.setattr(recurrent, "value_tile", lambda B, H, V: 64)
-    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 2, 2, 32, 100, gate=True, l2norm=True, seed=12)
-    state = h0.clone()
-    o = fused_recurrent_kda_step(q, k, v, g, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                                 use_qk_l2norm=True)  # fmt: skip
-    ro, rS = reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=True)
     assert_close("o", o, ro, TOL32)
     assert_close("state (in place)", state, rS, TOL32)
 
