@@ -225,16 +225,9 @@ def test_poisoned_buffers(monkeypatch, output_pass):
     assert all(torch.isfinite(x).all() for x in grads.values())
 
 
-# tile 64: the state tile that large batches take (forced here), with V = 100 a masked second tile; None: the
-# tile chosen for this small batch.
-@pytest.mark.parametrize(
-    "gate, l2norm, T, V, tile", [(False, False, 1, 16, None), (True, True, 3, 16, None), (True, True, 2, 100, 64)]
-)
-def test_decode_step(gate, l2norm, T, V, tile, monkeypatch):
-    import hybrid_attention.ops.kda.triton_recurrent as recurrent
-
-    if tile is not None:
-        monkeypatch.setattr(recurrent, "value_tile", lambda B, H, V: tile)
+# V = 100: two 64-column state tiles, the second masked.
+@pytest.mark.parametrize("gate, l2norm, T, V", [(False, False, 1, 16), (True, True, 3, 16), (True, True, 2, 100)])
+def test_decode_step(gate, l2norm, T, V):
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(3, T, 2, 32, V, gate=gate, l2norm=l2norm, seed=10)
     state = h0.clone()
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
@@ -278,6 +271,24 @@ def test_compiles_without_graph_breaks():
     assert torch.equal(o, co) and torch.equal(S, cS)
     for name, x in grads.items():
         assert torch.equal(x, cgrads[name]), name
+
+
+def test_decode_step_compiles_as_the_custom_op():
+    """Traced, the step is the custom op (state mutated in the graph); the result equals the eager launch."""
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 2, 1, 16, 16, gate=True, l2norm=True, seed=15)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
+    eager_state, compiled_state = h0.clone(), h0.clone()
+    o = fused_recurrent_kda_step(q, k, v, g, beta, eager_state, **kw)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda *x: fused_recurrent_kda_step(*x, **kw), backend=backend, fullgraph=True)
+    co = step(q, k, v, g, beta, compiled_state)
+    assert torch.equal(o, co) and torch.equal(eager_state, compiled_state)
+    assert any("kda_recurrent_step" in str(node.target) for gm in graphs for node in gm.graph.nodes)
 
 
 def test_fake_implementations():

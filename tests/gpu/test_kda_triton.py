@@ -186,11 +186,10 @@ def test_poisoned_buffers(monkeypatch):
     check(compare("bf16 NaN-poisoned varlen gate+l2norm", inputs, cu_seqlens=cu, l2norm=True))
 
 
-@pytest.mark.parametrize("B, H, T, tile", [(64, 4, 1, 32), (64, 4, 4, 32), (256, 16, 1, 64)])
-def test_decode_step(B, H, T, tile):
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step, value_tile
+@pytest.mark.parametrize("B, H, T", [(64, 4, 1), (64, 4, 4), (256, 16, 1)])
+def test_decode_step(B, H, T):
+    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
-    assert value_tile(B, H, 128) == tile  # both state tiles are exercised
     q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(B, T, H, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
     state = h0.clone()
     o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,

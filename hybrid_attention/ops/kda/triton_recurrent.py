@@ -4,8 +4,8 @@ Per (V tile, sequence, head) one program holds the [K, BV] slice of the state in
 recurrence of MATH.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
 o_t = scale S^T q_t), then writes the slice back. Decoding is bound by moving the state (read + write), so
 everything else (gate, L2 norm) is fused in and the state is touched exactly once per call.
-Registered as the custom op `hybrid_attention::kda_recurrent_step` (mutating `state`) so that compiled and
-CUDA-graphed decode loops can call it.
+Under torch.compile it runs as the custom op `hybrid_attention::kda_recurrent_step` (mutating `state`); eager calls
+launch the kernel directly, skipping the op's host overhead.
 """
 
 from __future__ import annotations
@@ -66,19 +66,14 @@ def _step_kernel(
     store_state(state, b * H + h, S, soffs, smask, K, V)
 
 
-def value_tile(B: int, H: int, V: int) -> int:
-    """State columns per program: 64 while that still makes 4096 programs or more (large batches: fewer, larger
-    slices; at B=256, H=16, K=V=128 on an H200 143.5 us against 155.7 with 32, i.e. 3.74 against 3.45 TB/s), else 32
-    (small batches need the programs to spread the state over the GPU; B=64 was not measured with 64, so it stays
-    below the threshold)."""
-    wide = min(64, max(16, triton.next_power_of_2(V)))
-    if B * H * triton.cdiv(V, wide) >= 4096:
-        return wide
-    return min(32, wide)
+def value_tile(V: int) -> int:
+    """State columns per program: up to 64. On an H200 at H=16, K=V=128 (kernel alone, 4 warps) 64 columns beat 32 at
+    every batch measured: B=256 143.5 against 155.7 us, B=64 41.6 against 43.7, B=16 15.6 against 16.4, B=1 6.8
+    against 6.9 (benchmarks/RESULTS.md)."""
+    return min(64, max(16, triton.next_power_of_2(V)))
 
 
-@torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
-def _step_op(
+def _launch_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
     dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
 ) -> Tensor:  # fmt: skip
@@ -86,13 +81,21 @@ def _step_op(
     V = v.shape[-1]
     o = empty(v, B, T, H, V)
     BK = max(16, triton.next_power_of_2(K))
-    BV = value_tile(B, H, V)
+    BV = value_tile(V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     _step_kernel[(triton.cdiv(V, BV), B, H)](
         q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: unused pointer
         scale, lower_bound, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, num_warps=4 if BK <= 128 else 8,
     )  # fmt: skip
     return o
+
+
+@torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
+def _step_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
+    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
+) -> Tensor:  # fmt: skip
+    return _launch_step(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm)
 
 
 @_step_op.register_fake
@@ -167,4 +170,7 @@ def fused_recurrent_kda_step(
         A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
     scale = K**-0.5 if scale is None else float(scale)
     lb = float(lower_bound) if gate else 0.0
-    return _step_op(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, gate, bool(use_qk_l2norm))
+    # The custom op's dispatch costs tens of microseconds of host time per call (79 us on a CI CPU), as long as the
+    # whole step at small batches, so eager calls launch the kernel directly; traced calls need the op.
+    step = _step_op if torch.compiler.is_compiling() else _launch_step
+    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, gate, bool(use_qk_l2norm))
