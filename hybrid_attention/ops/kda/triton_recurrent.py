@@ -77,6 +77,7 @@ def _launch_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
     dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
 ) -> Tensor:  # fmt: skip
+    """The kernel launch (also the custom op's body); arguments checked by fused_recurrent_kda_step."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = empty(v, B, T, H, V)
