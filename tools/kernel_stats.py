@@ -20,6 +20,8 @@ import re
 import subprocess
 import tempfile
 
+# Before triton is imported: with TRITON_INTERPRET=1 exported (as for the CPU tests) it would load as the
+# interpreter, and dropping the variable later breaks its imports.
 os.environ["HA_KDA_AUTOTUNE"] = "0"
 os.environ.pop("TRITON_INTERPRET", None)
 
