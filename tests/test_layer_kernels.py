@@ -32,7 +32,10 @@ def grads_of(fn, inputs, dy):
     return y, [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("B, T, C, W", [(2, 70, 130, 4), (1, 1, 8, 4), (1, 5, 16, 1), (3, 130, 16, 3)])
+# T = 70 and 130 span several 32-step segments (the kernels' halo rows); C = 600 spans two 512-channel blocks.
+@pytest.mark.parametrize(
+    "B, T, C, W", [(2, 70, 130, 4), (1, 1, 8, 4), (1, 5, 16, 1), (3, 130, 16, 3), (1, 40, 600, 2), (2, 33, 8, 4)]
+)
 def test_short_conv_matches_reference(B, T, C, W):
     gen = torch.Generator().manual_seed(T * C + W)
     x = torch.randn(B, T, C, generator=gen).to(DEV)
@@ -48,18 +51,26 @@ def test_short_conv_matches_reference(B, T, C, W):
 def test_short_conv_is_causal_and_writes_everything(monkeypatch):
     x = torch.randn(2, 80, 24, device=DEV)
     w = torch.randn(24, 4, device=DEV)
-    monkeypatch.setattr(torch, "empty_like", poisoned_like)  # an element the kernel forgets stays NaN
-    y = short_conv(x, w)
-    assert torch.isfinite(y).all()
+    dy = torch.randn_like(x)
+    monkeypatch.setattr(torch, "empty_like", poisoned_like)  # an element the kernels forget stays NaN
+    y, (dx, _) = grads_of(short_conv, (x, w), dy)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
     x2 = x.clone()
     x2[:, 50:] += 1.0
     y2 = short_conv(x2, w)
     assert torch.equal(y[:, :50], y2[:, :50]) and not torch.equal(y[:, 50:], y2[:, 50:])
+    # The gradient flows backwards in time: dy from row 50 on reaches dx from row 47 (4 taps) on, not before.
+    dy2 = dy.clone()
+    dy2[:, 50:] += 1.0
+    _, (dx2, _) = grads_of(short_conv, (x, w), dy2)
+    assert torch.equal(dx[:, :47], dx2[:, :47]) and not torch.equal(dx[:, 47:50], dx2[:, 47:50])
 
 
 def test_short_conv_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"x must be \[B, T, C\] and weight \[C, W\]"):
         short_conv(torch.randn(2, 5, 8, device=DEV), torch.randn(7, 4, device=DEV))
+    with pytest.raises(ValueError, match="take 1 to 4 taps, got a kernel of size 5"):
+        short_conv(torch.randn(2, 5, 8, device=DEV), torch.randn(8, 5, device=DEV))
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 3, 16), (1, 1, 1, 20), (37, 128)])

@@ -1,16 +1,22 @@
 """Causal depthwise short convolution + SiLU (the KDA q/k/v conv) as Triton kernels, forward and backward.
 
-    y[b, t, c] = SiLU(sum_{j < W} w[c, j] x[b, t - W + 1 + j, c])        (x = 0 before the sequence starts)
-
-The layout is the layer's own [B, T, C] (channels contiguous), so no transposes: the forward reads x once and
-writes y once. `torch.nn.functional.conv1d` wants [B, C, T] and its depthwise backward is slow, which is why this
-is hand-written. The backward recomputes the pre-activation (W shifted loads that hit L1) instead of saving it:
+    y[b, t, c] = SiLU(p[b, t, c]),    p[t] = sum_{j < W} w[c, j] x[t - W + 1 + j]        (x = 0 before the start)
 
     dp[t] = dy[t] * SiLU'(p[t])     dx[t] = sum_j w[c, j] dp[t + W - 1 - j]     dw[c, j] = sum_t x[t - W + 1 + j] dp[t]
 
-dw is summed per (batch, time block) in the kernel and over those partials by torch. The PyTorch reference is
-`short_conv_reference`; `layers.conv.ShortConv` uses these kernels on CUDA for every multi-token call (with a
-decoding cache, its left context is prepended).
+The layout is the layer's own [B, T, C] (channels contiguous), so no transposes. `torch.nn.functional.conv1d`
+wants [B, C, T] and its depthwise backward is slow, which is why this is hand-written.
+
+Each program owns BC channels and SEG consecutive time steps and walks along time, keeping the last rows of x (and,
+in the backward, of dp) in registers: every row of x and dy is read once, plus a 3-row halo per segment. The
+kernels have TAPS = 4 taps (KDA's kernel size); a shorter kernel is padded with zero taps on the left, and
+`short_conv` rejects longer ones (`layers.conv.ShortConv` runs conv1d for those). On an H200 at 8 x 4096 x 2048
+(bf16) the backward takes 0.23 ms; an earlier tiled kernel that recomputed the pre-activation from W shifted
+loads for each of W shifts took 1.71 ms (benchmarks/RESULTS.md, 2026-11-30, sixth session).
+
+dw is summed per (batch, segment) in the kernel and over those partials by torch. The PyTorch reference is
+`short_conv_reference`; `ShortConv` uses these kernels on CUDA for every multi-token call (with a decoding cache,
+its left context is prepended).
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ import triton.language as tl
 
 from hybrid_attention.ops.numerics import compute_dtype
 
-BT = 64  # time steps per program
-BC = 128  # channels per program
+TAPS = 4  # the kernels' window: rows t-3 .. t
+BC = 512  # channels per program
+SEG = 32  # time steps per program
+# Measured at 8 x 4096 x 2048 on an H200: the forward 101 us with 4 warps; the backward, which keeps twice the
+# rows live, 227 us with 8 warps vs 381 us with 4.
+FWD_WARPS, BWD_WARPS = 4, 8
 
 
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -36,86 +46,120 @@ def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _pre_activation(x_ptr, w_ptr, t, c, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """sum_j w[c, j] x[t - W + 1 + j, c] for a [BT, BC] tile of rows t (float32; zero outside the sequence)."""
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        ts = t - (W - 1) + j
-        ok = ((ts >= 0) & (ts < T))[:, None] & (c < C)[None, :]
-        xs = tl.load(x_ptr + ts[:, None].to(tl.int64) * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc += xs * tl.load(w_ptr + c * W + j, mask=c < C, other=0.0).to(tl.float32)[None, :]
-    return acc
+def _load_row(ptr, t, c, T, C):
+    """Row t of a [T, C] array at channels c, float32; zero outside the sequence. The row index is broadcast to
+    c's shape because the Triton interpreter rejects a scalar mask term."""
+    tt = t + tl.zeros_like(c)
+    return tl.load(ptr + tt.to(tl.int64) * C + c, mask=(c < C) & (tt >= 0) & (tt < T), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+def _store_row(ptr, t, c, T, C, row):
+    tt = t + tl.zeros_like(c)
+    tl.store(ptr + tt.to(tl.int64) * C + c, row.to(ptr.dtype.element_ty), mask=(c < C) & (tt >= 0) & (tt < T))
+
+
+@triton.jit
+def _load_taps(w, c, C):
+    """The 4 taps of channels c: w0 multiplies x[t - 3], ..., w3 multiplies x[t]."""
+    cm = c < C
+    w0 = tl.load(w + c * 4 + 0, mask=cm, other=0.0).to(tl.float32)
+    w1 = tl.load(w + c * 4 + 1, mask=cm, other=0.0).to(tl.float32)
+    w2 = tl.load(w + c * 4 + 2, mask=cm, other=0.0).to(tl.float32)
+    w3 = tl.load(w + c * 4 + 3, mask=cm, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, y, T, C, BC: tl.constexpr, SEG: tl.constexpr):
+    t0 = tl.program_id(0) * SEG
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     base = tl.program_id(2).to(tl.int64) * T * C
-    p = _pre_activation(x + base, w, t, c, T, C, W, BT, BC)
-    ok = (t < T)[:, None] & (c < C)[None, :]
-    tl.store(y + base + t[:, None].to(tl.int64) * C + c[None, :], (p * tl.sigmoid(p)).to(y.dtype.element_ty), mask=ok)
+    w0, w1, w2, w3 = _load_taps(w, c, C)
+    x3 = _load_row(x + base, t0 - 3, c, T, C)  # x3, x2, x1: rows t - 3, t - 2, t - 1
+    x2 = _load_row(x + base, t0 - 2, c, T, C)
+    x1 = _load_row(x + base, t0 - 1, c, T, C)
+    for i in tl.static_range(SEG):
+        x0 = _load_row(x + base, t0 + i, c, T, C)
+        p = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+        _store_row(y + base, t0 + i, c, T, C, p * tl.sigmoid(p))
+        x3, x2, x1 = x2, x1, x0
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    it = tl.program_id(0)
-    t = it * BT + tl.arange(0, BT)
+def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, BC: tl.constexpr, SEG: tl.constexpr):
+    seg = tl.program_id(0)
+    t0 = seg * SEG
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2)
     base = b.to(tl.int64) * T * C
-    cm = c < C
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for s in tl.static_range(W):  # dp at rows t + s reaches dx[t] through w[:, W - 1 - s]
-        u = t + s
-        p = _pre_activation(x + base, w, u, c, T, C, W, BT, BC)
-        ok = (u < T)[:, None] & cm[None, :]
-        g = tl.load(dy + base + u[:, None].to(tl.int64) * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _load_taps(w, c, C)
+    x3 = _load_row(x + base, t0 - 3, c, T, C)
+    x2 = _load_row(x + base, t0 - 2, c, T, C)
+    x1 = _load_row(x + base, t0 - 1, c, T, C)
+    d3 = tl.zeros([BC], dtype=tl.float32)  # d3, d2, d1: dp of rows u - 3, u - 2, u - 1
+    d2 = tl.zeros([BC], dtype=tl.float32)
+    d1 = tl.zeros([BC], dtype=tl.float32)
+    dw0 = tl.zeros([BC], dtype=tl.float32)
+    dw1 = tl.zeros([BC], dtype=tl.float32)
+    dw2 = tl.zeros([BC], dtype=tl.float32)
+    dw3 = tl.zeros([BC], dtype=tl.float32)
+    # dx of row u - 3 needs dp up to row u, so the walk runs 3 rows past the segment (dp there is recomputed).
+    for i in tl.static_range(SEG + 3):
+        u = t0 + i
+        x0 = _load_row(x + base, u, c, T, C)
+        p = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
         sig = tl.sigmoid(p)
-        dp = g * sig * (1.0 + p * (1.0 - sig))
-        acc += dp * tl.load(w + c * W + (W - 1 - s), mask=cm, other=0.0).to(tl.float32)[None, :]
-        if s == 0:  # rows t themselves: their share of dw; the x tiles are loaded again (L1 hits), not kept live
-            part = dw_part + ((b * tl.num_programs(0) + it).to(tl.int64) * C + c) * W
-            for j in tl.static_range(W):
-                ts = t - (W - 1) + j
-                okj = ((ts >= 0) & (ts < T))[:, None] & cm[None, :]
-                xs = tl.load(x + base + ts[:, None].to(tl.int64) * C + c[None, :], mask=okj, other=0.0)
-                tl.store(part + j, tl.sum(xs.to(tl.float32) * dp, 0), mask=cm)
-    ok = (t < T)[:, None] & cm[None, :]
-    tl.store(dx + base + t[:, None].to(tl.int64) * C + c[None, :], acc.to(dx.dtype.element_ty), mask=ok)
+        d0 = _load_row(dy + base, u, c, T, C) * sig * (1.0 + p * (1.0 - sig))
+        if i < SEG:  # the segment's own rows: its share of dw
+            dw0 += x3 * d0
+            dw1 += x2 * d0
+            dw2 += x1 * d0
+            dw3 += x0 * d0
+        if i >= 3:
+            _store_row(dx + base, u - 3, c, T, C, w3 * d3 + w2 * d2 + w1 * d1 + w0 * d0)
+        x3, x2, x1 = x2, x1, x0
+        d3, d2, d1 = d2, d1, d0
+    part = dw_part + ((b * tl.num_programs(0) + seg).to(tl.int64) * C + c) * 4
+    tl.store(part + 0, dw0, mask=c < C)
+    tl.store(part + 1, dw1, mask=c < C)
+    tl.store(part + 2, dw2, mask=c < C)
+    tl.store(part + 3, dw3, mask=c < C)
 
 
 def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
-    return (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+    return (triton.cdiv(T, SEG), triton.cdiv(C, BC), B)
 
 
 class _ShortConvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         B, T, C = x.shape
-        W = weight.shape[-1]
+        taps = F.pad(weight, (TAPS - weight.shape[-1], 0)).contiguous()  # zero taps on the left: same conv
         y = torch.empty_like(x)
-        _conv_fwd_kernel[_grid(B, T, C)](x, weight, y, T, C, W=W, BT=BT, BC=BC, num_warps=4)
-        ctx.save_for_backward(x, weight)
+        _conv_fwd_kernel[_grid(B, T, C)](x, taps, y, T, C, BC=BC, SEG=SEG, num_warps=FWD_WARPS)
+        ctx.save_for_backward(x, taps)
+        ctx.kernel_size = weight.shape[-1]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, taps = ctx.saved_tensors
         B, T, C = x.shape
-        W = weight.shape[-1]
         grid = _grid(B, T, C)
         dx = torch.empty_like(x)
-        dw_part = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[grid](x, weight, dy.contiguous(), dx, dw_part, T, C, W=W, BT=BT, BC=BC, num_warps=4)
-        return dx, dw_part.sum(0).to(weight.dtype)
+        dw_part = torch.empty(B * grid[0], C, TAPS, device=x.device, dtype=torch.float32)
+        _conv_bwd_kernel[grid](x, taps, dy.contiguous(), dx, dw_part, T, C, BC=BC, SEG=SEG, num_warps=BWD_WARPS)
+        return dx, dw_part.sum(0)[:, TAPS - ctx.kernel_size :].to(taps.dtype)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [B, T, C] (fp16 / bf16 / fp32, CUDA or the Triton interpreter), weight [C, W] -> y [B, T, C] in x.dtype,
-    differentiable in x and weight. Same result as `short_conv_reference` (float32 inside)."""
+    """x [B, T, C] (fp16 / bf16 / fp32, CUDA or the Triton interpreter), weight [C, W] with W <= 4 -> y [B, T, C]
+    in x.dtype, differentiable in x and weight. Same result as `short_conv_reference` (float32 inside)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"short_conv: x must be [B, T, C] and weight [C, W], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    if not 1 <= weight.shape[-1] <= TAPS:
+        raise ValueError(f"short_conv: the kernels take 1 to {TAPS} taps, got a kernel of size {weight.shape[-1]}")
     return _ShortConvFn.apply(x.contiguous(), weight.contiguous())

@@ -14,7 +14,8 @@ import torch
 
 from hybrid_attention.layers import conv, norm
 from hybrid_attention.layers.kda import KimiDeltaAttention
-from tests.helpers import assert_as_accurate
+from hybrid_attention.ops.short_conv import short_conv_reference
+from tests.helpers import assert_as_accurate, assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -60,3 +61,14 @@ def test_cached_conv_prefill_equals_whole_prompt(dtype):
         pieces = torch.cat([layer(x[:, :1], cache), layer(x[:, 1:41], cache), layer(x[:, 41:], cache)], dim=1)
     assert torch.equal(pieces, whole)
     assert torch.equal(cache, x[:, -3:].transpose(1, 2).to(cache.dtype))
+
+
+def test_conv_longer_than_the_kernels_taps_runs_eager():
+    """A kernel of 5 taps (the Triton kernels take 4) runs conv1d on CUDA, with the reference's result."""
+    torch.manual_seed(2)
+    layer = conv.ShortConv(40, kernel_size=5).to("cuda")
+    x = torch.randn(2, 50, 40, device="cuda")
+    with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):  # cuDNN's default TF32 rounds to 2^-11
+        y = layer(x)
+    reference = short_conv_reference(x.double(), layer.weight.view(40, 5).double())
+    assert_close("5-tap conv", y, reference, 1e-5)
