@@ -9,7 +9,7 @@ wants [B, C, T] and its depthwise backward is slow, which is why this is hand-wr
 
 Each program owns BC channels and SEG consecutive time steps and walks along time, keeping the last rows of x (and,
 in the backward, of dp) in registers: every row of x and dy is read once, plus a 3-row halo per segment. The
-kernels have TAPS = 4 taps (KDA's kernel size); a shorter kernel is padded with zero taps on the left, and
+kernels have TAPS = 4 taps (KDA's kernel size); a shorter kernel's missing taps are zeros on the left, and
 `short_conv` rejects longer ones (`layers.conv.ShortConv` runs conv1d for those). On an H200 at 8 x 4096 x 2048
 (bf16) the backward takes 0.23 ms; an earlier tiled kernel that recomputed the pre-activation from W shifted
 loads for each of W shifts took 1.71 ms (benchmarks/RESULTS.md, 2026-11-30, sixth session).
@@ -60,22 +60,33 @@ def _store_row(ptr, t, c, T, C, row):
 
 
 @triton.jit
-def _load_taps(w, c, C):
-    """The 4 taps of channels c: w0 multiplies x[t - 3], ..., w3 multiplies x[t]."""
-    cm = c < C
-    w0 = tl.load(w + c * 4 + 0, mask=cm, other=0.0).to(tl.float32)
-    w1 = tl.load(w + c * 4 + 1, mask=cm, other=0.0).to(tl.float32)
-    w2 = tl.load(w + c * 4 + 2, mask=cm, other=0.0).to(tl.float32)
-    w3 = tl.load(w + c * 4 + 3, mask=cm, other=0.0).to(tl.float32)
-    return w0, w1, w2, w3
+def _load_tap(w, c, C, i: tl.constexpr, W: tl.constexpr):
+    """Tap i of the 4 (it multiplies x[t - 3 + i]) for channels c: weight column i - (4 - W), zero for a kernel of
+    W < 4 taps where that is negative."""
+    if i < 4 - W:
+        return tl.zeros(c.shape, dtype=tl.float32)
+    else:
+        return tl.load(w + c * W + (i - 4 + W), mask=c < C, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, y, T, C, BC: tl.constexpr, SEG: tl.constexpr):
+def _load_taps(w, c, C, W: tl.constexpr):
+    return _load_tap(w, c, C, 0, W), _load_tap(w, c, C, 1, W), _load_tap(w, c, C, 2, W), _load_tap(w, c, C, 3, W)
+
+
+@triton.jit
+def _store_dw(part, c, C, i: tl.constexpr, W: tl.constexpr, dw):
+    """Tap i's share of dw into the weight's column i - (4 - W) (nothing for a tap that is not in the kernel)."""
+    if i >= 4 - W:
+        tl.store(part + (i - 4 + W), dw, mask=c < C)
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, y, T, C, W: tl.constexpr, BC: tl.constexpr, SEG: tl.constexpr):
     t0 = tl.program_id(0) * SEG
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     base = tl.program_id(2).to(tl.int64) * T * C
-    w0, w1, w2, w3 = _load_taps(w, c, C)
+    w0, w1, w2, w3 = _load_taps(w, c, C, W)
     x3 = _load_row(x + base, t0 - 3, c, T, C)  # x3, x2, x1: rows t - 3, t - 2, t - 1
     x2 = _load_row(x + base, t0 - 2, c, T, C)
     x1 = _load_row(x + base, t0 - 1, c, T, C)
@@ -87,13 +98,13 @@ def _conv_fwd_kernel(x, w, y, T, C, BC: tl.constexpr, SEG: tl.constexpr):
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, BC: tl.constexpr, SEG: tl.constexpr):
+def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, W: tl.constexpr, BC: tl.constexpr, SEG: tl.constexpr):
     seg = tl.program_id(0)
     t0 = seg * SEG
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2)
     base = b.to(tl.int64) * T * C
-    w0, w1, w2, w3 = _load_taps(w, c, C)
+    w0, w1, w2, w3 = _load_taps(w, c, C, W)
     x3 = _load_row(x + base, t0 - 3, c, T, C)
     x2 = _load_row(x + base, t0 - 2, c, T, C)
     x1 = _load_row(x + base, t0 - 1, c, T, C)
@@ -120,11 +131,11 @@ def _conv_bwd_kernel(x, w, dy, dx, dw_part, T, C, BC: tl.constexpr, SEG: tl.cons
             _store_row(dx + base, u - 3, c, T, C, w3 * d3 + w2 * d2 + w1 * d1 + w0 * d0)
         x3, x2, x1 = x2, x1, x0
         d3, d2, d1 = d2, d1, d0
-    part = dw_part + ((b * tl.num_programs(0) + seg).to(tl.int64) * C + c) * 4
-    tl.store(part + 0, dw0, mask=c < C)
-    tl.store(part + 1, dw1, mask=c < C)
-    tl.store(part + 2, dw2, mask=c < C)
-    tl.store(part + 3, dw3, mask=c < C)
+    part = dw_part + ((b * tl.num_programs(0) + seg).to(tl.int64) * C + c) * W
+    _store_dw(part, c, C, 0, W, dw0)
+    _store_dw(part, c, C, 1, W, dw1)
+    _store_dw(part, c, C, 2, W, dw2)
+    _store_dw(part, c, C, 3, W, dw3)
 
 
 def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
@@ -135,22 +146,21 @@ class _ShortConvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         B, T, C = x.shape
-        taps = F.pad(weight, (TAPS - weight.shape[-1], 0)).contiguous()  # zero taps on the left: same conv
         y = torch.empty_like(x)
-        _conv_fwd_kernel[_grid(B, T, C)](x, taps, y, T, C, BC=BC, SEG=SEG, num_warps=FWD_WARPS)
-        ctx.save_for_backward(x, taps)
-        ctx.kernel_size = weight.shape[-1]
+        _conv_fwd_kernel[_grid(B, T, C)](x, weight, y, T, C, W=weight.shape[-1], BC=BC, SEG=SEG, num_warps=FWD_WARPS)
+        ctx.save_for_backward(x, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, taps = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         B, T, C = x.shape
+        W = weight.shape[-1]
         grid = _grid(B, T, C)
         dx = torch.empty_like(x)
-        dw_part = torch.empty(B * grid[0], C, TAPS, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[grid](x, taps, dy.contiguous(), dx, dw_part, T, C, BC=BC, SEG=SEG, num_warps=BWD_WARPS)
-        return dx, dw_part.sum(0)[:, TAPS - ctx.kernel_size :].to(taps.dtype)
+        dw_part = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
+        _conv_bwd_kernel[grid](x, weight, dy.contiguous(), dx, dw_part, T, C, W=W, BC=BC, SEG=SEG, num_warps=BWD_WARPS)
+        return dx, dw_part.sum(0).to(weight.dtype)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
