@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from hybrid_attention.train import flush_denormals
+        from hybrid_attention.device import flush_denormals
 
         with flush_denormals():
             return args.func(args) or 0
@@ -175,17 +175,17 @@ def _train(args) -> int:
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
     if s["peak_memory_bytes"] is not None:
+        mfu = "unknown (the device is not in the peak-FLOPs table)" if s["mfu"] is None else f"{s['mfu']:.1%}"
         print(
-            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; model FLOPs utilisation "
-            f"{s['mfu_vs_989tf_datasheet']:.1%} of 989 TFLOP/s (H200 bf16 datasheet), "
-            f"{s['mfu_vs_784tf_measured']:.1%} of 784 TFLOP/s (measured matmul peak)"
+            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; "
+            f"model FLOPs utilisation {mfu} of the datasheet bf16 peak"
         )
     print(f"run directory: {config.out}; sample with `hybrid-attention generate --ckpt {config.out} --prompt 'def '`")
     return 0
 
 
 def _device_and_dtype(args):
-    from hybrid_attention.train import resolve_device, resolve_dtype
+    from hybrid_attention.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     return device, resolve_dtype(device, args.dtype)
@@ -241,7 +241,8 @@ def _generate(args) -> int:
 def _eval(args) -> int:
     from hybrid_attention.checkpoint import load_run
     from hybrid_attention.data import load_corpus
-    from hybrid_attention.train import autocast_for, evaluate
+    from hybrid_attention.device import autocast_for
+    from hybrid_attention.metrics import evaluate
 
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device)

@@ -11,17 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
+from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.train import (
-    TrainConfig,
-    build_optimizers,
-    build_schedulers,
-    evaluate,
-    flops_per_token,
-    lr_factor,
-    param_groups,
-    train,
-)
+from hybrid_attention.optim import build_optimizers, build_schedulers, lr_factor, param_groups
+from hybrid_attention.train import TrainConfig, train
 
 needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 SMALL = dict(steps=6, batch_size=2, seq_len=32, eval_every=3, eval_batches=2, log_every=1, data_max_bytes=40_000)
@@ -38,9 +31,8 @@ def test_lr_schedule_warmup_then_cosine_to_min_ratio():
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0 and abs(f(12) - 0.55) < 1e-12 and abs(f(20) - 0.1) < 1e-12 and abs(f(25) - 0.1) < 1e-12
     assert all(f(s) >= f(s + 1) for s in range(4, 20))
-    config = TrainConfig.create(steps=20, warmup=4, lr=0.01, optimizer="muon")
-    optimizers = build_optimizers(_tiny_model(), config)
-    schedulers = build_schedulers(optimizers, config)
+    optimizers = build_optimizers(_tiny_model(), optimizer="muon", lr=0.01, weight_decay=0.1)
+    schedulers = build_schedulers(optimizers, warmup=4, steps=20, min_ratio=0.1)
     for step in range(20):
         for opt in optimizers:
             assert all(abs(g["lr"] - 0.01 * f(step)) < 1e-15 for g in opt.param_groups)
@@ -75,7 +67,19 @@ def test_param_groups_muon_gets_hidden_matrices_only():
 def test_muon_missing_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     with pytest.raises(ValueError, match=r"--optimizer muon needs torch.optim.Muon \(torch >= 2.9\)"):
-        build_optimizers(_tiny_model(), TrainConfig.create(optimizer="muon"))
+        build_optimizers(_tiny_model(), optimizer="muon", lr=1e-3, weight_decay=0.1)
+
+
+def test_unknown_optimizer_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('adamw', 'muon'\), got 'sgd'"):
+        build_optimizers(_tiny_model(), optimizer="sgd", lr=1e-3, weight_decay=0.1)
+
+
+def test_peak_flops_lookup_by_device_name():
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H20") == 148e12  # not mistaken for an H200 or the reverse
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("cpu") is None and peak_flops("Some Future GPU") is None
 
 
 def test_flops_per_token_by_hand():
