@@ -342,7 +342,7 @@ class HybridLM(nn.Module):
                     f"max_seq_len {cache.max_seq_len}"
                 )
 
-    # ------------------------------------------------------------------------------------------- cache, generation
+    # ------------------------------------------------------------------------------------------------------- cache
     def make_cache(self, batch_size: int, max_seq_len: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
         if batch_size < 1 or max_seq_len < 1:
@@ -354,46 +354,6 @@ class HybridLM(nn.Module):
             else:
                 layers.append(layer.mixer.empty_cache(batch_size, max_seq_len))
         return HybridCache(layers=layers, batch_size=batch_size, max_seq_len=max_seq_len)
-
-    def generate(
-        self,
-        input_ids: torch.Tensor | list[torch.Tensor],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        cuda_graph: bool | None = None,
-        prefill_chunk_size: int | None = None,
-        pack_projections: bool = True,
-    ) -> torch.Tensor | list[torch.Tensor]:
-        """Prefill (in chunks), then decode with the cache. input_ids [B, T] -> [B, T + new] (new <= max_new_tokens).
-
-        Prompts of different lengths: a list of 1-D prompts (returns a list), or [B, T] with a padded
-        `attention_mask`. cuda_graph: None = CUDA-graph decoding on CUDA models. pack_projections: decode with packed
-        weight copies (`graphs.DecodeStep`). See `generate.generate`.
-        """
-        # The decoding loop lives in generate.py (it owns sampling and CUDA graphs); imported here to keep
-        # `model.generate(...)` as the one-line entry point users expect.
-        from hybrid_attention.generate import generate
-
-        return generate(
-            self,
-            input_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            eos_token_id,
-            generator,
-            attention_mask=attention_mask,
-            cuda_graph=cuda_graph,
-            prefill_chunk_size=prefill_chunk_size,
-            pack_projections=pack_projections,
-        )
 
     # ------------------------------------------------------------------------------------------------- accounting
     def num_parameters(self) -> int:

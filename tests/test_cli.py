@@ -17,6 +17,7 @@ import torch
 
 from hybrid_attention import cli
 from hybrid_attention.checkpoint import load_run
+from hybrid_attention.generate import generate
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
 from hybrid_attention.train import TrainConfig
 
@@ -164,7 +165,7 @@ def test_generate_streams_the_same_tokens_as_model_generate(run_dir, capsys):
     model, _, tokenizer = load_run(run_dir)
     prompt = torch.tensor([tokenizer.encode("def ")])
     generator = torch.Generator().manual_seed(5)
-    ids = model.generate(prompt, 24, temperature=0.8, generator=generator)
+    ids = generate(model, prompt, 24, temperature=0.8, generator=generator)
     assert out == "def " + tokenizer.decode(ids[0, 4:].tolist()) + "\n"
     match = re.search(r"24 tokens in .* then ([\d,.]+) tokens/s; cache ([\d,]+) bytes for 28 tokens", err)
     assert match, err
