@@ -184,8 +184,9 @@ def test_nope_is_permutation_invariant():
 
 
 def test_matches_naive_absorbed_attention():
-    """Against the colleague's readable reference, once it exists (one sequence at a time: no seq_lens there)."""
-    naive = pytest.importorskip("hybrid_attention.ops.mla.naive")
+    """Against the readable reference `naive.absorbed_attention` (one sequence at a time: it takes no seq_lens)."""
+    from hybrid_attention.ops.mla import naive
+
     p = make_problem([37, 6], 3, **TINY, seed=21)
     o = run(p, backend="torch" if not (torch.cuda.is_available() or interpreting()) else "auto")
     for b, L in enumerate([37, 6]):
