@@ -62,5 +62,12 @@ def row_programs(M: int, device: torch.device) -> int:
     return max(1, min(M, 4))
 
 
+def split_scalar(x: float) -> tuple[float, float]:
+    """x as hi + lo, two float32 kernel arguments: float64 kernels (interpreter tests) add them back and see x to
+    about 48 bits, where one float32 argument would round an epsilon by 1e-8 relative (visible at small norms)."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(x) - hi
+
+
 def block_d(D: int) -> int:
     return triton.next_power_of_2(D)

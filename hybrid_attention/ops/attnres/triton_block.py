@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs
+from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs, split_scalar
 
 try:
     import triton
@@ -43,11 +43,12 @@ if triton is not None:
         M,
         D,
         eps,
+        eps_lo,
         CDT: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        eps = tl.cast(eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         row = tl.program_id(0).to(tl.int64)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
@@ -90,11 +91,12 @@ if triton is not None:
         M,
         D,
         eps,
+        eps_lo,
         CDT: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        eps = tl.cast(eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
@@ -140,13 +142,15 @@ if triton is not None:
         rho_ptr,  # [M] compute dtype
         D,
         eps,
+        eps_lo,
         norm_eps,
+        norm_eps_lo,
         HAS_PARTIAL: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        eps = tl.cast(eps, CDT)
-        norm_eps = tl.cast(norm_eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        norm_eps = tl.cast(norm_eps, CDT) + tl.cast(norm_eps_lo, CDT)
         row = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -183,11 +187,12 @@ if triton is not None:
         M,
         D,
         eps,
+        eps_lo,
         HAS_PARTIAL: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        eps = tl.cast(eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -242,7 +247,7 @@ def partial_fwd(blocks, queries, key_weights, eps):
     if M > 0:
         bq, bd = triton.next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, N, Q, M, D, float(eps),
+            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, N, Q, M, D, *split_scalar(eps),
             CDT=compute_tl_dtype(cdt), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return out, lse
@@ -258,7 +263,7 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
         bq, bd = triton.next_power_of_2(Q), block_d(D)
         _partial_bwd_kernel[(programs,)](
             pointer_table(blocks), blocks[0], queries, key_weights, out, lse, dout, dlse, dblk, du, N, Q, M, D,
-            float(eps), CDT=compute_tl_dtype(out.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            *split_scalar(eps), CDT=compute_tl_dtype(out.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 
@@ -272,8 +277,8 @@ def merge_norm_fwd(out, lse, partial, query, key_weight, norm_weight, eps, norm_
         bd = block_d(D)
         _merge_norm_fwd_kernel[(M,)](
             out, lse, partial if partial is not None else out, query, key_weight, norm_weight, x, rho, D,
-            float(eps), float(norm_eps), HAS_PARTIAL=partial is not None, CDT=compute_tl_dtype(out.dtype),
-            BLOCK_D=bd, num_warps=_warps(bd),
+            *split_scalar(eps), *split_scalar(norm_eps), HAS_PARTIAL=partial is not None,
+            CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
         )  # fmt: skip
     return x, rho
 
@@ -292,7 +297,7 @@ def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, e
         bd = block_d(D)
         _merge_norm_bwd_kernel[(programs,)](
             out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
-            dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, float(eps),
+            dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
             HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
         )  # fmt: skip
     return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs
+from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs, split_scalar
 
 try:
     import triton
@@ -40,14 +40,16 @@ if triton is not None:
         S,
         D,
         eps,
+        eps_lo,
         norm_eps,
+        norm_eps_lo,
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         # Scalars come as fp32 (fp64 under inductor): one dtype for the loop-carried softmax state.
-        eps = tl.cast(eps, CDT)
-        norm_eps = tl.cast(norm_eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        norm_eps = tl.cast(norm_eps, CDT) + tl.cast(norm_eps_lo, CDT)
         row = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -96,11 +98,12 @@ if triton is not None:
         S,
         D,
         eps,
+        eps_lo,
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        eps = tl.cast(eps, CDT)
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -170,7 +173,8 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
     bs, bd, warps = _launch_shape(S, D)
     _full_fwd_kernel[(M,)](
         pointer_table(sources), sources[0], query, key_weight, norm_weight, out, lse, rho, S, D,
-        float(eps), float(norm_eps), CDT=compute_tl_dtype(out.dtype), BLOCK_S=bs, BLOCK_D=bd, num_warps=warps,
+        *split_scalar(eps), *split_scalar(norm_eps), CDT=compute_tl_dtype(out.dtype), BLOCK_S=bs, BLOCK_D=bd,
+        num_warps=warps,
     )  # fmt: skip
     return out, lse, rho
 
@@ -187,7 +191,7 @@ def full_bwd(dout, sources, query, key_weight, norm_weight, lse, rho, eps):
         bs, bd, warps = _launch_shape(S, D)
         _full_bwd_kernel[(programs,)](
             pointer_table(sources), sources[0], query, key_weight, norm_weight, dout, lse, rho, dsrc, du, dnw,
-            M, S, D, float(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_S=bs, BLOCK_D=bd,
+            M, S, D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_S=bs, BLOCK_D=bd,
             num_warps=8 if bd >= 1024 else 4,
         )  # fmt: skip
     return dsrc, du.sum(0), dnw.sum(0)
