@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla")  # hybrid_attention.model.PRESETS, without importing torch
+# hybrid_attention.model.PRESETS, without importing torch
+PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
 
 
 class _Parser(argparse.ArgumentParser):

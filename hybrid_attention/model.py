@@ -6,10 +6,17 @@ pre-norm decoder: embedding -> blocks [mixer, MLP] -> final norm -> LM head. The
 
 - "standard": h <- h + f(norm(h)) for every sublayer (attention and MLP are separate sublayers);
 - "attnres": Full Attention Residuals: sublayer l reads a softmax-over-depth mix of the embedding and every earlier
-  sublayer output (MATH.md, "Attention Residuals"), and a final AttnRes mixes all sources before the output norm;
+  sublayer output (docs/math.md, "Attention Residuals"), and a final AttnRes mixes all sources before the output
+  norm;
 - "block_attnres": Block AttnRes: sublayers are grouped into blocks of `attnres_block_size` sublayers; inside a
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
+
+`config.attnres_backend` picks how AttnRes runs: "auto" takes the fused differentiable Triton ops on CUDA (each
+AttnRes fused with the RMSNorm that reads it, sources never stacked, Block AttnRes in its two-phase form; see
+`layers.attnres.attn_res_stream`) and the readable list path elsewhere; "triton" forces the fused ops (CPU under
+the Triton interpreter); "torch" forces the list path. Full AttnRes without autograd takes the inference path
+(one preallocated sources buffer, `ops.attnres.fused.attn_res_norm`).
 
 With zero pseudo-queries (their init) AttnRes averages its sources, and because every sublayer and the head start with
 a scale-invariant RMSNorm, an AttnRes model computes the same function as the standard one with the same weights. The
@@ -27,20 +34,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.cache import HybridCache
-from hybrid_attention.layers.attnres import AttnRes
+from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.attnres.fused import attn_res_norm
+from hybrid_attention.ops.attnres.rows import fused_train_supported
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
 KDA_BACKENDS = ("auto", "torch", "triton", "fla")
+ATTNRES_BACKENDS = ("auto", "torch", "triton")
 
 
 def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
-    # Seeds: KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based).
+    # KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based): 3 KDA per MLA.
     pattern = ("kda", "kda", "kda", "mla") * 3 + ("mla",)
     return tuple("mla" for _ in pattern) if all_mla else pattern
 
@@ -61,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         mla_v_head_dim=32,
         residual="attnres",
     ),
-    # The 13-layer scaled configuration of the seeds.
+    # The 13-layer scaled configuration (hidden 1024, 8 heads of 128 for both mixers).
     "k3-scaled": dict(
         vocab_size=8192,
         hidden_size=1024,
@@ -79,6 +88,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The full-attention baseline of the Kimi Linear report: every layer Gated MLA, same sizes.
 PRESETS["k3-scaled-all-mla"] = dict(PRESETS["k3-scaled"], layer_types=_k3_layer_types(all_mla=True))
+# Block AttnRes at about 8 blocks over the depth, the granularity the AttnRes paper recommends: blocks of two
+# decoder layers (4 sublayers), so 7 blocks over the 26 sublayers and, with the embedding, 8 block sums at the end.
+PRESETS["k3-scaled-block"] = dict(PRESETS["k3-scaled"], residual="block_attnres", attnres_block_size=4)
 
 
 @dataclass
@@ -89,6 +101,7 @@ class HybridConfig:
     intermediate_size: int = 192
     residual: str = "attnres"
     attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
+    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the list path)
     norm_eps: float = 1e-6
     # KDA mixer
     kda_num_heads: int = 2
@@ -118,6 +131,10 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig: layer_types[{i}] = {kind!r}; expected one of {LAYER_TYPES}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"HybridConfig: residual={self.residual!r}; expected one of {RESIDUALS}")
+        if self.attnres_backend not in ATTNRES_BACKENDS:
+            raise ValueError(
+                f"HybridConfig: attnres_backend={self.attnres_backend!r}; expected one of {ATTNRES_BACKENDS}"
+            )
         if self.kda_backend not in KDA_BACKENDS:
             raise ValueError(f"HybridConfig: kda_backend={self.kda_backend!r}; expected one of {KDA_BACKENDS}")
         positive = [
@@ -151,7 +168,8 @@ class HybridConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> HybridConfig:
-        """A named preset ("tiny", "k3-scaled", "k3-scaled-all-mla") with keyword overrides of any field."""
+        """A named preset (see `PRESETS`: "tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block") with keyword
+        overrides of any field."""
         if name not in PRESETS:
             raise ValueError(f"HybridConfig: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
@@ -262,6 +280,13 @@ class HybridLM(nn.Module):
         residual = self.config.residual
         if residual == "attnres" and not torch.is_grad_enabled():
             h_out = self._attnres_inference(h, layer_caches)  # already through the output norm
+        elif residual != "standard" and self._fused_attnres(h):
+            steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+            steps.append((self.final_res, self.norm, None))
+            if residual == "attnres":
+                h_out = attn_res_stream(h, steps)  # already through the output norm
+            else:
+                h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
         else:
             sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
             if residual == "standard":
@@ -309,9 +334,19 @@ class HybridLM(nn.Module):
                 return x
             latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
 
+    def _fused_attnres(self, embedding: torch.Tensor) -> bool:
+        """Whether AttnRes runs through the fused differentiable ops (`config.attnres_backend`, see the module)."""
+        backend = self.config.attnres_backend
+        if backend == "triton" and not fused_train_supported(embedding):
+            raise ValueError(
+                f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "
+                f"of a supported dtype; got {embedding.dtype} on {embedding.device}; use 'auto' or 'torch'"
+            )
+        return backend == "triton" or (backend == "auto" and embedding.is_cuda and fused_train_supported(embedding))
+
     def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
-        # Sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and, unless it opens a block,
-        # the partial sum of its own block (MATH.md). Block size 1 is exactly Full AttnRes.
+        # The readable list path: sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and,
+        # unless it opens a block, the partial sum of its own block (docs/math.md). Block size 1 is Full AttnRes.
         size = self.config.attnres_block_size
         blocks, partial = [embedding], None
         for i, (res, f) in enumerate(sublayers):
