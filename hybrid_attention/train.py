@@ -242,7 +242,7 @@ def evaluate(model, tokens: torch.Tensor, byte_lengths: torch.Tensor, *, batch_s
     for x in eval_batches(tokens, batch_size, seq_len, num_batches):
         x = x.to(device, non_blocking=True)
         with autocast():
-            loss = model(x, labels=x).loss
+            loss = model(x, labels=x, return_logits=False).loss
         n = x[:, 1:].numel()
         nll += loss.double() * n
         count += n
@@ -385,7 +385,7 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         for micro in range(config.grad_accum):
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
             with autocast():
-                loss = step_fn(x, labels=x).loss / config.grad_accum
+                loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         lr = schedulers[-1].get_last_lr()[0]

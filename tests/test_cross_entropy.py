@@ -126,3 +126,26 @@ def test_compile_fullgraph():
     ref = _reference(h, w, labels)
     for name, a, b in zip(("loss", "dh", "dW"), (loss.detach(), hc.grad, wc.grad), ref, strict=True):
         assert_close(name, a, b, 1e-5)
+
+
+def test_model_loss_without_logits_matches_the_plain_head():
+    from hybrid_attention.model import HybridConfig, HybridLM
+
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", residual="standard")).double()
+    ids = torch.randint(0, 256, (2, 13))
+    labels = ids.clone()
+    labels[1, 5:9] = -100
+
+    out = model(ids, labels=labels, return_logits=False)
+    assert out.logits is None
+    out.loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(ids).logits  # the plain head, then F.cross_entropy on the shifted logits
+    ref = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    ref.backward()
+    assert_close("loss", out.loss, ref, 1e-12)
+    for name, p in model.named_parameters():
+        assert_close(name, ours[name], p.grad, 1e-10)
