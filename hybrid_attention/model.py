@@ -41,6 +41,7 @@ from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
+from hybrid_attention.ops.cross_entropy import linear_cross_entropy
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
@@ -192,8 +193,8 @@ class HybridConfig:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, vocab]
-    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None  # [B, T, vocab]; None from forward(..., return_logits=False)
+    loss: torch.Tensor | None = None  # scalar, float32 (float64 for float64 models); None without labels
 
 
 class DecoderLayer(nn.Module):
@@ -268,11 +269,20 @@ class HybridLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------------------- forward
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache: HybridCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        return_logits: bool = True,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
 
-        With `cache`, the tokens are appended after the ones already in it and the cache is updated in place.
+        The loss comes from the hidden states by `ops.cross_entropy.linear_cross_entropy` (the head applied over
+        token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
+        None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
+        [B, T, vocab] logits. With `cache`, the tokens are appended after the ones already in it and the cache is
+        updated in place.
         """
         self._check_inputs(input_ids, labels, cache)
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -302,13 +312,13 @@ class HybridLM(nn.Module):
             h_out = self.norm(h)
         if cache is not None:
             cache.advance(input_ids.shape[1])  # device lengths (in place, graph-safe) and host counters
-        logits = self.lm_head(h_out)
         loss = None
         if labels is not None:
-            # Cross-entropy in float32 at least (float64 models keep float64).
-            shifted = logits[:, :-1].flatten(0, 1)
-            shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
-            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
+            # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
+            # slicing h keeps h_out a view (no [B, T - 1, D] copy).
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
+            loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(h_out) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
     def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:

@@ -237,7 +237,7 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         for micro in range(config.grad_accum):
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
             with autocast():
-                loss = step_fn(x, labels=x).loss / config.grad_accum
+                loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         lr = schedulers[-1].get_last_lr()[0]
