@@ -42,6 +42,7 @@ from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
+from hybrid_attention.ops.kda.gate import GATE_FORMS
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
@@ -108,8 +109,9 @@ class HybridConfig:
     kda_num_heads: int = 2
     kda_head_dim: int = 32
     kda_conv_size: int = 4
-    kda_lower_bound: float = -5.0
+    kda_lower_bound: float = -5.0  # the "bounded" gate's
     kda_backend: str = "auto"
+    kda_gate: str = "bounded"  # the decay gate: "bounded", "softplus" or "head" (see ops/kda/gate.py)
     # Gated MLA mixer (NoPE)
     mla_num_heads: int = 2
     mla_kv_lora_rank: int = 32
@@ -159,6 +161,8 @@ class HybridConfig:
             raise ValueError(f"HybridConfig: mla_qk_shared_head_dim={self.mla_qk_shared_head_dim!r}; expected >= 0")
         if self.mla_q_lora_rank is not None and (not isinstance(self.mla_q_lora_rank, int) or self.mla_q_lora_rank < 1):
             raise ValueError(f"HybridConfig: mla_q_lora_rank={self.mla_q_lora_rank!r}; expected None or >= 1")
+        if self.kda_gate not in GATE_FORMS:
+            raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
         if not -5.0 <= self.kda_lower_bound < 0.0:
             # The chunked kernels rely on g >= -5 per step (16 steps stay inside float32's exp range).
             raise ValueError(f"HybridConfig: kda_lower_bound={self.kda_lower_bound}; expected -5 <= lower_bound < 0")
@@ -214,6 +218,7 @@ class DecoderLayer(nn.Module):
                 lower_bound=c.kda_lower_bound,
                 norm_eps=c.norm_eps,
                 backend=c.kda_backend,
+                gate=c.kda_gate,
             )
         else:
             self.mixer = GatedMLA(
