@@ -119,6 +119,7 @@ class HybridConfig:
     mla_qk_shared_head_dim: int = 16
     mla_v_head_dim: int = 32
     mla_q_lora_rank: int | None = None
+    mla_output_gate: bool = True  # the sigmoid gate on the heads (False: plain MLA with NoPE, as in Kimi Linear)
     # Embeddings and init
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -163,6 +164,8 @@ class HybridConfig:
             raise ValueError(f"HybridConfig: mla_q_lora_rank={self.mla_q_lora_rank!r}; expected None or >= 1")
         if self.kda_gate not in GATE_FORMS:
             raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
+        if not isinstance(self.mla_output_gate, bool):
+            raise ValueError(f"HybridConfig: mla_output_gate={self.mla_output_gate!r}; expected True or False")
         if not -5.0 <= self.kda_lower_bound < 0.0:
             # The chunked kernels rely on g >= -5 per step (16 steps stay inside float32's exp range).
             raise ValueError(f"HybridConfig: kda_lower_bound={self.kda_lower_bound}; expected -5 <= lower_bound < 0")
@@ -230,6 +233,7 @@ class DecoderLayer(nn.Module):
                 v_head_dim=c.mla_v_head_dim,
                 q_lora_rank=c.mla_q_lora_rank,
                 norm_eps=c.norm_eps,
+                output_gate=c.mla_output_gate,
             )
         self.mlp_norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
