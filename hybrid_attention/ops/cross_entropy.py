@@ -3,9 +3,8 @@
     loss = mean over tokens n with labels[n] != ignore_index of  lse_n - z_n[labels[n]],     z_n = W h_n
 
 `F.cross_entropy(F.linear(h, W), labels)` keeps the whole logit matrix for the backward, in float32 for a bf16
-model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192, as much as four layers of
-activations). Here the forward walks the tokens in chunks, keeps only the per-token log-sum-exp, and the backward
-recomputes each chunk's logits:
+model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192). Here the forward walks the
+tokens in chunks, keeps only the per-token log-sum-exp, and the backward recomputes each chunk's logits:
 
     dz_n = (softmax(z_n) - onehot(labels[n])) * dloss / count,     dh = dz W,     dW = dz^T h
 
