@@ -73,9 +73,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[start : start + chunk]
             y = labels[start : start + chunk]
             valid = y != ctx.ignore_index
-            p = torch.exp((hc @ w.t()).to(acc) - lse[start : start + chunk].unsqueeze(1))  # (C, V) softmax
-            p = p.scatter_add(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
-            dz = (p * (valid.to(acc) * scale).unsqueeze(1)).to(dtype)
+            # In place on the fresh (C, V) block: one float32 block per chunk, not one per elementwise op.
+            p = (hc @ w.t()).to(acc).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()  # softmax
+            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
+            dz = p.mul_((valid.to(acc) * scale).unsqueeze(1)).to(dtype)
             if dh is not None:
                 dh[start : start + chunk] = dz @ w
             if dw is not None:
