@@ -3,7 +3,8 @@
 Per case and shape: step time (median over --steps after --warmup steps), tokens/s, peak memory of the timed steps
 (torch.cuda.max_memory_allocated, optimizer states included) and MFU (`train.flops_per_token`: 6 x non-embedding
 parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
-under bf16 autocast, with fused AdamW; random tokens. Each case runs in its own try block: a failure (a missing
+under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
+random tokens. Each case runs in its own try block: a failure (a missing
 preset, an absent library, out of memory) is listed in the table and the next case runs.
 
     python benchmarks/bench_train.py                                   # every case, both shapes, eager and compiled
@@ -209,7 +210,8 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     """One case at one shape and mode: warm-up steps, then `args.steps` timed steps."""
     torch.manual_seed(0)
     model, loss_fn, flops = case.build()
-    model = model.to(device).train()
+    bf16_params = case.name in args.bf16_params
+    model = model.to(device, dtype=torch.bfloat16 if bf16_params else None).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     # dynamic=False: one graph per shape, not a dynamic-shape graph after the second shape.
     runner = torch.compile(model, dynamic=False) if mode == "compile" else model
@@ -217,7 +219,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     ids = torch.randint(0, vocab, (batch, seq_len), device=device)
 
     def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params):
             loss = loss_fn(runner, ids)
         loss.backward()
         opt.step()
@@ -240,6 +242,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     fpt = flops(seq_len)
     peak = _peak_flops(device)
     return dict(
+        precision="bf16 params" if bf16_params else "fp32 params, bf16 autocast",
         step_ms=step_s * 1e3,
         tokens_per_s=tokens_per_s,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -262,12 +265,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| case | model | B x T | mode | step ms | tokens/s | peak GiB | MFU | status |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | model | B x T | mode | precision | step ms | tokens/s | peak GiB | MFU | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         status = "ok" if r["error"] is None else f"failed: {r['error']}"
         print(
             f"| {r['case']} | {r['description']} | {r['batch']} x {r['seq_len']} | {r['mode']} | "
+            f"{r.get('precision', '-')} | "
             f"{_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('mfu'), '.1%')} | {status} |"
         )
@@ -291,6 +295,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default=None, help="comma-separated: eager, compile (default both; --quick: eager)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
@@ -312,6 +317,10 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in cases]
     if unknown:
         p.error(f"--cases: unknown {unknown}; expected some of {list(cases)}")
+    args.bf16_params = {n.strip() for n in args.bf16_params.split(",") if n.strip()}
+    unknown = sorted(args.bf16_params - set(cases))
+    if unknown:
+        p.error(f"--bf16-params: unknown {unknown}; expected some of {list(cases)}")
     modes = [m.strip() for m in (args.modes or "eager,compile").split(",")]
     if any(m not in ("eager", "compile") for m in modes):
         p.error(f"--modes: expected eager and/or compile, got {args.modes!r}")
@@ -333,11 +342,11 @@ def main(argv=None) -> dict:
                 log(f"  {row}")
                 rows.append(row)
 
-    precision = "float32 parameters, bf16 autocast, fused AdamW" if device.type == "cuda" else "float32, bf16 autocast"
-    print(f"## training step, {precision}, random tokens, median of {args.steps} steps after {args.warmup}\n")
+    optimizer = "fused AdamW" if device.type == "cuda" else "AdamW"
+    print(f"## training step, {optimizer}, random tokens, median of {args.steps} steps after {args.warmup}\n")
     print_table(rows)
     env = env_info(sys.argv) if device.type == "cuda" else dict(device="cpu", torch=torch.__version__)
-    result = dict(env=env, precision=precision, steps=args.steps, warmup=args.warmup, results=rows)
+    result = dict(env=env, optimizer=optimizer, steps=args.steps, warmup=args.warmup, results=rows)
     emit_json(result, args.out)
     return result
 
