@@ -1,7 +1,7 @@
 """Training step side by side: our presets, transformers' Llama (SDPA) and FLA's KDA model at the same sizes.
 
 Per case and shape: step time (median over --steps after --warmup steps), tokens/s, peak memory of the timed steps
-(torch.cuda.max_memory_allocated, optimizer states included) and MFU (`train.flops_per_token`: 6 x non-embedding
+(torch.cuda.max_memory_allocated, optimizer states included) and MFU (`metrics.flops_per_token`: 6 x non-embedding
 parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
 under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
 random tokens. Each case runs in its own try block: a failure (a missing
@@ -32,11 +32,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
+from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
-from hybrid_attention.train import flops_per_token  # noqa: E402
-
-# Dense bf16 peak (datasheet) by GPU name fragment.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 # The --quick run: the presets' residuals and layer kinds, CPU-sized widths and depth.
 QUICK_LAYERS = 4
@@ -77,7 +74,7 @@ def _ours(preset: str, sizes: dict, **overrides) -> Callable:
 
 
 class _FlopsProxy(nn.Module):
-    """Another library's model seen by `train.flops_per_token`: its parameters, and a HybridConfig whose mixing term
+    """Another library's model seen by `metrics.flops_per_token`: its parameters, and a HybridConfig whose mixing term
     is the same (softmax attention = MLA layers with d_qk = d_v = head_dim and no shared key; KDA layers as ours)."""
 
     def __init__(self, inner: nn.Module, config: HybridConfig):
@@ -203,7 +200,7 @@ def _peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak_flops(name)
 
 
 def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torch.device) -> dict:
