@@ -10,11 +10,13 @@ import argparse
 import codecs
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla")  # hybrid_attention.model.PRESETS, without importing torch
+# hybrid_attention.model.PRESETS, without importing torch
+PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from hybrid_attention.train import flush_denormals
+        from hybrid_attention.device import flush_denormals
 
         with flush_denormals():
             return args.func(args) or 0
@@ -161,36 +163,46 @@ def _train(args) -> int:
         given["out"] = out
     config = TrainConfig.create(saved, **given)
     start = time.perf_counter()
+    resume_command = f"hybrid-attention train --resume --out {shlex.quote(config.out)}"
     try:
         s = train(config, resume=args.resume)
     except KeyboardInterrupt:
+        try:
+            kept = f"its checkpoint of step {checkpoint.checkpoint_step(config.out)}"
+        except (ValueError, OSError):
+            kept = "its last complete checkpoint"
+        print(f"\naborted: {config.out} keeps {kept}; continue with `{resume_command}`", file=sys.stderr)
+        return 130
+    if s.get("already_complete"):
+        return 0
+    if s["stopped_by"]:
         print(
-            f"\ninterrupted: {config.out} keeps its last checkpoint; continue with "
-            f"`hybrid-attention train --resume --out {config.out}`",
+            f"{s['stopped_by']}: saved a checkpoint of step {s['step']} of {s['steps']} in {config.out}; "
+            f"continue with `{resume_command}`",
             file=sys.stderr,
         )
-        return 130
+        return 130 if s["stopped_by"] == "SIGINT" else 143
     minutes, seconds = divmod(time.perf_counter() - start, 60)
     print(f"done: step {s['step']}/{s['steps']} in {int(minutes)}m{seconds:04.1f}s, {s['tokens_per_s']:,.0f} tokens/s")
     if s["step"] < s["steps"]:
-        print(f"stopped early; continue with `hybrid-attention train --resume --out {config.out}`")
+        print(f"stopped early; continue with `{resume_command}`")
     if s["val_loss"] is not None:
         print(
             f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte); "
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
     if s["peak_memory_bytes"] is not None:
+        mfu = "unknown (the device is not in the peak-FLOPs table)" if s["mfu"] is None else f"{s['mfu']:.1%}"
         print(
-            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; model FLOPs utilisation "
-            f"{s['mfu_vs_989tf_datasheet']:.1%} of 989 TFLOP/s (H200 bf16 datasheet), "
-            f"{s['mfu_vs_784tf_measured']:.1%} of 784 TFLOP/s (measured matmul peak)"
+            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; "
+            f"model FLOPs utilisation {mfu} of the datasheet bf16 peak"
         )
     print(f"run directory: {config.out}; sample with `hybrid-attention generate --ckpt {config.out} --prompt 'def '`")
     return 0
 
 
 def _device_and_dtype(args):
-    from hybrid_attention.train import resolve_device, resolve_dtype
+    from hybrid_attention.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     return device, resolve_dtype(device, args.dtype)
@@ -246,7 +258,8 @@ def _generate(args) -> int:
 def _eval(args) -> int:
     from hybrid_attention.checkpoint import load_run
     from hybrid_attention.data import load_corpus
-    from hybrid_attention.train import autocast_for, evaluate
+    from hybrid_attention.device import autocast_for
+    from hybrid_attention.metrics import evaluate
 
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device)

@@ -1,32 +1,40 @@
-"""Training: settings, optimizers (AdamW or Muon + AdamW), warm-up + cosine schedule, the loop, evaluation, FLOPs.
+"""Training: the run's settings (`TrainConfig`), its preparation, and the loop (optimizers live in `optim.py`,
+FLOPs and evaluation in `metrics.py`, plots in `plots.py`).
 
 `train(config, resume=...)` runs one job end to end and returns a summary dict. Everything that can fail on user
 input (flags, data, tokenizer, model config, an occupied run directory, a checkpoint that does not match) is
 checked before the first byte is written. The loop is deterministic given the seed: batches come from
 `data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
-`--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32).
+`--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32), and so does a job killed
+at any moment and resumed (checkpoints are committed atomically, checkpoint.py).
+
+One job writes a run directory at a time (`rundir.RunLock`). SIGINT or SIGTERM saves a checkpoint after the
+current step and stops (`interrupts.StopRequests`). A non-finite loss or gradient norm stops the job with
+`TrainingDiverged` before anything is saved from it, so the last checkpoint stays the last good one. A resume
+refuses data whose tokens differ from the ones the run started with (`rundir.data_fingerprint`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention.data import eval_batches, load_corpus, sample_batch, unigram_loss
+from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
+from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device
+from hybrid_attention.interrupts import StopRequests
+from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.optim import OPTIMIZERS, build_optimizers, build_schedulers
+from hybrid_attention.plots import plot_losses
+from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
-
-H200_PEAK_FLOPS = 989e12  # dense bf16, datasheet
-H200_MEASURED_FLOPS = 784e12  # bf16 matmul 8192^3 measured on our H200 (design/ANCHORS.md)
-KDA_CHUNK = 64
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes.
 _TINY = dict(steps=250, batch_size=8, seq_len=128, lr=3e-3, warmup=25, eval_every=50, eval_batches=8, log_every=10)
@@ -68,13 +76,14 @@ class TrainConfig:
     def create(cls, saved: dict | None = None, **given) -> TrainConfig:
         """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
 
-        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError.
+        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError. The saved settings (read
+        from config.json) and the given ones are type-checked like command-line input.
         """
-        given = {k: v for k, v in given.items() if v is not None}
-        unknown = sorted(set(given) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown settings {unknown}")
+        given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
+        ckpt.check_fields(given, cls, "TrainConfig")
         if saved is not None:
+            ckpt.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
+                              required=SAVED_REQUIRED)  # fmt: skip
             changed = [
                 f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
                 for k in sorted(given)
@@ -94,6 +103,8 @@ class TrainConfig:
         return cls(**merged).validate()
 
     def validate(self) -> TrainConfig:
+        if not self.out.strip():
+            raise ValueError("--out must name a run directory, got an empty string")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -114,6 +125,10 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
             raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
+        if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
+            raise ValueError(f"--vocab-size must be at most {MAX_VOCAB:,}, got {self.vocab_size:,}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
         if self.data_max_bytes is not None and self.data_max_bytes < 1:
             raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
         if self.time_limit is not None and not self.time_limit > 0:
@@ -126,130 +141,14 @@ class TrainConfig:
 _WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
-OPTIMIZERS = ("adamw", "muon")
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# Settings every run has stored since the format began (a config.json without one is damaged, not old).
+SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",
+                  "weight_decay", "clip", "data", "data_max_bytes", "tokenizer", "vocab_size", "seed")  # fmt: skip
+MAX_VOCAB = 1 << 20  # ample for BPE; a huge request (1e9) makes the tokenizers trainer abort the process
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this torch build or machine has no CUDA device")
-    return torch.device(name)
-
-
-def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
-    """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere."""
-    return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-
-
-def autocast_for(device: torch.device, dtype: str):
-    """bf16 autocast on CUDA by default; float32 (no autocast) on CPU unless --dtype bfloat16."""
-    target = resolve_dtype(device, dtype)
-    if target == torch.float32:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=target)
-
-
-# ------------------------------------------------------------------------------------------------------ optimizers
-def _embedding_and_head(model: nn.Module) -> set[int]:
-    """ids of the embedding tables and of the LM head (a direct nn.Linear child projecting to the vocabulary)."""
-    vocab = model.config.vocab_size
-    found = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    found |= {id(m.weight) for m in model.children() if isinstance(m, nn.Linear) and m.out_features == vocab}
-    return found
-
-
-def param_groups(model: nn.Module, weight_decay: float, *, muon: bool) -> tuple[list[dict], list[nn.Parameter]]:
-    """AdamW groups (decay: matrices; no decay: ndim < 2 and `_no_weight_decay`), plus the Muon matrices.
-
-    With `muon`, 2-D hidden weights go to Muon; embeddings, the LM head, norms, gates and biases stay with AdamW.
-    """
-    special = _embedding_and_head(model)
-    decay, no_decay, matrices = [], [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or getattr(p, "_no_weight_decay", False):
-            no_decay.append(p)
-        elif muon and p.ndim == 2 and id(p) not in special:
-            matrices.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]], matrices
-
-
-def build_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon, AdamW]. Muon uses AdamW-matched update RMS, so one --lr serves both."""
-    groups, matrices = param_groups(model, config.weight_decay, muon=config.optimizer == "muon")
-    fused = next(model.parameters()).is_cuda
-    adamw = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-    if config.optimizer == "adamw":
-        return [adamw]
-    if not hasattr(torch.optim, "Muon"):
-        raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
-    muon = torch.optim.Muon(matrices, lr=config.lr, weight_decay=config.weight_decay, adjust_lr_fn="match_rms_adamw")
-    return [muon, adamw]
-
-
-def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """Multiplier of --lr for the update that follows `step` completed steps: linear warm-up, cosine to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_schedulers(optimizers, config: TrainConfig) -> list[torch.optim.lr_scheduler.LambdaLR]:
-    factor = lambda step: lr_factor(step, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
-    return [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
-
-
-# ------------------------------------------------------------------------------------------------ FLOPs, evaluation
-def non_embedding_parameters(model: nn.Module) -> int:
-    """Parameters doing matmuls: all but input embedding tables (a lookup) unless they double as the LM head."""
-    head = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    lookups = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
-    return model.num_parameters() - sum(n for i, n in lookups.items() if i not in head)
-
-
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward).
-
-    6 N for the N non-embedding parameters, plus sequence mixing, which N does not count:
-    - MLA, causal softmax (mean context T/2): forward 2 H (d_qk + d_v) T/2 per token;
-    - KDA, chunkwise with C = 64 (Kimi Linear report): forward 6 K^2 + 3 C K + C^2 per token and head.
-    """
-    c = model.config
-    num_mla = sum(kind == "mla" for kind in c.layer_types)
-    num_kda = c.num_layers - num_mla
-    d_qk = c.mla_qk_nope_head_dim + c.mla_qk_shared_head_dim
-    mla = num_mla * 2 * c.mla_num_heads * (d_qk + c.mla_v_head_dim) * seq_len / 2
-    K = c.kda_head_dim
-    kda = num_kda * c.kda_num_heads * (6 * K * K + 3 * KDA_CHUNK * K + KDA_CHUNK * KDA_CHUNK)
-    return 6.0 * non_embedding_parameters(model) + 3.0 * (mla + kda)
-
-
-@torch.no_grad()
-def evaluate(model, tokens: torch.Tensor, byte_lengths: torch.Tensor, *, batch_size, seq_len, num_batches, autocast):
-    """Mean loss (nats per predicted token) and bits per byte over fixed validation windows."""
-    was_training = model.training
-    model.eval()
-    device = byte_lengths.device
-    nll = torch.zeros((), dtype=torch.float64, device=device)
-    count, nbytes = 0, torch.zeros((), dtype=torch.long, device=device)
-    for x in eval_batches(tokens, batch_size, seq_len, num_batches):
-        x = x.to(device, non_blocking=True)
-        with autocast():
-            loss = model(x, labels=x).loss
-        n = x[:, 1:].numel()
-        nll += loss.double() * n
-        count += n
-        nbytes += byte_lengths[x[:, 1:]].sum()
-    model.train(was_training)
-    loss = float(nll) / count
-    return loss, float(nll) / math.log(2) / max(1, int(nbytes))
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm became NaN or infinite; nothing from that point on was saved."""
 
 
 # ------------------------------------------------------------------------------------------------------- training
@@ -267,9 +166,11 @@ def prepare(config: TrainConfig, *, resume: bool):
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
-        model_config = HybridConfig.from_dict(saved["model"])
-        if config.kda_backend is not None:
-            model_config = HybridConfig.from_dict({**saved["model"], "kda_backend": config.kda_backend})
+        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
+        try:
+            model_config = HybridConfig.from_dict({**saved["model"], **backend})
+        except ValueError as e:
+            raise ValueError(f"{run_dir / ckpt.CONFIG}: {e}") from None
     else:
         if config.tokenizer == "bpe":
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)
@@ -289,54 +190,55 @@ def prepare(config: TrainConfig, *, resume: bool):
             raise ValueError(
                 f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
+    fingerprint = data_fingerprint(train_tokens, val_tokens)
+    if saved is not None:
+        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / ckpt.CONFIG))
     torch.manual_seed(config.seed)
     model = HybridLM(model_config).to(device)
-    optimizers = build_optimizers(model, config)
-    schedulers = build_schedulers(optimizers, config)
+    optimizers = build_optimizers(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
     step = 0
     if saved is not None:
         step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
+        if config.stop_after is not None and step < config.steps and config.stop_after <= step:
+            raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
-                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens)  # fmt: skip
-
-
-_flush_depth = 0  # open flush_denormals blocks (torch has no getter for the flag to restore)
-
-
-@contextlib.contextmanager
-def flush_denormals():
-    """Flush denormal floats to zero on CPU inside the block (off again after the outermost one, torch's default).
-
-    The chunkwise KDA reference produces denormals from long decay products; on CPU they slow a training step down
-    up to 25x. Flushing them changes results by less than float32 resolution. Blocks nest (the CLI opens one around
-    every command, `train` its own), and only the outermost turns flushing off.
-    """
-    global _flush_depth
-    if _flush_depth == 0:
-        torch.set_flush_denormal(True)
-    _flush_depth += 1
-    try:
-        yield
-    finally:
-        _flush_depth -= 1
-        if _flush_depth == 0:
-            torch.set_flush_denormal(False)
+                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
+                fingerprint=fingerprint)  # fmt: skip
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
-    """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU)."""
-    with flush_denormals():
-        return _train(config, resume, echo)
+    """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU).
+
+    The summary's "stopped_by" names the signal (e.g. "SIGINT") that stopped the job after saving, else None;
+    "already_complete" is True when a resume found the run finished and changed nothing.
+    """
+    run_dir = Path(config.out)
+    lock = RunLock(run_dir).acquire() if run_dir.is_dir() else None  # before reading a checkpoint it may be writing
+    try:
+        with flush_denormals():
+            p = prepare(config, resume=resume)
+            if resume and p["step"] >= config.steps:
+                echo(f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do")
+                return {"run_dir": str(run_dir), "step": p["step"], "steps": config.steps, "already_complete": True}
+            if lock is None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                lock = RunLock(run_dir).acquire()
+                if ckpt.holds_run(run_dir):  # another job took the directory while this one was preparing
+                    raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it")
+            with StopRequests() as stop:
+                return _train(config, p, resume, echo, stop)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def _train(config: TrainConfig, resume: bool, echo) -> dict:
+def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests) -> dict:
     from tqdm import tqdm
 
-    p = prepare(config, resume=resume)
     run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
     optimizers, schedulers = p["optimizers"], p["schedulers"]
     # ---- from here on, the run directory is written
-    run_dir.mkdir(parents=True, exist_ok=True)
     if resume:
         rows = ckpt.read_log(run_dir, up_to_step=start)  # drop lines logged after the checkpoint
         ckpt.write_log(run_dir, rows)
@@ -350,6 +252,7 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
                 "model": model.config.to_dict(),
                 "tokenizer": tokenizer.to_dict(),
                 "train": asdict(config),
+                "data_fingerprint": p["fingerprint"],
             },
         )
     autocast = autocast_for(device, config.dtype)
@@ -376,7 +279,8 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
-    timed_tokens, timed_s, last_val, step = 0, 0.0, None, start
+    timed_tokens, timed_s, last_val, step, saved_step = 0, 0.0, None, start, start
+    bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
     model.train()
     tick, interval_tokens = time.perf_counter(), 0
@@ -385,11 +289,13 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         for micro in range(config.grad_accum):
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
             with autocast():
-                loss = step_fn(x, labels=x).loss / config.grad_accum
+                loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         lr = schedulers[-1].get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+        bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
         for opt in optimizers:
             opt.step()
         for sched in schedulers:
@@ -400,8 +306,18 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         bar.update(1)
         stopping = step == end or time.perf_counter() >= deadline
         do_eval = step % config.eval_every == 0 or stopping
-        if not (do_eval or step % config.log_every == 0):
+        if not (do_eval or stop.signal or step % config.log_every == 0):
             continue
+        if int(bad_step):
+            raise TrainingDiverged(
+                f"training diverged: the loss or the gradient norm is not finite at step {int(bad_step)} (learning "
+                f"rate {lr:.3g}); nothing from it was saved, {run_dir} keeps "
+                + (f"its checkpoint of step {saved_step}" if saved_step else "no checkpoint")
+                + f"; start a new run with a lower --lr (this one has {config.lr:g})"
+            )
+        if not (do_eval or step % config.log_every == 0):  # a stop request between log steps: save and stop
+            ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+            break
         loss_value = float(loss_sum)  # synchronises, so the interval time below is real
         elapsed = time.perf_counter() - tick
         row = {
@@ -425,18 +341,23 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
                 f"step {step}: train loss {loss_value:.4f}, validation loss {last_val[0]:.4f} "
                 f"({last_val[1]:.3f} bits/byte); unigram baseline {unigram:.4f}"
             )
-            ckpt.plot_losses(run_dir, rows)
+            plot_losses(run_dir, rows)
+        if do_eval or stop.signal:
             ckpt.save_training(run_dir, model, optimizers, schedulers, step)
-        if stopping:
+            saved_step = step
+        if stopping or stop.signal:
             break
         tick, interval_tokens = time.perf_counter(), 0
     bar.close()
     tokens_per_s = timed_tokens / timed_s if timed_s else (rows[-1]["tokens_per_s"] if rows else 0.0)
     fpt = flops_per_token(model, config.seq_len)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = peak_flops(device_name)
     summary = {
         "run_dir": str(run_dir),
         "step": step,
         "steps": config.steps,
+        "stopped_by": stop.signal,
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,
@@ -445,11 +366,10 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        "mfu_vs_989tf_datasheet": fpt * tokens_per_s / H200_PEAK_FLOPS,
-        "mfu_vs_784tf_measured": fpt * tokens_per_s / H200_MEASURED_FLOPS,
+        "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name,
         "torch": torch.__version__,
     }
-    ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    ckpt.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary

@@ -1,6 +1,7 @@
 """Gated Multi-head Latent Attention without positional encoding (NoPE), as in Kimi Linear / Kimi K3.
 
-Equations in MATH.md ("Gated MLA"); background in notes/gated-mla.md. Per token the layer computes a latent
+Equations in docs/math.md ("Gated MLA (NoPE)"); the design follows the Kimi Linear report (arXiv 2510.26692) and
+the output gate of Qiu et al. (arXiv 2505.06708). Per token the layer computes a latent
 `c = RMSNorm(W_DKV x)` [d_c] and one shared key part `k_s = W_KS x` [d_s]. Head h has key `[W_UK,h c ; k_s]`,
 value `W_UV,h c` and query `[q_n,h ; q_s,h]`; causal softmax with scale `(d_n + d_s) ** -0.5`; the heads are
 concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`. Without the

@@ -1,0 +1,53 @@
+"""Where and in what precision a command runs: device and dtype resolution, autocast, and denormal flushing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build or machine has no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
+    """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere."""
+    return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def autocast_for(device: torch.device, dtype: str):
+    """bf16 autocast on CUDA by default; float32 (no autocast) on CPU unless --dtype bfloat16."""
+    target = resolve_dtype(device, dtype)
+    if target == torch.float32:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=target)
+
+
+_flush_depth = 0  # open flush_denormals blocks (torch has no getter for the flag to restore)
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Flush denormal floats to zero on CPU inside the block (off again after the outermost one, torch's default).
+
+    The chunkwise KDA reference produces denormals from long decay products; on CPU they slow a training step down
+    up to 25x. Flushing them changes results by less than float32 resolution. Blocks nest (the CLI opens one around
+    every command, `train` its own), and only the outermost turns flushing off.
+    """
+    global _flush_depth
+    if _flush_depth == 0:
+        torch.set_flush_denormal(True)
+    _flush_depth += 1
+    try:
+        yield
+    finally:
+        _flush_depth -= 1
+        if _flush_depth == 0:
+            torch.set_flush_denormal(False)
