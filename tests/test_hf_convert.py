@@ -50,11 +50,19 @@ class Float32AsFloat64(TorchFunctionMode):
 
 
 def _randomize(layer: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere (norm weights away from 1, varied decay rates)."""
+    """Non-trivial values everywhere: matrices N(0, 1/fan_in), norm weights in [0.5, 1.5], other vectors N(0, 0.3^2)
+    (the decay rates are set by the builders)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+        for name, p in layer.named_parameters():
+            if p.dim() > 1:
+                std = p[0].numel() ** -0.5
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) + 0.5)
+                continue
+            else:
+                std = 0.3
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
 
 
 def _steps(layer, x, splits, make_cache, call):
@@ -70,13 +78,15 @@ def _steps(layer, x, splits, make_cache, call):
 def transformers_kda(source="glm5_next", lower_bound=-5.0, seed=0, **overrides):
     """(config, layer): a GLM-5-next KDA layer (bounded gate with `lower_bound`, or its softplus gate with None) or
     a Kimi Linear one (softplus gate), float64, random weights."""
-    sizes = dict(hidden_size=40, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1)
-    common = dict(layer_types=["linear_attention"], rms_norm_eps=1e-5, vocab_size=64, pad_token_id=0)
+    values = dict(
+        hidden_size=40, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        layer_types=["linear_attention"], rms_norm_eps=1e-5, vocab_size=64, pad_token_id=0,
+    )  # fmt: skip
     if source == "glm5_next":
-        config = Glm5NextTextConfig(**sizes, **common, linear_lower_bound=lower_bound, **overrides)
+        config = Glm5NextTextConfig(**{**values, "linear_lower_bound": lower_bound, **overrides})
         make = glm5_next.Glm5NextTextLinearAttention
     else:
-        config = KimiLinearConfig(**sizes, **common, bos_token_id=1, eos_token_id=2, **overrides)
+        config = KimiLinearConfig(**{**values, "bos_token_id": 1, "eos_token_id": 2, **overrides})
         make = kimi_linear.KimiLinearDeltaAttention
     torch.manual_seed(seed)
     layer = make(config, 0).double().eval()
