@@ -56,7 +56,7 @@ def _data_spec(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export}")
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ckpt", help="run directory written by `train`")
     i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
     i.set_defaults(func=_info)
+
+    x = sub.add_parser("export", help="write a trained run for other libraries (--hf: a transformers model directory)")
+    x.add_argument("--ckpt", required=True, help="run directory written by `train`")
+    x.add_argument("--hf", required=True, metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
+    x.set_defaults(func=_export)
     return parser
 
 
@@ -327,4 +332,15 @@ def _info(args) -> int:
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
+    return 0
+
+
+def _export(args) -> int:
+    try:
+        from hybrid_attention.hf.export import export_run
+    except ImportError:
+        raise ValueError("--hf needs the optional transformers package: pip install 'hybrid-attention[hf]'") from None
+
+    out = export_run(args.ckpt, args.hf)
+    print(f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
