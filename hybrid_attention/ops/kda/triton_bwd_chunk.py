@@ -8,7 +8,9 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     Aqk, Akk blocks (a, b) = rows (q, k) * 2^(G_a - c_a + SHIFT) times columns k_b * 2^(c_a - SHIFT - G_b)
       ->  dq, dk from dAqk, dAkk = beta * dL; each pair (t, i) adds x to dG_t and -x to dG_i, with x taken from
           the dots' own rounded operands so that the pairs cancel exactly in the reverse cumsum
-    dg = reverse cumulative sum of dG over the chunk + dGam (Gam is the sum of the whole chunk's g)
+    dg = reverse cumulative sum of dG over the chunk + the exclusive cumulative sum of the -G state terms
+         + d Gam's state-decay part (Gam is the sum of the whole chunk's g)
+    Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads).
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
 row: when one K tile holds the row (K <= the tile, HA_KDA_DQKG_BK, 64 by default) it is done here, otherwise dq, dk
