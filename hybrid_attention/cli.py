@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
     t.add_argument("--time-limit", type=positive_float, help="save and stop after this many minutes of training")
     t.add_argument("--eval-every", type=positive_int, help="validate, plot, checkpoint every N steps (default: 10%%)")
-    t.add_argument("--eval-batches", type=positive_int, help="validation batches per evaluation (default 8)")
+    t.add_argument("--eval-batches", type=positive_int, help="batches per split per evaluation (tiny: 4, else 8)")
     t.add_argument("--log-every", type=positive_int, help="append to log.jsonl every N steps (default 10)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
     t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
