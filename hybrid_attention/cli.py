@@ -51,7 +51,8 @@ def _data_spec(text: str) -> str:
     """Local paths are stored absolute, so a resumed run finds its data from any directory."""
     if not text:
         raise argparse.ArgumentTypeError("expected a path or hf:NAME, got an empty string")
-    return text if text.startswith("hf:") or text == "builtin" else str(Path(text).expanduser().resolve())
+    named = text.startswith("hf:") or text in ("builtin", "python-env")
+    return text if named else str(Path(text).expanduser().resolve())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,16 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (tiny: 250, larger presets: 300)")
-    t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (tiny: 8, larger: 16)")
+    t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default 8)")
     t.add_argument("--seq-len", type=positive_int, help="tokens per sequence (tiny: 128, larger: 2048)")
-    t.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step (default 1)")
+    t.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step (tiny: 1, larger: 2)")
     t.add_argument("--lr", type=positive_float, help="peak learning rate (tiny: 3e-3, larger: 1e-3)")
     t.add_argument("--warmup", type=non_negative_int, help="linear warm-up steps before the cosine decay")
     t.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw (default), or muon for 2-D hidden weights")
     t.add_argument("--weight-decay", type=non_negative_float, help="decoupled weight decay on matrices (default 0.1)")
     t.add_argument("--clip", type=non_negative_float, help="gradient norm clip, 0 = off (default 1.0)")
-    t.add_argument("--data", type=_data_spec, help="file, folder of .txt/.md/.py, hf:NAME[:CONFIG], or builtin")
-    t.add_argument("--data-max-bytes", type=positive_int, help="cap on text read (built-in, hf: 4e6; paths: none)")
+    t.add_argument(
+        "--data",
+        type=_data_spec,
+        help="file, folder of .txt/.md/.py, hf:NAME[:CONFIG], builtin (the standard library; tiny's default) or "
+        "python-env (every installed package's Python sources; the larger presets' default)",
+    )
+    t.add_argument("--data-max-bytes", type=positive_int, help="text cap (builtin, hf: 4e6; python-env: 2.56e8)")
     t.add_argument("--tokenizer", choices=("byte", "bpe"), help="byte (default) or a BPE trained on the train split")
     t.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
     t.add_argument("--seed", type=non_negative_int, help="seed of the initialisation and the batches (default 0)")
@@ -78,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
     t.add_argument("--time-limit", type=positive_float, help="save and stop after this many minutes of training")
-    t.add_argument("--eval-every", type=positive_int, help="validate, plot and checkpoint every N steps")
-    t.add_argument("--eval-batches", type=positive_int, help="validation batches per evaluation (default 8)")
+    t.add_argument("--eval-every", type=positive_int, help="validate, plot, checkpoint every N steps (default: 10%%)")
+    t.add_argument("--eval-batches", type=positive_int, help="batches per split per evaluation (tiny: 4, else 8)")
     t.add_argument("--log-every", type=positive_int, help="append to log.jsonl every N steps (default 10)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
     t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
@@ -162,6 +168,9 @@ def _train(args) -> int:
         saved = checkpoint.load_config(out)["train"]
         given["out"] = out
     config = TrainConfig.create(saved, **given)
+    from hybrid_attention.device import resolve_device
+
+    _say_when_compiling(resolve_device(config.device))
     start = time.perf_counter()
     resume_command = f"hybrid-attention train --resume --out {shlex.quote(config.out)}"
     try:
@@ -188,15 +197,15 @@ def _train(args) -> int:
         print(f"stopped early; continue with `{resume_command}`")
     if s["val_loss"] is not None:
         print(
-            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte); "
+            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte), "
+            f"{s['val_loss'] - s['train_eval_loss']:+.4f} from the training windows; "
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
-    if s["peak_memory_bytes"] is not None:
+    if s["memory"] is not None:
+        from hybrid_attention.run_report import memory_line
+
         mfu = "unknown (the device is not in the peak-FLOPs table)" if s["mfu"] is None else f"{s['mfu']:.1%}"
-        print(
-            f"{s['device']}: peak memory {s['peak_memory_bytes'] / 2**30:.2f} GiB; "
-            f"model FLOPs utilisation {mfu} of the datasheet bf16 peak"
-        )
+        print(f"{memory_line(s['device'], s['memory'])}; model FLOPs utilisation {mfu} of the datasheet bf16 peak")
     print(f"run directory: {config.out}; sample with `hybrid-attention generate --ckpt {config.out} --prompt 'def '`")
     return 0
 
@@ -205,7 +214,22 @@ def _device_and_dtype(args):
     from hybrid_attention.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
+    _say_when_compiling(device)
     return device, resolve_dtype(device, args.dtype)
+
+
+def _say_when_compiling(device) -> None:
+    """On CUDA, a line on stderr whenever a Triton kernel compiles (the first run on a machine) instead of silence."""
+    if device.type != "cuda":
+        return
+    from tqdm import tqdm
+
+    from hybrid_attention.ops.triton_support import triton_available
+
+    if triton_available():
+        from hybrid_attention.ops.triton_cache import announce_compilation
+
+        announce_compilation(lambda line: tqdm.write(line, file=sys.stderr))
 
 
 def _generate(args) -> int:

@@ -1,8 +1,10 @@
 """Training text and token batches: the built-in corpus, local files, Hugging Face datasets; windows and baselines.
 
 Sources (the `spec` of `load_corpus`):
-- `None`: the built-in corpus, the `*.py` sources of the running interpreter's standard library
+- `None` or `builtin`: the built-in corpus, the `*.py` sources of the running interpreter's standard library
   (`sysconfig.get_paths()["stdlib"]`, without site-packages). Nothing is downloaded.
+- `python-env`: the Python sources of the whole environment (standard library and every installed package),
+  deduplicated and split by content hash (`corpus.py`); hundreds of MB, also without a download.
 - a path: one text file, or a directory searched recursively for `.txt`, `.md` and `.py` files (UTF-8).
 - `hf:NAME` or `hf:NAME:CONFIG`: a dataset read through the optional `datasets` package (local files and
   caches work offline); the text column is `text`, or the only string column.
@@ -50,6 +52,17 @@ class Corpus:
         """UTF-8 bytes of (train, val)."""
         return _utf8_len(self.train), _utf8_len(self.val)
 
+    def digest(self) -> str:
+        """sha256 (hex) of the documents of both splits, in order, with their lengths: equal digests mean equal
+        token streams under any tokenizer."""
+        h = hashlib.sha256()
+        for split, docs in ((b"train", self.train), (b"val", self.val)):
+            h.update(split + len(docs).to_bytes(8, "little"))
+            for doc in docs:
+                data = doc.encode("utf-8")
+                h.update(len(data).to_bytes(8, "little") + data)
+        return h.hexdigest()
+
 
 def _utf8_len(docs: list[str]) -> int:
     return sum(len(d.encode("utf-8")) for d in docs)
@@ -70,7 +83,8 @@ def load_corpus(spec: str | None, *, max_bytes: int | None = None, val_fraction:
 
     `max_bytes` caps how much is read: whole files up to `(1 - val_fraction) * max_bytes` for train and the rest
     for validation (a single file is cut at `max_bytes`; `hf:` rows are read in order until the share is reached).
-    `None` means `BUILTIN_MAX_BYTES` for the built-in corpus and `hf:` datasets, everything for a local path.
+    `None` means `BUILTIN_MAX_BYTES` for the built-in corpus and `hf:` datasets, `corpus.ENV_MAX_BYTES` for
+    `python-env`, everything for a local path.
     Raises ValueError for a missing, empty or undecodable source.
     """
     if not 0.0 < val_fraction < 1.0:
@@ -79,6 +93,10 @@ def load_corpus(spec: str | None, *, max_bytes: int | None = None, val_fraction:
         raise ValueError(f"the data byte cap must be a positive number of bytes, got {max_bytes}")
     if spec is None or spec == "builtin":
         return _builtin_corpus(max_bytes or BUILTIN_MAX_BYTES, val_fraction)
+    if spec == "python-env":
+        from hybrid_attention.corpus import ENV_MAX_BYTES, env_corpus
+
+        return env_corpus(max_bytes or ENV_MAX_BYTES, val_fraction)
     if spec.startswith("hf:"):
         return _hf_corpus(spec, max_bytes or BUILTIN_MAX_BYTES, val_fraction)
     return _path_corpus(Path(spec), max_bytes, val_fraction)

@@ -8,7 +8,8 @@ from hybrid_attention.checkpoint import PLOT, atomic_write
 
 
 def plot_losses(run_dir: str | Path, rows: list[dict]) -> None:
-    """loss.png: training loss per logged step and validation loss per evaluation (Agg backend, atomic)."""
+    """loss.png: training loss per logged step; validation loss and the loss on fixed training windows per
+    evaluation (Agg backend, atomic)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,6 +20,9 @@ def plot_losses(run_dir: str | Path, rows: list[dict]) -> None:
     val = [r for r in rows if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    held = [r for r in rows if "train_eval_loss" in r]  # the same windows each time: the gap without batch noise
+    if held:
+        ax.plot([r["step"] for r in held], [r["train_eval_loss"] for r in held], "s--", label="train windows", ms=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)

@@ -16,6 +16,7 @@ import torch
 
 BPE_FILE = "tokenizer.json"
 DEFAULT_BPE_VOCAB = 8192
+BPE_TRAIN_MAX_BYTES = 32_000_000  # a few thousand merges are settled well within this; training time grows with text
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -83,8 +84,11 @@ class BPETokenizer:
         self._bytes = table
 
     @classmethod
-    def train(cls, docs: list[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
-        """Train on `docs` (the training split). The vocabulary starts from the 256 byte symbols."""
+    def train(
+        cls, docs: list[str], vocab_size: int = DEFAULT_BPE_VOCAB, *, max_bytes: int = BPE_TRAIN_MAX_BYTES
+    ) -> BPETokenizer:
+        """Train on `docs` (the training split), on its first documents up to `max_bytes` of text (at least one).
+        The vocabulary starts from the 256 byte symbols."""
         if vocab_size < 256:
             raise ValueError(f"--vocab-size for a byte-level BPE must be at least 256, got {vocab_size}")
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -98,7 +102,13 @@ class BPETokenizer:
             special_tokens=[],
             show_progress=False,
         )
-        tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+        sample, size = [], 0
+        for doc in docs:
+            if sample and size + len(doc) > max_bytes:
+                break
+            sample.append(doc)
+            size += len(doc)
+        tok.train_from_iterator(sample, trainer=trainer, length=len(sample))
         return cls(tok)
 
     @classmethod

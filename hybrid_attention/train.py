@@ -33,12 +33,19 @@ from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import OPTIMIZERS, build_optimizers, build_schedulers
 from hybrid_attention.plots import plot_losses
+from hybrid_attention.run_report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
 from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
+from hybrid_attention.token_cache import encode_corpus
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
 
-# Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes.
-_TINY = dict(steps=250, batch_size=8, seq_len=128, lr=3e-3, warmup=25, eval_every=50, eval_batches=8, log_every=10)
-_SCALED = dict(steps=300, batch_size=16, seq_len=2048, lr=1e-3, warmup=50, eval_every=100, eval_batches=8, log_every=10)
+# Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
+# ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
+# step as two micro-batches of 8, which leaves headroom on an 80 GB card. eval_every None: a tenth of the run; tiny
+# evaluates 4 batches of each split, which keeps its eleven validations cheap on a CPU.
+_TINY = dict(steps=250, batch_size=8, seq_len=128, grad_accum=1, lr=3e-3, warmup=25, eval_every=None, eval_batches=4,
+             log_every=10)  # fmt: skip
+_SCALED = dict(steps=300, batch_size=8, seq_len=2048, grad_accum=2, lr=1e-3, warmup=50, eval_every=None,
+               eval_batches=8, log_every=10, data="python-env")  # fmt: skip
 
 
 @dataclass
@@ -62,7 +69,7 @@ class TrainConfig:
     vocab_size: int | None = None
     seed: int = 0
     out: str = "runs/tiny"
-    eval_every: int = _TINY["eval_every"]
+    eval_every: int | None = _TINY["eval_every"]  # None: a tenth of the run (run_report.validation_interval)
     eval_batches: int = _TINY["eval_batches"]
     log_every: int = _TINY["log_every"]
     device: str = "auto"
@@ -107,6 +114,8 @@ class TrainConfig:
             raise ValueError("--out must name a run directory, got an empty string")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
             value = getattr(self, name)
+            if name == "eval_every" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.seq_len < 2:
@@ -173,7 +182,7 @@ def prepare(config: TrainConfig, *, resume: bool):
             raise ValueError(f"{run_dir / ckpt.CONFIG}: {e}") from None
     else:
         if config.tokenizer == "bpe":
-            tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)
+            tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
         else:
             tokenizer = ByteTokenizer()
         backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
@@ -183,8 +192,8 @@ def prepare(config: TrainConfig, *, resume: bool):
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}"
         )
-    train_tokens = tokenizer.encode_documents(corpus.train)
-    val_tokens = tokenizer.encode_documents(corpus.val)
+    tokens = encode_corpus(tokenizer, corpus)
+    train_tokens, val_tokens = tokens.train, tokens.val
     for name, toks in (("training", train_tokens), ("validation", val_tokens)):
         if toks.numel() < config.seq_len:
             raise ValueError(
@@ -204,7 +213,7 @@ def prepare(config: TrainConfig, *, resume: bool):
             raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
                 schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
-                fingerprint=fingerprint)  # fmt: skip
+                fingerprint=fingerprint, token_cache=tokens.path if tokens.hit else None)  # fmt: skip
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
@@ -267,7 +276,11 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
     echo(
         f"data: {p['corpus'].source}: {n_train:,} train / {n_val:,} validation bytes; "
         f"{train_tokens.numel():,} / {val_tokens.numel():,} {tokenizer.kind} tokens"
+        + (f" (from the token cache {p['token_cache']})" if p["token_cache"] else "")
     )
+    for line in epoch_report(config.steps, tokens_per_step, train_tokens.numel()):
+        if line:
+            echo(line)
     echo(
         f"model: {config.preset}, {model.num_parameters():,} parameters, {device}, dtype {config.dtype}; "
         f"run directory {run_dir}" + (f"; resuming at step {start}" if start else "")
@@ -279,7 +292,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
-    timed_tokens, timed_s, last_val, step, saved_step = 0, 0.0, None, start, start
+    timed_tokens, timed_s, last_val, step, saved_step, memory_shown = 0, 0.0, None, start, start, False
     bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
     model.train()
@@ -305,7 +318,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         interval_tokens += tokens_per_step
         bar.update(1)
         stopping = step == end or time.perf_counter() >= deadline
-        do_eval = step % config.eval_every == 0 or stopping
+        do_eval = is_validation_step(step, config.steps, config.eval_every) or stopping
         if not (do_eval or stop.signal or step % config.log_every == 0):
             continue
         if int(bad_step):
@@ -333,16 +346,18 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         if do_eval:
             last_val = evaluate(step_fn, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
             row["val_loss"], row["val_bpb"] = last_val
+            row["train_eval_loss"] = evaluate(step_fn, train_tokens, byte_lengths, autocast=autocast, **eval_kw)[0]
         rows.append(row)
         ckpt.append_log(run_dir, row)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         if do_eval:
-            bar.write(
-                f"step {step}: train loss {loss_value:.4f}, validation loss {last_val[0]:.4f} "
-                f"({last_val[1]:.3f} bits/byte); unigram baseline {unigram:.4f}"
-            )
+            bar.write(validation_line(step, row["train_eval_loss"], *last_val, unigram))
+            if not memory_shown and (memory := peak_memory(device)):  # does the batch fit: known after one step
+                bar.write(memory_line(torch.cuda.get_device_name(device), memory))
+                memory_shown = True
             plot_losses(run_dir, rows)
-        if do_eval or stop.signal:
+        # Step 1 validates early; a checkpoint of it is not worth the write.
+        if (do_eval and (step > 1 or stopping)) or stop.signal:
             ckpt.save_training(run_dir, model, optimizers, schedulers, step)
             saved_step = step
         if stopping or stop.signal:
@@ -361,6 +376,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,
+        "train_eval_loss": rows[-1].get("train_eval_loss") if rows else None,
         "unigram_loss": unigram,
         "unigram_bpb": unigram_bpb,
         "parameters": model.num_parameters(),
@@ -368,6 +384,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         "flops_per_token": fpt,
         "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "memory": peak_memory(device),  # allocated, reserved and the card's total bytes; None off CUDA
         "device": device_name,
         "torch": torch.__version__,
     }

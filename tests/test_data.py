@@ -241,3 +241,25 @@ def test_bpe_train_round_trip_save_load(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ValueError, match="not a valid tokenizers file"):
         tokenizer_from_dict(tok.to_dict(), tmp_path)
+
+
+def test_bpe_trains_on_the_first_documents_up_to_its_byte_cap():
+    docs = load_corpus(None, max_bytes=60_000).train
+    cut = next(i for i in range(1, len(docs)) if sum(map(len, docs[: i + 1])) > 30_000)
+    capped = BPETokenizer.train(docs, 400, max_bytes=30_000)
+    assert capped.to_json() == BPETokenizer.train(docs[:cut], 400).to_json()
+    assert capped.to_json() != BPETokenizer.train(docs, 400).to_json()
+    assert BPETokenizer.train(docs, 300, max_bytes=1).to_json() == BPETokenizer.train(docs[:1], 300).to_json()
+
+
+def test_corpus_digest_covers_text_order_and_split():
+    a = data.Corpus(train=["ab", "c"], val=["d"], source="x")
+    assert a.digest() == data.Corpus(train=["ab", "c"], val=["d"], source="another name").digest()
+    for other in (
+        data.Corpus(train=["a", "bc"], val=["d"], source="x"),  # same bytes, other documents
+        data.Corpus(train=["c", "ab"], val=["d"], source="x"),
+        data.Corpus(train=["ab"], val=["c", "d"], source="x"),
+        data.Corpus(train=["ab", "c"], val=["e"], source="x"),
+    ):
+        assert other.digest() != a.digest()
+    assert load_corpus(None, max_bytes=30_000).digest() == load_corpus(None, max_bytes=30_000).digest()

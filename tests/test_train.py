@@ -146,7 +146,7 @@ def test_run_directory_contents(tmp_path):
     assert sorted(os.listdir(run / "checkpoints" / "step_00000004")) == ["model.safetensors", "train_state.pt"]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = ckpt.read_log(run)
-    assert [r["step"] for r in rows] == [2, 3, 4]  # evaluations, log_every and the final step
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # evaluations (step 1 always), log_every and the final step
     assert all({"step", "loss", "tokens_per_s"} <= r.keys() for r in rows) and "val_loss" in rows[-1]
     config = ckpt.load_config(run)
     assert HybridConfig.from_dict(config["model"]) == HybridConfig.from_preset("tiny")

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS
 from hybrid_attention.ops.triton_support import interpreting
 
 CHUNK = 64
@@ -51,7 +52,8 @@ def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list
     """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
     them all, slowly) and when HA_KDA_AUTOTUNE=0 (read at call time: tests skip the tuning runs and compiles).
     A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner. Every config stays
-    listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the interpreter)."""
+    listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the interpreter).
+    The choices are kept on disk across processes (`ops/triton_cache.py`)."""
     configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
 
     def prune(configs, named_args, **kwargs):
@@ -59,7 +61,10 @@ def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list
 
     def decorate(fn):
         tuner = triton.autotune(
-            configs=configs[:1] if interpreting() else configs, key=key, prune_configs_by={"early_config_prune": prune}
+            configs=configs[:1] if interpreting() else configs,
+            key=key,
+            prune_configs_by={"early_config_prune": prune},
+            **AUTOTUNE_OPTIONS,
         )(fn)
         tuner.all_configs = configs
         return tuner

@@ -1,0 +1,105 @@
+"""Cold starts of the Triton kernels: autotuning choices kept on disk, and a word on the terminal while compiling.
+
+A new process pays twice before its first kernel runs: compilation (Triton keeps compiled kernels in its on-disk
+cache, ~/.triton/cache or $TRITON_CACHE_DIR, so only the first process on a machine pays it) and autotuning, which
+times every config of every tuned kernel again in each process unless its results are kept.
+
+- `AUTOTUNE_OPTIONS` turns on Triton's own on-disk autotuning cache (`triton.autotune(cache_results=True)`, in the
+  same folder as the compiled kernels). Its entries are keyed by the Triton version, the compilation target (GPU
+  architecture), the kernel's source, the tuning key (the shape class and the dtypes) and the config list, so a
+  changed kernel, another GPU architecture or another shape class is tuned afresh.
+- `announce_compilation(echo)` says on the terminal when a kernel is being compiled: Triton calls a hook before and
+  after every compilation this process needs; when one lasts longer than ANNOUNCE_AFTER_S (a real compilation, not
+  a load from the disk cache) the kernel's name is printed, once per kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import triton
+
+ANNOUNCE_AFTER_S = 0.5  # loading a cached kernel takes milliseconds; compiling one takes seconds
+
+# `cache_results` exists from Triton 3.3 on; without it each process tunes again (still correct).
+AUTOTUNE_OPTIONS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+class CompileNotice:
+    """Prints `compiling Triton kernel NAME ...` through `echo` when a compilation outlasts `after_s` seconds.
+
+    `start(name)` and `end(name)` bracket one compilation (Triton's pre- and post-compile hooks call them); a timer
+    thread prints while the compilation is still running, since the compiler holds the main thread.
+    """
+
+    def __init__(self, echo, *, after_s: float = ANNOUNCE_AFTER_S, cache_dir: str | None = None):
+        self.echo = echo
+        self.after_s = after_s
+        self.cache_dir = cache_dir
+        self.announced: set[str] = set()
+        self._lock = threading.Lock()
+        self._running: dict[str, float] = {}  # name -> start time of its compilation
+        self._timers: dict[str, threading.Timer] = {}
+        self._first = True
+
+    def start(self, name: str) -> None:
+        with self._lock:
+            self._running[name] = time.perf_counter()
+            if name not in self.announced and name not in self._timers:
+                timer = threading.Timer(self.after_s, self._announce, args=(name,))
+                timer.daemon = True
+                self._timers[name] = timer
+                timer.start()
+
+    def end(self, name: str) -> None:
+        with self._lock:
+            self._running.pop(name, None)
+            timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _announce(self, name: str) -> None:
+        with self._lock:
+            if name not in self._running or name in self.announced:
+                return
+            self._timers.pop(name, None)
+            self.announced.add(name)
+            first, self._first = self._first, False
+        where = f" in {self.cache_dir}" if self.cache_dir else ""
+        note = f" (once per GPU architecture and Triton version; later runs load it from the cache{where})"
+        self.echo(f"compiling Triton kernel {name} ..." + (note if first else ""))
+
+
+_installed: CompileNotice | None = None
+
+
+def announce_compilation(echo) -> CompileNotice | None:
+    """Install Triton hooks that report long compilations through `echo` (a function taking one line); once per
+    process (later calls only replace `echo`). Hooks already installed by someone else keep running, chained before
+    ours. Returns the notice, or None when this Triton has no compilation hooks."""
+    global _installed
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook") or not hasattr(runtime, "jit_post_compile_hook"):
+        return None
+    if _installed is not None:
+        _installed.echo = echo
+        return _installed
+    notice = CompileNotice(echo, cache_dir=getattr(getattr(knobs, "cache", None), "dir", None))
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+    def on_start(*args, **kwargs):
+        skip = before(*args, **kwargs) if before is not None else None
+        if not skip:  # a true result from an earlier hook means no compilation follows
+            notice.start(kwargs["fn"].name)
+        return skip
+
+    def on_end(*args, **kwargs):
+        notice.end(kwargs["fn"].name)
+        return after(*args, **kwargs) if after is not None else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_start, on_end
+    _installed = notice
+    return notice
