@@ -54,7 +54,7 @@ def _data_spec(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export}")
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     t.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), help="chunk_kda backend (default auto)")
+    t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
+                   "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip
+    t.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="torchrun: recompute each mixer and MLP in the backward (less memory)")  # fmt: skip
+    t.add_argument("--dist-timeout", type=positive_float, help="torchrun: seconds a rank waits for the others (600)")
     t.set_defaults(func=_train)
 
     g = sub.add_parser("generate", help="stream text from a trained run")
@@ -114,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ckpt", help="run directory written by `train`")
     i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
     i.set_defaults(func=_info)
+
+    x = sub.add_parser("export", help="gather a distributed run's sharded checkpoint into model.safetensors")
+    x.add_argument("--ckpt", required=True, help="run directory written by `torchrun ... train`")
+    x.set_defaults(func=_export)
     return parser
 
 
@@ -315,4 +324,12 @@ def _info(args) -> int:
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
+    return 0
+
+
+def _export(args) -> int:
+    from hybrid_attention.dist_checkpoint import export
+
+    path = export(args.ckpt)
+    print(f"wrote {path}; `generate`, `eval` and `info` read it on one device")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import checkpoint as ckpt
+from hybrid_attention import dist_checkpoint, distributed
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
 from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
@@ -62,6 +63,10 @@ class TrainConfig:
     kda_backend: str | None = None  # None: the model config's ("auto")
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
+    # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
+    fsdp_reshard_after_forward: bool = False
+    activation_checkpointing: bool = False
+    dist_timeout: float = 600.0  # seconds
 
     @classmethod
     def create(cls, saved: dict | None = None, **given) -> TrainConfig:
@@ -117,19 +122,33 @@ class TrainConfig:
             raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
 
 
-_WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
+_WHERE = {
+    "out",
+    "device",
+    "dtype",
+    "compile",
+    "kda_backend",
+    "fsdp_reshard_after_forward",
+    "activation_checkpointing",
+    "dist_timeout",
+}  # where and how the run executes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 
 
 # ------------------------------------------------------------------------------------------------------- training
-def prepare(config: TrainConfig, *, resume: bool):
-    """Everything a run needs, checked, before anything is written. Returns a dict of the pieces."""
+def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | None = None):
+    """Everything a run needs, checked, before anything is written. Returns a dict of the pieces.
+
+    With a sharded `par` (torchrun), the model is sharded with FSDP2 before its optimizers are built."""
+    par = par or distributed.Parallel.single()
     run_dir = Path(config.out)
     saved = None
     if resume:
@@ -138,7 +157,7 @@ def prepare(config: TrainConfig, *, resume: bool):
         raise ValueError(f"--out {run_dir} is a file, not a directory")
     elif ckpt.holds_run(run_dir):
         raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
-    device = resolve_device(config.device)
+    device = par.device if par.sharded else resolve_device(config.device)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
@@ -166,34 +185,54 @@ def prepare(config: TrainConfig, *, resume: bool):
             )
     torch.manual_seed(config.seed)
     model = HybridLM(model_config).to(device)
-    optimizers = build_optimizers(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    build = build_optimizers
+    if par.sharded:
+        distributed.shard_for_training(model, par, config, tokenizer, train_tokens)
+        build = distributed.build_optimizers
+    optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
     step = 0
     if saved is not None:
-        step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
+        sharded_ckpt = dist_checkpoint.latest(run_dir)
+        if sharded_ckpt is not None:
+            step = dist_checkpoint.restore(sharded_ckpt, model, optimizers, schedulers)
+        elif par.sharded:
+            raise ValueError(f"{run_dir} holds a single-process checkpoint; resume it without torchrun")
+        else:
+            step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
                 schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens)  # fmt: skip
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
-    """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU)."""
+    """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU).
+
+    Started by torchrun (`distributed.launched()`), the job is one of several processes training one FSDP2-sharded
+    model; every rank returns the summary, rank 0 alone prints and writes the run's plain files."""
     with flush_denormals():
-        return _train(config, resume, echo)
+        if not distributed.launched():
+            return _train(config, resume, echo, distributed.Parallel.single())
+        par = distributed.Parallel.from_env(config.device, config.dist_timeout)
+        summary = par.run(lambda: _train(config, resume, echo if par.is_main else lambda *a, **k: None, par))
+        par.close()
+        return summary
 
 
-def _train(config: TrainConfig, resume: bool, echo) -> dict:
+def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> dict:
     from tqdm import tqdm
 
-    p = prepare(config, resume=resume)
+    p = prepare(config, resume=resume, par=par)
     run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
     optimizers, schedulers = p["optimizers"], p["schedulers"]
-    # ---- from here on, the run directory is written
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume:
-        rows = ckpt.read_log(run_dir, up_to_step=start)  # drop lines logged after the checkpoint
+    main = par.is_main
+    rows = ckpt.read_log(run_dir, up_to_step=start) if resume else []  # drop lines logged after the checkpoint
+    par.barrier()  # every rank has read the run directory before rank 0 writes to it
+    # ---- from here on, the run directory is written (by rank 0; the others write checkpoint shards only)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if main and resume:
         ckpt.write_log(run_dir, rows)
-    else:
-        rows = []
+    elif main:
         if tokenizer.kind == "bpe":
             ckpt.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
         ckpt.save_config(
@@ -211,7 +250,7 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
     unigram_bpb = unigram * val_tokens.numel() / math.log(2) / int(tokenizer.byte_lengths()[val_tokens.long()].sum())
     byte_lengths = tokenizer.byte_lengths().to(device)
     train_tokens, val_tokens = train_tokens.to(device), val_tokens.to(device)
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum  # global: over all ranks
     n_train, n_val = p["corpus"].num_bytes
     echo(
         f"data: {p['corpus'].source}: {n_train:,} train / {n_val:,} validation bytes; "
@@ -221,6 +260,11 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         f"model: {config.preset}, {model.num_parameters():,} parameters, {device}, dtype {config.dtype}; "
         f"run directory {run_dir}" + (f"; resuming at step {start}" if start else "")
     )
+    if par.sharded:
+        echo(
+            f"distributed: {par.world_size} processes, FSDP2 on {device.type}; --batch-size {config.batch_size} "
+            f"sequences per step in all, {config.batch_size // par.world_size} per process"
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     end = config.stop_after or config.steps
@@ -229,13 +273,16 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
     timed_tokens, timed_s, last_val, step = 0, 0.0, None, start
-    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
+               disable=not main)  # fmt: skip
+    eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
     model.train()
     tick, interval_tokens = time.perf_counter(), 0
     for step in range(start + 1, end + 1):
         loss_sum = torch.zeros((), device=device)
         for micro in range(config.grad_accum):
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
+            x = par.local_rows(x)  # this rank's share of the global batch
             with autocast():
                 loss = step_fn(x, labels=x).loss / config.grad_accum
             loss.backward()
@@ -250,35 +297,40 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
             opt.zero_grad(set_to_none=True)
         interval_tokens += tokens_per_step
         bar.update(1)
-        stopping = step == end or time.perf_counter() >= deadline
+        stopping = step == end or (deadline < math.inf and par.any(time.perf_counter() >= deadline))
         do_eval = step % config.eval_every == 0 or stopping
         if not (do_eval or step % config.log_every == 0):
             continue
-        loss_value = float(loss_sum)  # synchronises, so the interval time below is real
+        loss_value = float(par.mean(loss_sum))  # synchronises, so the interval time below is real
         elapsed = time.perf_counter() - tick
         row = {
             "step": step,
             "loss": loss_value,
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": float(distributed.full(grad_norm)),
             "tokens": step * tokens_per_step,
             "tokens_per_s": interval_tokens / elapsed,
         }
         if rows and rows[-1]["step"] > start:  # a process's first interval holds compilation and warm-up
             timed_tokens, timed_s = timed_tokens + interval_tokens, timed_s + elapsed
         if do_eval:
-            last_val = evaluate(step_fn, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
+            last_val = evaluate(eval_model, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
             row["val_loss"], row["val_bpb"] = last_val
         rows.append(row)
-        ckpt.append_log(run_dir, row)
+        if main:
+            ckpt.append_log(run_dir, row)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         if do_eval:
             bar.write(
                 f"step {step}: train loss {loss_value:.4f}, validation loss {last_val[0]:.4f} "
                 f"({last_val[1]:.3f} bits/byte); unigram baseline {unigram:.4f}"
             )
-            plot_losses(run_dir, rows)
-            ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+            if main:
+                plot_losses(run_dir, rows)
+            if par.sharded:
+                dist_checkpoint.save(run_dir, par, model, optimizers, schedulers, step)
+            else:
+                ckpt.save_training(run_dir, model, optimizers, schedulers, step)
         if stopping:
             break
         tick, interval_tokens = time.perf_counter(), 0
@@ -299,10 +351,14 @@ def _train(config: TrainConfig, resume: bool, echo) -> dict:
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
+        "mfu": fpt * tokens_per_s / (peak * par.world_size)
+        if peak
+        else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device": device_name,
         "torch": torch.__version__,
+        "world_size": par.world_size,
     }
-    ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if main:
+        ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
