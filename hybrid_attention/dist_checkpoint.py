@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -105,18 +106,15 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
 def restore(path: str | Path, model, optimizers, schedulers) -> int:
     """Load a sharded checkpoint into a freshly built model (sharded or not) and its optimizers and schedulers.
     Works on any number of ranks, or in a single process. Returns the step."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizers)
     state["train"] = {"blob": torch.empty(0, dtype=torch.uint8)}
     _check_blob_size(path, state)
     try:
-        dcp.load(state, checkpoint_id=path)
+        _load(state, path)
     except Exception as e:  # DCP raises CheckpointException carrying every rank's error
-        raise ValueError(
-            f"{path}: the sharded checkpoint does not load into this model ({' '.join(str(e).split())[:400]})"
-        ) from None
+        raise ValueError(f"{path}: the sharded checkpoint does not load into this model ({_one_line(e)})") from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     train = pickle.loads(state["train"]["blob"].numpy().tobytes())
     if len(train["schedulers"]) != len(schedulers):
@@ -126,6 +124,17 @@ def restore(path: str | Path, model, optimizers, schedulers) -> int:
     torch.set_rng_state(train["rng"]["torch"])
     random.setstate(train["rng"]["python"])
     return int(train["step"])
+
+
+def _load(state: dict, path: Path) -> None:
+    """dcp.load, which reads in this process alone when there is no process group (it warns that it assumes so)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=path)
 
 
 def _check_blob_size(path, state) -> None:
@@ -142,8 +151,6 @@ def _check_blob_size(path, state) -> None:
 def export(run_dir: str | Path) -> Path:
     """Gather the model of the newest sharded checkpoint into `run_dir/model.safetensors` (the step in its
     metadata), readable on one device. Needs no process group. Returns the file written."""
-    import torch.distributed.checkpoint as dcp
-
     from hybrid_attention.model import HybridConfig, HybridLM
 
     config = ckpt.load_config(run_dir)
@@ -153,11 +160,9 @@ def export(run_dir: str | Path) -> Path:
     model = HybridLM(HybridConfig.from_dict(config["model"]))
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=path)
+        _load(state, path)
     except Exception as e:
-        raise ValueError(
-            f"{path}: the model in {ckpt.CONFIG} does not match the checkpoint ({' '.join(str(e).split())[:400]})"
-        ) from None
+        raise ValueError(f"{path}: the model in {ckpt.CONFIG} does not match the checkpoint ({_one_line(e)})") from None
     model.load_state_dict(state["model"])
     ckpt.save_weights(run_dir, model, checkpoint_step(path))
     return Path(run_dir) / ckpt.WEIGHTS

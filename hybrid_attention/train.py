@@ -193,10 +193,10 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
     step = 0
     if saved is not None:
-        sharded_ckpt = dist_checkpoint.latest(run_dir)
-        if sharded_ckpt is not None:
-            step = dist_checkpoint.restore(sharded_ckpt, model, optimizers, schedulers)
-        elif par.sharded:
+        sharded, plain = dist_checkpoint.latest(run_dir), ckpt.weights_step(run_dir)
+        if sharded is not None and (plain is None or dist_checkpoint.checkpoint_step(sharded) >= plain):
+            step = dist_checkpoint.restore(sharded, model, optimizers, schedulers)  # any world size, one process too
+        elif par.sharded and plain is not None:
             raise ValueError(f"{run_dir} holds a single-process checkpoint; resume it without torchrun")
         else:
             step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
