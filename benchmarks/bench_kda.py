@@ -63,7 +63,8 @@ def op_inputs(B, T, H, D):
 def ours_op(q, k, v, z, beta, A_log, dt_bias):
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 
-    return chunk_kda_triton(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)[0]
+    return chunk_kda_triton(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                            use_qk_l2norm=True)[0]  # fmt: skip
 
 
 def fla_op(q, k, v, z, beta, A_log, dt_bias):
@@ -161,7 +162,7 @@ def decode_case(batch, impls, H=16, D=128):
     state = 0.02 * torch.randn(batch, H, D, D, device="cuda")
     moved = 2 * state.numel() * 4  # bytes of state read + written per step
     row = dict(batch=batch, H=H, D=D, state_bytes_moved=moved)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    gate = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     if "ours" in impls:
         s = state.clone()
         ms = bench(lambda: fused_recurrent_kda_step(q, k, v, z, beta, s, use_qk_l2norm=True, **gate))

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Train k3-scaled with a byte-level BPE tokenizer on the built-in corpus (this interpreter's standard library, no
-# network) on one CUDA GPU, and report what benchmarks/RESULTS.md needs: tokens per second, model FLOPs utilisation,
+# network) on one CUDA GPU, and report tokens per second, model FLOPs utilisation,
 # peak memory (torch.cuda.max_memory_allocated) and the loss curve (loss.png + log.jsonl).
 #
 # MFU = flops_per_token * tokens_per_s / peak, with flops_per_token = 6 * (non-embedding parameters) plus the
 # sequence-mixing FLOPs (MLA causal softmax, KDA chunkwise; see hybrid_attention.metrics.flops_per_token). It is
-# reported against both the H200 datasheet's 989e12 dense bf16 FLOP/s and the 784e12 FLOP/s our H200 measured on an
-# 8192^3 bf16 matmul (design/ANCHORS.md). tokens_per_s is measured after the first logged interval, which holds
+# reported against the device's datasheet dense bf16 peak (hybrid_attention.metrics.peak_flops). tokens_per_s is
+# measured after the first logged interval, which holds
 # torch.compile and warm-up, and excludes evaluation and checkpoint time.
 #
-# Budget: about 7 minutes on an H200: BPE training and tokenisation (~1 min), then training, stopped by
+# Budget: about 7 minutes: BPE training and tokenisation (~1 min), then training, stopped by
 # --time-limit (default 5 min, compile included) if the steps are not done by then.
 #
 # Usage, from anywhere (extra flags go to `hybrid-attention train` and override the ones below):
@@ -25,7 +25,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=true
 
 STEPS=${STEPS:-300}
-BATCH=${BATCH:-4}  # 16 x 2048 ran out of memory on an H200 (2026-11-29); 4 x 2048 peaked at 33.7 GiB
+BATCH=${BATCH:-4}  # 4 x 2048 fits on one H200 with room to spare; 16 x 2048 does not
 SEQ=${SEQ:-2048}
 TIME_LIMIT=${TIME_LIMIT:-5}
 COMPILE=${COMPILE:-1}

@@ -1,16 +1,38 @@
-"""Run directories: config.json, model.safetensors, tokenizer.json (BPE only), train_state.pt, log.jsonl, loss.png.
+"""Run directories: the files of a run and its checkpoints.
 
-Every file is written atomically: to a temporary file in the same directory, flushed and fsynced, then moved over
-the old one with os.replace, so an interrupted write leaves the previous version intact. The weights (safetensors
-metadata) and the training state both record their step; a resume checks that they agree, which catches the one
-inconsistency atomic files cannot rule out (a stop between the two replacements).
+    run_dir/
+      config.json             the run's settings: model, tokenizer, train, and the data fingerprint
+      tokenizer.json          BPE runs only
+      log.jsonl, loss.png     one JSON line per logged step; the loss curves
+      summary.json            written when a job ends normally
+      lock                    flock-ed by the one process writing the run (rundir.py)
+      checkpoints/
+        latest                the name of the newest complete checkpoint, e.g. "step_00000400"
+        step_00000400/        model.safetensors (the step in its metadata) + train_state.pt
+
+A checkpoint is one unit. Its files are written into `checkpoints/step_N.tmp/`, fsynced, and the directory is renamed
+to `step_N`; then `latest` is replaced (a fsynced file moved with os.replace). That replacement is the commit point:
+a stop at any moment before it leaves `latest` naming the previous checkpoint, whole, and a stop after it the new
+one. Only after the commit are older step directories and leftovers of interrupted saves removed. Readers (resume,
+generate, eval) follow `latest`. Run directories of the older flat layout (model.safetensors and train_state.pt at
+the top) are still read, and a resumed one is moved to this layout by its next save.
+
+The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`, so a sharded
+(distributed) checkpoint commits the same way, and `latest_checkpoint` finds what to read. Other files are written
+atomically one by one (`atomic_write`: a temporary file, fsync, os.replace, fsync of the directory). Every file gets
+the permissions open() gives a new file (0666 less the umask).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import re
+import shutil
+import types
+import typing
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +46,36 @@ WEIGHTS = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
 LOG = "log.jsonl"
 PLOT = "loss.png"
-RUN_FILES = (CONFIG, WEIGHTS, TRAIN_STATE, LOG)
+SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
 FORMAT = "hybrid-attention-run"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+# Every model setting a run has stored since the format began; settings added later fall back to their defaults.
+MODEL_REQUIRED = (
+    "vocab_size", "hidden_size", "layer_types", "intermediate_size", "residual", "attnres_block_size", "norm_eps",
+    "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_lower_bound", "kda_backend", "mla_num_heads",
+    "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_shared_head_dim", "mla_v_head_dim", "mla_q_lora_rank",
+    "tie_embeddings", "init_std",
+)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- plain files
+def _fsync(path: str | Path, *, directory: bool = False) -> None:
+    if directory and not hasattr(os, "O_DIRECTORY"):
+        return  # a directory cannot be opened for fsync outside POSIX
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_permissions(path: str | Path) -> None:
+    """0666 less the umask, as open() creates files (safetensors writes 0600, torch.save 0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
@@ -34,29 +84,147 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     path = Path(path)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
-        open(tmp, "xb").close()  # created as open() creates files (umask permissions), unlike mkstemp's 0600
         write(str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        _default_permissions(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if hasattr(os, "O_DIRECTORY"):  # POSIX; elsewhere a directory cannot be opened for fsync
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    _fsync(path.parent, directory=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+# ----------------------------------------------------------------------------------------------------- checkpoints
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The directory of the run's newest complete checkpoint (the one `checkpoints/latest` names), the run directory
+    itself for the older flat layout, or None before the first checkpoint. ValueError for a damaged pointer."""
+    run_dir = Path(run_dir)
+    pointer = run_dir / CHECKPOINTS / LATEST
+    if pointer.is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{pointer} is not readable ({e})") from None
+        directory = run_dir / CHECKPOINTS / name
+        if not _STEP_DIR.fullmatch(name):
+            raise ValueError(f"{pointer} should name a checkpoint like step_00000100, but holds {name[:40]!r}")
+        if not directory.is_dir():
+            raise ValueError(f"{pointer} names {name}, but {directory} is missing (removed by hand?)")
+        return directory
+    if (run_dir / WEIGHTS).is_file() or (run_dir / TRAIN_STATE).is_file():
+        return run_dir
+    return None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Commit a checkpoint for `step`: `write(directory)` fills a fresh temporary directory, which is fsynced,
+    renamed to checkpoints/step_N and named in checkpoints/latest; then older checkpoints and leftovers are removed.
+    Returns the checkpoint's directory."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final, tmp = root / name, root / f"{name}.tmp"
+    current = latest_checkpoint(run_dir)
+    if current is not None and current.name == name:
+        raise ValueError(f"{final} is already the run's latest checkpoint")
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                _default_permissions(path)
+                _fsync(path)
+        _fsync(tmp, directory=True)
+        if final.exists():  # renamed into place but never committed: a stop came before the pointer moved
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(root, directory=True)
+    atomic_write_text(root / LATEST, name + "\n")  # the commit point
+    remove_stale(run_dir)
+    return final
+
+
+def remove_stale(run_dir: str | Path) -> None:
+    """Remove what the committed checkpoint makes obsolete: other step directories, temporaries of interrupted
+    writes, and the files of the older flat layout. Only the job holding the run's lock may call this."""
+    run_dir = Path(run_dir)
+    root = run_dir / CHECKPOINTS
+    current = latest_checkpoint(run_dir)
+    keep = current.name if current is not None and current.parent == root else None
+    if root.is_dir():
+        for path in root.iterdir():
+            stale = path.name.endswith(".tmp") or _STEP_DIR.fullmatch(path.name)
+            if stale and path.name != keep:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    leftovers = [p for p in run_dir.glob(".*.tmp") if p.is_file()]
+    if keep is not None:
+        leftovers += [run_dir / WEIGHTS, run_dir / TRAIN_STATE]
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+
+
 def holds_run(run_dir: str | Path) -> bool:
-    """Whether `run_dir` already holds (part of) a run."""
-    return any((Path(run_dir) / name).exists() for name in RUN_FILES)
+    """Whether `run_dir` holds a run worth keeping: a checkpoint or logged steps (a directory left with only the
+    settings of a job that failed before its first log line may be reused)."""
+    run_dir = Path(run_dir)
+    if (run_dir / CHECKPOINTS).is_dir() or (run_dir / WEIGHTS).exists() or (run_dir / TRAIN_STATE).exists():
+        return True
+    log = run_dir / LOG
+    return log.is_file() and log.stat().st_size > 0
+
+
+# -------------------------------------------------------------------------------------------------- config.json
+def _type_error(value, hint) -> str | None:
+    """Why `value` (read from JSON) does not have the type `hint` (a dataclass annotation), or None when it has."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        reasons = [_type_error(value, h) for h in typing.get_args(hint)]
+        return None if None in reasons else " or ".join(r.removeprefix("expected ") for r in reasons if r)
+    if hint is type(None):
+        return None if value is None else "expected null"
+    if hint is bool:
+        return None if isinstance(value, bool) else "expected true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "expected a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "expected a string"
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...], stored as a JSON list
+        item = typing.get_args(hint)[0]
+        ok = isinstance(value, list) and all(_type_error(v, item) is None for v in value)
+        return None if ok else "expected a list of strings"
+    raise TypeError(f"no JSON check for the type {hint}")
+
+
+def check_fields(values: dict, cls, where: str, *, required: tuple[str, ...] = ()) -> None:
+    """Check a JSON section against the init fields of dataclass `cls` as strictly as command-line input: unknown or
+    missing required keys, and values of the wrong type, raise ValueError naming `where` (e.g. "run/config.json
+    train section")."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in cls.__dataclass_fields__.values() if f.init}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown settings {unknown}")
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ValueError(f"{where}: missing settings {missing}")
+    for name in sorted(values):
+        reason = _type_error(values[name], hints[name])
+        if reason:
+            raise ValueError(f"{where}: {name} = {json.dumps(values[name])[:40]}; {reason}")
 
 
 def save_config(run_dir: str | Path, config: dict) -> None:
@@ -64,7 +232,10 @@ def save_config(run_dir: str | Path, config: dict) -> None:
 
 
 def load_config(run_dir: str | Path) -> dict:
-    """The run's config.json as a dict; ValueError when the directory is not a run."""
+    """The run's config.json as a dict, its model and tokenizer sections checked; ValueError when the directory is
+    not a run or the file is damaged. (The train section is checked by `TrainConfig.create`.)"""
+    from hybrid_attention.model import HybridConfig
+
     path = Path(run_dir) / CONFIG
     if not Path(run_dir).is_dir():
         raise ValueError(f"{run_dir}: no such run directory")
@@ -79,31 +250,46 @@ def load_config(run_dir: str | Path) -> dict:
     for key in ("model", "tokenizer", "train"):
         if not isinstance(config.get(key), dict):
             raise ValueError(f"{path} has no {key!r} section")
+    model = {k: v for k, v in config["model"].items() if k != "num_layers"}  # derived; older runs stored it
+    check_fields(model, HybridConfig, f"{path} model section", required=MODEL_REQUIRED)
+    tokenizer = config["tokenizer"]
+    if tokenizer.get("kind") not in ("byte", "bpe"):
+        raise ValueError(f"{path} tokenizer section: kind = {tokenizer.get('kind')!r}; expected 'byte' or 'bpe'")
+    vocab = tokenizer.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ValueError(f"{path} tokenizer section: vocab_size = {vocab!r}; expected a positive integer")
+    if "file" in tokenizer and not isinstance(tokenizer["file"], str):
+        raise ValueError(f"{path} tokenizer section: file = {tokenizer['file']!r}; expected a file name")
     return config
 
 
-def save_weights(run_dir: str | Path, model: torch.nn.Module, step: int) -> None:
-    """model.safetensors with the step in its metadata (shared tensors, e.g. tied embeddings, stored once)."""
-    atomic_write(Path(run_dir) / WEIGHTS, lambda tmp: save_model(model, tmp, metadata={"step": str(step)}))
+# ------------------------------------------------------------------------------------------ weights, train state
+def save_weights(directory: str | Path, model: torch.nn.Module, step: int) -> None:
+    """directory/model.safetensors with the step in its metadata (shared tensors, e.g. tied embeddings, stored
+    once). Written in place: inside a checkpoint the directory's rename makes it atomic."""
+    save_model(model, str(Path(directory) / WEIGHTS), metadata={"step": str(step)})
 
 
-def weights_step(run_dir: str | Path) -> int | None:
-    """The step recorded in model.safetensors, or None when there are no weights."""
-    path = Path(run_dir) / WEIGHTS
+def weights_step(directory: str | Path) -> int | None:
+    """The step recorded in directory/model.safetensors, or None when there are no weights."""
+    path = Path(directory) / WEIGHTS
     if not path.is_file():
         return None
     try:
         with safe_open(str(path), framework="pt") as f:
-            return int((f.metadata() or {}).get("step", -1))
+            step = (f.metadata() or {}).get("step")
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    if step is None or not step.isdigit():
+        raise ValueError(f"{path} records no training step in its metadata (step = {step!r})")
+    return int(step)
 
 
-def load_weights(run_dir: str | Path, model: torch.nn.Module) -> int:
-    """Load model.safetensors into `model`, checking names and shapes first. Returns the recorded step."""
-    path = Path(run_dir) / WEIGHTS
+def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
+    """Load directory/model.safetensors into `model`, checking names and shapes first. Returns the recorded step."""
+    path = Path(directory) / WEIGHTS
     if not path.is_file():
-        raise ValueError(f"{run_dir}: {WEIGHTS} is missing (the run has not saved a checkpoint yet)")
+        raise ValueError(f"{directory}: {WEIGHTS} is missing")
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -125,39 +311,122 @@ def load_weights(run_dir: str | Path, model: torch.nn.Module) -> int:
         load_model(model, str(path), strict=True)
     except RuntimeError as e:
         raise ValueError(f"{path} does not match the model in {CONFIG}: {' '.join(str(e).split())[:400]}") from None
-    return weights_step(run_dir)
+    return weights_step(directory)
 
 
-def save_train_state(run_dir: str | Path, state: dict) -> None:
-    atomic_write(Path(run_dir) / TRAIN_STATE, lambda tmp: torch.save(state, tmp))
+def save_train_state(directory: str | Path, state: dict) -> None:
+    torch.save(state, Path(directory) / TRAIN_STATE)
 
 
-def load_train_state(run_dir: str | Path) -> dict | None:
-    """train_state.pt (optimizer, scheduler, RNG states, step), or None when the run has not saved one yet."""
-    path = Path(run_dir) / TRAIN_STATE
+def load_train_state(directory: str | Path) -> dict | None:
+    """directory/train_state.pt (optimizer, scheduler, RNG states, step) checked for its parts, or None when absent."""
+    path = Path(directory) / TRAIN_STATE
     if not path.is_file():
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types
         raise ValueError(f"{path} is not a readable training state ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise ValueError(f"{path} has no step")
+    problem = None
+    if not isinstance(state, dict):
+        problem = f"holds a {type(state).__name__}, not a dict"
+    elif not isinstance(state.get("step"), int) or state["step"] < 0:
+        problem = f"step = {state.get('step')!r}; expected an integer >= 0"
+    elif not all(isinstance(state.get(k), list) and all(isinstance(d, dict) for d in state[k]) for k in _STATE_LISTS):
+        problem = "optimizers and schedulers must be lists of state dicts"
+    elif not isinstance(state.get("rng"), dict) or not isinstance(state["rng"].get("torch"), torch.Tensor):
+        problem = "no RNG states (rng.torch)"
+    elif not isinstance(state["rng"].get("python"), tuple):
+        problem = "no Python RNG state (rng.python)"
+    if problem:
+        raise ValueError(f"{path} is not a training state written by hybrid-attention: {problem}")
     return state
 
 
+_STATE_LISTS = ("optimizers", "schedulers")
+
+
+def save_training(run_dir: str | Path, model, optimizers, schedulers, step: int) -> Path:
+    """Commit a checkpoint of `step`: the weights and train_state.pt (optimizer and scheduler states, RNG states)."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {
+        "step": step,
+        "optimizers": [opt.state_dict() for opt in optimizers],
+        "schedulers": [s.state_dict() for s in schedulers],
+        "rng": rng,
+    }
+
+    def write(directory: Path) -> None:
+        save_weights(directory, model, step)
+        save_train_state(directory, state)
+
+    return save_checkpoint(run_dir, step, write)
+
+
+def checkpoint_step(run_dir: str | Path) -> int:
+    """The step of the run's newest complete checkpoint (0 before the first)."""
+    directory = latest_checkpoint(run_dir)
+    return 0 if directory is None else weights_step(directory) or 0
+
+
+def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
+    """Load the newest complete checkpoint into freshly built objects; returns its step (0 if none was saved yet)."""
+    directory = latest_checkpoint(run_dir)
+    if directory is None:
+        return 0  # the run stopped before its first checkpoint: it starts again from its saved settings
+    state, step = load_train_state(directory), weights_step(directory)
+    flat = directory == Path(run_dir)
+    for name, value in ((TRAIN_STATE, state), (WEIGHTS, step)):
+        if value is None:
+            why = "the last save of this older-layout run was interrupted" if flat else "removed by hand?"
+            raise ValueError(f"{directory}: {name} is missing ({why})")
+    if step != state["step"]:
+        why = "the last save of this older-layout run was interrupted" if flat else "the checkpoint is damaged"
+        raise ValueError(
+            f"{directory}: the weights (step {step}) and {TRAIN_STATE} (step {state['step']}) disagree; {why}"
+        )
+    load_weights(directory, model)
+    if len(state["optimizers"]) != len(optimizers) or len(state["schedulers"]) != len(schedulers):
+        raise ValueError(
+            f"{directory / TRAIN_STATE} holds {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
+            f"schedulers, expected {len(optimizers)} and {len(schedulers)}"
+        )
+    try:
+        for opt, sd in zip(optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(sd)
+        for sched, sd in zip(schedulers, state["schedulers"], strict=True):
+            sched.load_state_dict(sd)
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"].get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        random.setstate(state["rng"]["python"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{directory / TRAIN_STATE} does not fit this run ({type(e).__name__}: {e})") from None
+    return int(state["step"])
+
+
+# ------------------------------------------------------------------------------------------------------ log.jsonl
 def read_log(run_dir: str | Path, *, up_to_step: int | None = None) -> list[dict]:
-    """The JSON lines of log.jsonl, keeping only steps <= `up_to_step` when given."""
+    """The rows of log.jsonl, keeping only steps <= `up_to_step` when given. A last line without its newline (an
+    append cut short) is dropped; any other line that is not a JSON object with an integer step and finite numbers
+    raises ValueError naming the file and line."""
     path = Path(run_dir) / LOG
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(path.read_bytes().split(b"\n")[:-1], start=1):  # [-1]: after the last newline
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interrupted append
-    return [r for r in rows if isinstance(r, dict) and "step" in r and (up_to_step is None or r["step"] <= up_to_step)]
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
+        ok = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row.values())
+        if not ok:
+            raise ValueError(f"{path}: line {number} is not a log row (a JSON object of numbers with an integer step)")
+        rows.append(row)
+    return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
 
 
 def write_log(run_dir: str | Path, rows: list[dict]) -> None:
@@ -170,50 +439,10 @@ def append_log(run_dir: str | Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def save_training(run_dir: str | Path, model, optimizers, schedulers, step: int) -> None:
-    """Weights, then train_state.pt (optimizer and scheduler states, RNG states, step)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    state = {
-        "step": step,
-        "optimizers": [opt.state_dict() for opt in optimizers],
-        "schedulers": [s.state_dict() for s in schedulers],
-        "rng": rng,
-    }
-    save_weights(run_dir, model, step)  # weights first: a stop between the two files is caught by the step check
-    save_train_state(run_dir, state)
-
-
-def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
-    """Load what `save_training` wrote into freshly built objects; returns the step (0 if nothing was saved yet)."""
-    state = load_train_state(run_dir)
-    step = weights_step(run_dir)
-    if state is None and step is None:
-        return 0  # the run stopped before its first checkpoint: it starts again from its saved settings
-    if state is None or step != state["step"]:
-        raise ValueError(
-            f"{run_dir}: the weights (step {step}) and {TRAIN_STATE} (step {None if state is None else state['step']})"
-            " disagree; the last save was interrupted"
-        )
-    load_weights(run_dir, model)
-    if len(state["optimizers"]) != len(optimizers) or len(state["schedulers"]) != len(schedulers):
-        raise ValueError(
-            f"{run_dir}/{TRAIN_STATE} holds {len(state['optimizers'])} optimizers, expected {len(optimizers)}"
-        )
-    for opt, sd in zip(optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(sd)
-    for sched, sd in zip(schedulers, state["schedulers"], strict=True):
-        sched.load_state_dict(sd)
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"].get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    random.setstate(state["rng"]["python"])
-    return int(state["step"])
-
-
+# ------------------------------------------------------------------------------------------------------- reading
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights: bool = True):
-    """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32)."""
+    """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32), with the
+    weights of its newest complete checkpoint."""
     from hybrid_attention.model import HybridConfig, HybridLM
     from hybrid_attention.tokenizer import tokenizer_from_dict
 
@@ -230,6 +459,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
     if not weights:
         with torch.device("meta"):
             return HybridLM(model_config), config, tokenizer
+    directory = latest_checkpoint(run_dir)
+    if directory is None:
+        raise ValueError(f"{run_dir}: the run has not saved a checkpoint yet")
     model = HybridLM(model_config)
-    load_weights(run_dir, model)
+    load_weights(directory, model)
     return model.to(device).eval(), config, tokenizer

@@ -10,11 +10,13 @@ import argparse
 import codecs
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla")  # hybrid_attention.model.PRESETS, without importing torch
+# hybrid_attention.model.PRESETS, without importing torch
+PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -165,19 +167,29 @@ def _train(args) -> int:
         given["out"] = out
     config = TrainConfig.create(saved, **given)
     start = time.perf_counter()
+    resume_command = f"hybrid-attention train --resume --out {shlex.quote(config.out)}"
     try:
         s = train(config, resume=args.resume)
     except KeyboardInterrupt:
+        try:
+            kept = f"its checkpoint of step {checkpoint.checkpoint_step(config.out)}"
+        except (ValueError, OSError):
+            kept = "its last complete checkpoint"
+        print(f"\naborted: {config.out} keeps {kept}; continue with `{resume_command}`", file=sys.stderr)
+        return 130
+    if s.get("already_complete"):
+        return 0
+    if s["stopped_by"]:
         print(
-            f"\ninterrupted: {config.out} keeps its last checkpoint; continue with "
-            f"`hybrid-attention train --resume --out {config.out}`",
+            f"{s['stopped_by']}: saved a checkpoint of step {s['step']} of {s['steps']} in {config.out}; "
+            f"continue with `{resume_command}`",
             file=sys.stderr,
         )
-        return 130
+        return 130 if s["stopped_by"] == "SIGINT" else 143
     minutes, seconds = divmod(time.perf_counter() - start, 60)
     print(f"done: step {s['step']}/{s['steps']} in {int(minutes)}m{seconds:04.1f}s, {s['tokens_per_s']:,.0f} tokens/s")
     if s["step"] < s["steps"]:
-        print(f"stopped early; continue with `hybrid-attention train --resume --out {config.out}`")
+        print(f"stopped early; continue with `{resume_command}`")
     if s["val_loss"] is not None:
         print(
             f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte); "

@@ -1,26 +1,26 @@
 """Sharded checkpoints of distributed runs (torch.distributed.checkpoint, DCP), and their export to one file.
 
+They use the run directory's checkpoint layout (checkpoint.py): a step directory committed by the `latest` pointer.
+
     run_dir/checkpoints/
       latest              the name of the newest complete checkpoint, e.g. "step_00000400"
       step_00000400/      .metadata + one __R_0.distcp file per rank (model, optimizers, schedulers, RNG, step)
+                          (+ model.safetensors once `hybrid-attention export` has run)
 
-Every rank writes its shards into `step_N.tmp/`; when all have finished (DCP's own gather, then a barrier), rank 0
-renames the directory to `step_N` and replaces `latest` (a fsynced file moved with os.replace): that replacement
-is the commit, so an interrupted save leaves `latest` naming the previous checkpoint, whole. Older step
-directories are removed after the commit.
+Rank 0 runs `checkpoint.save_checkpoint`, whose `write(directory)` is the collective DCP save: every rank writes its
+shards into the temporary `step_N.tmp/`; when all have finished, rank 0 fsyncs, renames the directory to `step_N`
+and replaces `latest`. That replacement is the commit, so an interrupted save leaves the previous checkpoint whole,
+on every rank at once: there is one pointer.
 
 The state is saved with FQN keys (`get_state_dict`), so it loads on any number of ranks, a single process
 included: DCP reads each rank's slices out of whatever shards were written. `export` gathers the model into
-`model.safetensors`, the file `generate`, `eval` and `info` read.
+`model.safetensors` in the step directory, the file `generate`, `eval` and `info` read.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
-import re
-import shutil
 import warnings
 from pathlib import Path
 
@@ -28,33 +28,53 @@ import torch
 
 from hybrid_attention import checkpoint as ckpt
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"step_(\d{8,})")
+METADATA = ".metadata"  # written by DCP's coordinator last: its presence marks a sharded checkpoint
 
 
 def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())[:400]
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+def is_sharded(directory: str | Path | None) -> bool:
+    """Whether a checkpoint directory holds a DCP checkpoint."""
+    return directory is not None and (Path(directory) / METADATA).is_file()
 
 
-def latest(run_dir: str | Path) -> Path | None:
-    """The directory `checkpoints/latest` names, or None when the run has no sharded checkpoint."""
-    pointer = Path(run_dir) / CHECKPOINTS / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text(encoding="utf-8").strip()
-    path = pointer.parent / name
-    if not _STEP_DIR.fullmatch(name) or not (path / ".metadata").is_file():
-        raise ValueError(f"{pointer} names {name!r}, which is not a complete checkpoint in {pointer.parent}")
-    return path
+def save_training(run_dir: str | Path, par, model, optimizers, schedulers, step: int) -> Path:
+    """Commit a checkpoint of `step`: DCP shards from every rank when `par` is sharded (a collective call), the
+    single-process files (`checkpoint.save_training`) otherwise. Returns the step directory."""
+    if not par.sharded:
+        return ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(model, optimizers)
+    state["train"] = _train_state(schedulers, step)
+
+    def write(directory: Path) -> None:
+        par.barrier()  # rank 0 has made the fresh directory
+        dcp.save(state, checkpoint_id=directory)
+        par.barrier()  # every rank's files are complete
+
+    final = Path(run_dir) / ckpt.CHECKPOINTS / ckpt.step_dir_name(step)
+    if par.is_main:
+        final = ckpt.save_checkpoint(run_dir, step, write)
+    else:
+        write(final.parent / f"{final.name}.tmp")  # the directory save_checkpoint fills on rank 0
+    par.barrier()  # committed: no rank goes on (or reads `latest`) before rank 0 has moved the pointer
+    return final
 
 
-def checkpoint_step(path: Path) -> int:
-    return int(_STEP_DIR.fullmatch(path.name).group(1))
+def restore_training(run_dir: str | Path, par, model, optimizers, schedulers) -> int:
+    """Load the run's newest checkpoint into freshly built objects; returns its step (0 before the first save).
+
+    A sharded checkpoint loads on any number of ranks, or in one process; a single-process checkpoint loads in one
+    process (`checkpoint.restore_training`)."""
+    directory = ckpt.latest_checkpoint(run_dir)
+    if is_sharded(directory):
+        return restore(directory, model, optimizers, schedulers)
+    if par.sharded and directory is not None:
+        raise ValueError(f"{directory} is a single-process checkpoint; continue the run without torchrun")
+    return ckpt.restore_training(run_dir, model, optimizers, schedulers)
 
 
 def _train_state(schedulers, step: int) -> dict:
@@ -71,38 +91,6 @@ def _state(model, optimizers) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save(run_dir: str | Path, par, model, optimizers, schedulers, step: int) -> Path:
-    """Collective: every rank writes its shards of model and optimizer state; rank 0 commits. Returns the step
-    directory."""
-    import torch.distributed.checkpoint as dcp
-
-    root = Path(run_dir) / CHECKPOINTS
-    final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp"
-    if par.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftover of an interrupted save of this step
-        tmp.mkdir(parents=True)
-    par.barrier()
-    state = _state(model, optimizers)
-    state["train"] = _train_state(schedulers, step)
-    dcp.save(state, checkpoint_id=tmp)
-    par.barrier()  # every rank's files are written (and fsynced by DCP's writer)
-    if par.is_main:
-        _commit(root, tmp, final)
-    par.barrier()
-    return final
-
-
-def _commit(root: Path, tmp: Path, final: Path) -> None:
-    if final.exists():  # this step was saved before (a resumed run stopped at the same step again)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    ckpt.atomic_write_text(root / LATEST, final.name + "\n")  # the commit point
-    for entry in root.iterdir():  # older checkpoints and leftovers of interrupted saves
-        if entry.is_dir() and entry != final:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
 def restore(path: str | Path, model, optimizers, schedulers) -> int:
     """Load a sharded checkpoint into a freshly built model (sharded or not) and its optimizers and schedulers.
     Works on any number of ranks, or in a single process. Returns the step."""
@@ -110,7 +98,7 @@ def restore(path: str | Path, model, optimizers, schedulers) -> int:
 
     state = _state(model, optimizers)
     state["train"] = {"blob": torch.empty(0, dtype=torch.uint8)}
-    _check_blob_size(path, state)
+    _size_blob(path, state)
     try:
         _load(state, path)
     except Exception as e:  # DCP raises CheckpointException carrying every rank's error
@@ -137,7 +125,7 @@ def _load(state: dict, path: Path) -> None:
         dcp.load(state, checkpoint_id=path)
 
 
-def _check_blob_size(path, state) -> None:
+def _size_blob(path, state) -> None:
     """Size the template of the pickled train state from the checkpoint's metadata (DCP loads into given shapes)."""
     import torch.distributed.checkpoint as dcp
 
@@ -149,20 +137,27 @@ def _check_blob_size(path, state) -> None:
 
 
 def export(run_dir: str | Path) -> Path:
-    """Gather the model of the newest sharded checkpoint into `run_dir/model.safetensors` (the step in its
-    metadata), readable on one device. Needs no process group. Returns the file written."""
+    """Gather the model of the run's newest (sharded) checkpoint into `model.safetensors` in its step directory, the
+    step in its metadata, readable on one device. Needs no process group; holds the run's lock while it writes.
+    Returns the file written."""
     from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.rundir import RunLock
 
     config = ckpt.load_config(run_dir)
-    path = latest(run_dir)
-    if path is None:
-        raise ValueError(f"{run_dir} has no sharded checkpoint ({CHECKPOINTS}/{LATEST} is missing)")
-    model = HybridLM(HybridConfig.from_dict(config["model"]))
-    state = {"model": model.state_dict()}
-    try:
-        _load(state, path)
-    except Exception as e:
-        raise ValueError(f"{path}: the model in {ckpt.CONFIG} does not match the checkpoint ({_one_line(e)})") from None
-    model.load_state_dict(state["model"])
-    ckpt.save_weights(run_dir, model, checkpoint_step(path))
-    return Path(run_dir) / ckpt.WEIGHTS
+    with RunLock(run_dir):
+        directory = ckpt.latest_checkpoint(run_dir)
+        if directory is None:
+            raise ValueError(f"{run_dir} has no checkpoint yet")
+        if not is_sharded(directory):
+            raise ValueError(f"{directory} is a single-process checkpoint: its {ckpt.WEIGHTS} is read as it is")
+        model = HybridLM(HybridConfig.from_dict(config["model"]))
+        state = {"model": model.state_dict(), "train": {"blob": torch.empty(0, dtype=torch.uint8)}}
+        _size_blob(directory, state)
+        try:
+            _load(state, directory)
+        except Exception as e:
+            raise ValueError(f"{directory} does not match the model in {ckpt.CONFIG} ({_one_line(e)})") from None
+        model.load_state_dict(state["model"])
+        step = pickle.loads(state["train"]["blob"].numpy().tobytes())["step"]
+        ckpt.save_weights(directory, model, step)
+    return directory / ckpt.WEIGHTS

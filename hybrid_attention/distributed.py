@@ -11,12 +11,13 @@ Sharding (`shard_model`, FSDP2 `fully_shard`, bottom-up):
   freed after the last (`fully_shard([...])` on several modules). Parameters in `param_dtype` (bf16 on CUDA),
   gradients reduced in float32;
 - KDA's `A_log` and `dt_bias` form a float32 group of their own, gathered around the mixer's forward;
-- the embedding (float32, so the residual stream starts in float32 as in a single-process run) and the LM head
-  are groups of their own;
-- the root group keeps what is left: the AttnRes pseudo-queries and key norms and the RMSNorm weights, vectors of
-  `hidden_size` in float32. The root stays gathered from its pre-forward to the end of its backward, so these
-  vectors are whole wherever the model reads them: inside their own module's forward or outside it (the fused
-  AttnRes + RMSNorm path reads `res.query` and `norm.weight` directly).
+- the embedding is a float32 group of its own (so the residual stream starts in float32, as under autocast in a
+  single process);
+- the root group keeps what is left: the AttnRes pseudo-queries and key norms, the RMSNorm weights (vectors of
+  `hidden_size`) and the LM head, in float32. The root stays gathered from its pre-forward to the end of its
+  backward, so these are whole wherever the model reads them, inside their own module's forward or outside it: the
+  fused AttnRes + RMSNorm path reads `res.query` and `norm.weight` directly, and the chunked cross-entropy reads
+  `lm_head.weight` without calling the head.
 
 The batch: `--batch-size` is global. Every rank draws the same deterministic global batch and keeps the rows
 [rank * B / N, (rank + 1) * B / N); FSDP averages the gradients over ranks, so N ranks take the same step as one
@@ -118,13 +119,14 @@ class Parallel:
         dist.all_reduce(value)
         return value / self.world_size
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when it is True on any: a decision (stop, save) that all ranks must take together."""
+    def agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag True on every rank when it is True on any: decisions (stop, save) all ranks take together.
+        One small all-reduce (and a host sync) per call."""
         if self.world_size == 1:
-            return flag
-        t = torch.tensor(float(flag), device=self.device)
+            return flags
+        t = torch.tensor([float(f) for f in flags], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -244,12 +246,8 @@ def shard_model(
         fully_shard([*matrices, layer.mlp], mesh=mesh, mp_policy=low, reshard_after_forward=reshard_after_forward)
         if _holds_fp32(mixer):
             fully_shard(mixer, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-    if model.lm_head.weight is model.embed.weight:  # tied: one parameter, one group
-        fully_shard([model.embed, model.lm_head], mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
-    else:
+    if model.lm_head.weight is not model.embed.weight:  # a tied table is read by the loss: it stays in the root
         fully_shard(model.embed, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-        # The head is the first module the backward needs: gathering it again right away would gain nothing.
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=low, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=fp32)
     return model
 
@@ -336,8 +334,9 @@ class RankSlice(nn.Module):
         self.model = model
         self.par = par
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        out = self.model(self.par.local_rows(input_ids), labels=None if labels is None else self.par.local_rows(labels))
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kw):
+        labels = None if labels is None else self.par.local_rows(labels)
+        out = self.model(self.par.local_rows(input_ids), labels=labels, **kw)
         if out.loss is not None:
             out.loss = self.par.mean(out.loss)
         return out

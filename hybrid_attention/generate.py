@@ -203,39 +203,12 @@ def generate_stream(
         logits = step(token)
 
 
-def generate(
-    model,
-    input_ids: Prompts,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    cuda_graph: bool | None = None,
-    prefill_chunk_size: int | None = None,
-    pack_projections: bool = True,
-) -> torch.Tensor | list[torch.Tensor]:
-    """input_ids [B, T] -> [B, T + new] with new <= max_new_tokens (fewer when every sequence hit eos); the new
-    tokens follow the (padded) prompt block. A list of 1-D prompts -> a list of 1-D tensors, prompt + new tokens."""
-    new = list(
-        generate_stream(
-            model,
-            input_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            eos_token_id,
-            generator,
-            attention_mask=attention_mask,
-            cuda_graph=cuda_graph,
-            prefill_chunk_size=prefill_chunk_size,
-            pack_projections=pack_projections,
-        )
-    )
+def generate(model, input_ids: Prompts, max_new_tokens: int, **options) -> torch.Tensor | list[torch.Tensor]:
+    """`generate_stream` collected: input_ids [B, T] -> [B, T + new] with new <= max_new_tokens (fewer when every
+    sequence hit eos); the new tokens follow the (padded) prompt block. A list of 1-D prompts -> a list of 1-D
+    tensors, prompt + new tokens. `options` are `generate_stream`'s (temperature, top_k, top_p, eos_token_id,
+    generator, attention_mask, cuda_graph, prefill_chunk_size, pack_projections)."""
+    new = list(generate_stream(model, input_ids, max_new_tokens, **options))
     if isinstance(input_ids, torch.Tensor):
         return torch.cat([input_ids, *[t[:, None] for t in new]], dim=1)
     columns = torch.stack(new, dim=1) if new else None

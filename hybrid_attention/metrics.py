@@ -67,7 +67,7 @@ def evaluate(model, tokens: torch.Tensor, byte_lengths: torch.Tensor, *, batch_s
     for x in eval_batches(tokens, batch_size, seq_len, num_batches):
         x = x.to(device, non_blocking=True)
         with autocast():
-            loss = model(x, labels=x).loss
+            loss = model(x, labels=x, return_logits=False).loss
         n = x[:, 1:].numel()
         nll += loss.double() * n
         count += n

@@ -6,10 +6,17 @@ pre-norm decoder: embedding -> blocks [mixer, MLP] -> final norm -> LM head. The
 
 - "standard": h <- h + f(norm(h)) for every sublayer (attention and MLP are separate sublayers);
 - "attnres": Full Attention Residuals: sublayer l reads a softmax-over-depth mix of the embedding and every earlier
-  sublayer output (MATH.md, "Attention Residuals"), and a final AttnRes mixes all sources before the output norm;
+  sublayer output (docs/math.md, "Attention Residuals"), and a final AttnRes mixes all sources before the output
+  norm;
 - "block_attnres": Block AttnRes: sublayers are grouped into blocks of `attnres_block_size` sublayers; inside a
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
+
+`config.attnres_backend` picks how AttnRes runs: "auto" takes the fused differentiable Triton ops on CUDA (each
+AttnRes fused with the RMSNorm that reads it, sources never stacked, Block AttnRes in its two-phase form; see
+`layers.attnres.attn_res_stream`) and the readable list path elsewhere; "triton" forces the fused ops (CPU under
+the Triton interpreter); "torch" forces the list path. Full AttnRes without autograd takes the inference path
+(one preallocated sources buffer, `ops.attnres.fused.attn_res_norm`).
 
 With zero pseudo-queries (their init) AttnRes averages its sources, and because every sublayer and the head start with
 a scale-invariant RMSNorm, an AttnRes model computes the same function as the standard one with the same weights. The
@@ -27,20 +34,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.cache import HybridCache
-from hybrid_attention.layers.attnres import AttnRes
+from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.attnres.fused import attn_res_norm
+from hybrid_attention.ops.attnres.rows import fused_train_supported
+from hybrid_attention.ops.cross_entropy import linear_cross_entropy
+from hybrid_attention.ops.kda.gate import GATE_FORMS
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
 KDA_BACKENDS = ("auto", "torch", "triton", "fla")
+ATTNRES_BACKENDS = ("auto", "torch", "triton")
 
 
 def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
-    # Seeds: KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based).
+    # KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based): 3 KDA per MLA.
     pattern = ("kda", "kda", "kda", "mla") * 3 + ("mla",)
     return tuple("mla" for _ in pattern) if all_mla else pattern
 
@@ -61,7 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         mla_v_head_dim=32,
         residual="attnres",
     ),
-    # The 13-layer scaled configuration of the seeds.
+    # The 13-layer scaled configuration (hidden 1024, 8 heads of 128 for both mixers).
     "k3-scaled": dict(
         vocab_size=8192,
         hidden_size=1024,
@@ -79,6 +90,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The full-attention baseline of the Kimi Linear report: every layer Gated MLA, same sizes.
 PRESETS["k3-scaled-all-mla"] = dict(PRESETS["k3-scaled"], layer_types=_k3_layer_types(all_mla=True))
+# Block AttnRes at about 8 blocks over the depth, the granularity the AttnRes paper recommends: blocks of two
+# decoder layers (4 sublayers), so 7 blocks over the 26 sublayers and, with the embedding, 8 block sums at the end.
+PRESETS["k3-scaled-block"] = dict(PRESETS["k3-scaled"], residual="block_attnres", attnres_block_size=4)
 
 
 @dataclass
@@ -89,13 +103,15 @@ class HybridConfig:
     intermediate_size: int = 192
     residual: str = "attnres"
     attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
+    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the list path)
     norm_eps: float = 1e-6
     # KDA mixer
     kda_num_heads: int = 2
     kda_head_dim: int = 32
     kda_conv_size: int = 4
-    kda_lower_bound: float = -5.0
+    kda_lower_bound: float = -5.0  # the "bounded" gate's
     kda_backend: str = "auto"
+    kda_gate: str = "bounded"  # the decay gate: "bounded", "softplus" or "head" (see ops/kda/gate.py)
     # Gated MLA mixer (NoPE)
     mla_num_heads: int = 2
     mla_kv_lora_rank: int = 32
@@ -103,6 +119,7 @@ class HybridConfig:
     mla_qk_shared_head_dim: int = 16
     mla_v_head_dim: int = 32
     mla_q_lora_rank: int | None = None
+    mla_output_gate: bool = True  # the sigmoid gate on the heads (False: plain MLA with NoPE, as in Kimi Linear)
     # Embeddings and init
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -118,6 +135,10 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig: layer_types[{i}] = {kind!r}; expected one of {LAYER_TYPES}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"HybridConfig: residual={self.residual!r}; expected one of {RESIDUALS}")
+        if self.attnres_backend not in ATTNRES_BACKENDS:
+            raise ValueError(
+                f"HybridConfig: attnres_backend={self.attnres_backend!r}; expected one of {ATTNRES_BACKENDS}"
+            )
         if self.kda_backend not in KDA_BACKENDS:
             raise ValueError(f"HybridConfig: kda_backend={self.kda_backend!r}; expected one of {KDA_BACKENDS}")
         positive = [
@@ -141,6 +162,10 @@ class HybridConfig:
             raise ValueError(f"HybridConfig: mla_qk_shared_head_dim={self.mla_qk_shared_head_dim!r}; expected >= 0")
         if self.mla_q_lora_rank is not None and (not isinstance(self.mla_q_lora_rank, int) or self.mla_q_lora_rank < 1):
             raise ValueError(f"HybridConfig: mla_q_lora_rank={self.mla_q_lora_rank!r}; expected None or >= 1")
+        if self.kda_gate not in GATE_FORMS:
+            raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
+        if not isinstance(self.mla_output_gate, bool):
+            raise ValueError(f"HybridConfig: mla_output_gate={self.mla_output_gate!r}; expected True or False")
         if not -5.0 <= self.kda_lower_bound < 0.0:
             # The chunked kernels rely on g >= -5 per step (16 steps stay inside float32's exp range).
             raise ValueError(f"HybridConfig: kda_lower_bound={self.kda_lower_bound}; expected -5 <= lower_bound < 0")
@@ -151,7 +176,8 @@ class HybridConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> HybridConfig:
-        """A named preset ("tiny", "k3-scaled", "k3-scaled-all-mla") with keyword overrides of any field."""
+        """A named preset (see `PRESETS`: "tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block") with keyword
+        overrides of any field."""
         if name not in PRESETS:
             raise ValueError(f"HybridConfig: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
@@ -174,8 +200,8 @@ class HybridConfig:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, vocab]
-    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None  # [B, T, vocab]; None from forward(..., return_logits=False)
+    loss: torch.Tensor | None = None  # scalar, float32 (float64 for float64 models); None without labels
 
 
 class DecoderLayer(nn.Module):
@@ -195,6 +221,7 @@ class DecoderLayer(nn.Module):
                 lower_bound=c.kda_lower_bound,
                 norm_eps=c.norm_eps,
                 backend=c.kda_backend,
+                gate=c.kda_gate,
             )
         else:
             self.mixer = GatedMLA(
@@ -206,6 +233,7 @@ class DecoderLayer(nn.Module):
                 v_head_dim=c.mla_v_head_dim,
                 q_lora_rank=c.mla_q_lora_rank,
                 norm_eps=c.norm_eps,
+                output_gate=c.mla_output_gate,
             )
         self.mlp_norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
@@ -250,11 +278,20 @@ class HybridLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------------------- forward
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache: HybridCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        return_logits: bool = True,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
 
-        With `cache`, the tokens are appended after the ones already in it and the cache is updated in place.
+        The loss comes from the hidden states by `ops.cross_entropy.linear_cross_entropy` (the head applied over
+        token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
+        None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
+        [B, T, vocab] logits. With `cache`, the tokens are appended after the ones already in it and the cache is
+        updated in place.
         """
         self._check_inputs(input_ids, labels, cache)
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -262,6 +299,13 @@ class HybridLM(nn.Module):
         residual = self.config.residual
         if residual == "attnres" and not torch.is_grad_enabled():
             h_out = self._attnres_inference(h, layer_caches)  # already through the output norm
+        elif residual != "standard" and self._fused_attnres(h):
+            steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+            steps.append((self.final_res, self.norm, None))
+            if residual == "attnres":
+                h_out = attn_res_stream(h, steps)  # already through the output norm
+            else:
+                h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
         else:
             sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
             if residual == "standard":
@@ -277,13 +321,13 @@ class HybridLM(nn.Module):
             h_out = self.norm(h)
         if cache is not None:
             cache.advance(input_ids.shape[1])  # device lengths (in place, graph-safe) and host counters
-        logits = self.lm_head(h_out)
         loss = None
         if labels is not None:
-            # Cross-entropy in float32 at least (float64 models keep float64).
-            shifted = logits[:, :-1].flatten(0, 1)
-            shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
-            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
+            # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
+            # slicing h keeps h_out a view (no [B, T - 1, D] copy).
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
+            loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(h_out) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
     def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:
@@ -309,9 +353,19 @@ class HybridLM(nn.Module):
                 return x
             latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
 
+    def _fused_attnres(self, embedding: torch.Tensor) -> bool:
+        """Whether AttnRes runs through the fused differentiable ops (`config.attnres_backend`, see the module)."""
+        backend = self.config.attnres_backend
+        if backend == "triton" and not fused_train_supported(embedding):
+            raise ValueError(
+                f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "
+                f"of a supported dtype; got {embedding.dtype} on {embedding.device}; use 'auto' or 'torch'"
+            )
+        return backend == "triton" or (backend == "auto" and embedding.is_cuda and fused_train_supported(embedding))
+
     def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
-        # Sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and, unless it opens a block,
-        # the partial sum of its own block (MATH.md). Block size 1 is exactly Full AttnRes.
+        # The readable list path: sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and,
+        # unless it opens a block, the partial sum of its own block (docs/math.md). Block size 1 is Full AttnRes.
         size = self.config.attnres_block_size
         blocks, partial = [embedding], None
         for i, (res, f) in enumerate(sublayers):
@@ -342,7 +396,7 @@ class HybridLM(nn.Module):
                     f"max_seq_len {cache.max_seq_len}"
                 )
 
-    # ------------------------------------------------------------------------------------------- cache, generation
+    # ------------------------------------------------------------------------------------------------------- cache
     def make_cache(self, batch_size: int, max_seq_len: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
         if batch_size < 1 or max_seq_len < 1:
@@ -354,46 +408,6 @@ class HybridLM(nn.Module):
             else:
                 layers.append(layer.mixer.empty_cache(batch_size, max_seq_len))
         return HybridCache(layers=layers, batch_size=batch_size, max_seq_len=max_seq_len)
-
-    def generate(
-        self,
-        input_ids: torch.Tensor | list[torch.Tensor],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        cuda_graph: bool | None = None,
-        prefill_chunk_size: int | None = None,
-        pack_projections: bool = True,
-    ) -> torch.Tensor | list[torch.Tensor]:
-        """Prefill (in chunks), then decode with the cache. input_ids [B, T] -> [B, T + new] (new <= max_new_tokens).
-
-        Prompts of different lengths: a list of 1-D prompts (returns a list), or [B, T] with a padded
-        `attention_mask`. cuda_graph: None = CUDA-graph decoding on CUDA models. pack_projections: decode with packed
-        weight copies (`graphs.DecodeStep`). See `generate.generate`.
-        """
-        # The decoding loop lives in generate.py (it owns sampling and CUDA graphs); imported here to keep
-        # `model.generate(...)` as the one-line entry point users expect.
-        from hybrid_attention.generate import generate
-
-        return generate(
-            self,
-            input_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            eos_token_id,
-            generator,
-            attention_mask=attention_mask,
-            cuda_graph=cuda_graph,
-            prefill_chunk_size=prefill_chunk_size,
-            pack_projections=pack_projections,
-        )
 
     # ------------------------------------------------------------------------------------------------- accounting
     def num_parameters(self) -> int:

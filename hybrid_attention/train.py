@@ -5,13 +5,20 @@ FLOPs and evaluation in `metrics.py`, plots in `plots.py`).
 input (flags, data, tokenizer, model config, an occupied run directory, a checkpoint that does not match) is
 checked before the first byte is written. The loop is deterministic given the seed: batches come from
 `data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
-`--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32).
+`--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32), and so does a job killed
+at any moment and resumed (checkpoints are committed atomically, checkpoint.py).
+
+One job writes a run directory at a time (`rundir.RunLock`). SIGINT or SIGTERM saves a checkpoint after the
+current step and stops (`interrupts.StopRequests`). A non-finite loss or gradient norm stops the job with
+`TrainingDiverged` before anything is saved from it, so the last checkpoint stays the last good one. A resume
+refuses data whose tokens differ from the ones the run started with (`rundir.data_fingerprint`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -22,10 +29,12 @@ from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import dist_checkpoint, distributed
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
 from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device
+from hybrid_attention.interrupts import StopRequests
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import OPTIMIZERS, build_optimizers, build_schedulers
 from hybrid_attention.plots import plot_losses
+from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes.
@@ -72,13 +81,14 @@ class TrainConfig:
     def create(cls, saved: dict | None = None, **given) -> TrainConfig:
         """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
 
-        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError.
+        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError. The saved settings (read
+        from config.json) and the given ones are type-checked like command-line input.
         """
-        given = {k: v for k, v in given.items() if v is not None}
-        unknown = sorted(set(given) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown settings {unknown}")
+        given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
+        ckpt.check_fields(given, cls, "TrainConfig")
         if saved is not None:
+            ckpt.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
+                              required=SAVED_REQUIRED)  # fmt: skip
             changed = [
                 f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
                 for k in sorted(given)
@@ -98,6 +108,8 @@ class TrainConfig:
         return cls(**merged).validate()
 
     def validate(self) -> TrainConfig:
+        if not self.out.strip():
+            raise ValueError("--out must name a run directory, got an empty string")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -118,6 +130,10 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
             raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
+        if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
+            raise ValueError(f"--vocab-size must be at most {MAX_VOCAB:,}, got {self.vocab_size:,}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
         if self.data_max_bytes is not None and self.data_max_bytes < 1:
             raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
         if self.time_limit is not None and not self.time_limit > 0:
@@ -129,18 +145,18 @@ class TrainConfig:
         return self
 
 
-_WHERE = {
-    "out",
-    "device",
-    "dtype",
-    "compile",
-    "kda_backend",
-    "fsdp_reshard_after_forward",
-    "activation_checkpointing",
-    "dist_timeout",
-}  # where and how the run executes
+_WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
+_WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
+# Settings every run has stored since the format began (a config.json without one is damaged, not old).
+SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",
+                  "weight_decay", "clip", "data", "data_max_bytes", "tokenizer", "vocab_size", "seed")  # fmt: skip
+MAX_VOCAB = 1 << 20  # ample for BPE; a huge request (1e9) makes the tokenizers trainer abort the process
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm became NaN or infinite; nothing from that point on was saved."""
 
 
 # ------------------------------------------------------------------------------------------------------- training
@@ -161,9 +177,11 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
-        model_config = HybridConfig.from_dict(saved["model"])
-        if config.kda_backend is not None:
-            model_config = HybridConfig.from_dict({**saved["model"], "kda_backend": config.kda_backend})
+        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
+        try:
+            model_config = HybridConfig.from_dict({**saved["model"], **backend})
+        except ValueError as e:
+            raise ValueError(f"{run_dir / ckpt.CONFIG}: {e}") from None
     else:
         if config.tokenizer == "bpe":
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)
@@ -183,6 +201,9 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             raise ValueError(
                 f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
+    fingerprint = data_fingerprint(train_tokens, val_tokens)
+    if saved is not None:
+        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / ckpt.CONFIG))
     torch.manual_seed(config.seed)
     model = HybridLM(model_config).to(device)
     build = build_optimizers
@@ -193,43 +214,62 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
     step = 0
     if saved is not None:
-        sharded, plain = dist_checkpoint.latest(run_dir), ckpt.weights_step(run_dir)
-        if sharded is not None and (plain is None or dist_checkpoint.checkpoint_step(sharded) >= plain):
-            step = dist_checkpoint.restore(sharded, model, optimizers, schedulers)  # any world size, one process too
-        elif par.sharded and plain is not None:
-            raise ValueError(f"{run_dir} holds a single-process checkpoint; resume it without torchrun")
-        else:
-            step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
+        step = dist_checkpoint.restore_training(run_dir, par, model, optimizers, schedulers)
+        if config.stop_after is not None and step < config.steps and config.stop_after <= step:
+            raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
-                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens)  # fmt: skip
+                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
+                fingerprint=fingerprint)  # fmt: skip
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU).
 
+    The summary's "stopped_by" names the signal (e.g. "SIGINT") that stopped the job after saving, else None;
+    "already_complete" is True when a resume found the run finished and changed nothing.
+
     Started by torchrun (`distributed.launched()`), the job is one of several processes training one FSDP2-sharded
-    model; every rank returns the summary, rank 0 alone prints and writes the run's plain files."""
-    with flush_denormals():
-        if not distributed.launched():
-            return _train(config, resume, echo, distributed.Parallel.single())
-        par = distributed.Parallel.from_env(config.device, config.dist_timeout)
-        summary = par.run(lambda: _train(config, resume, echo if par.is_main else lambda *a, **k: None, par))
-        par.close()
-        return summary
+    model: every rank returns the summary; rank 0 alone holds the lock, prints and writes the run's plain files.
+    """
+    if not distributed.launched():
+        return _job(config, resume, echo, distributed.Parallel.single())
+    par = distributed.Parallel.from_env(config.device, config.dist_timeout)
+    summary = par.run(lambda: _job(config, resume, echo if par.is_main else lambda *a, **k: None, par))
+    par.close()
+    return summary
 
 
-def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> dict:
+def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> dict:
+    run_dir = Path(config.out)
+    lock = None
+    if par.is_main and run_dir.is_dir():
+        lock = RunLock(run_dir).acquire()  # before reading a checkpoint it may be writing
+    try:
+        with flush_denormals():
+            p = prepare(config, resume=resume, par=par)
+            if resume and p["step"] >= config.steps:
+                echo(f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do")
+                return {"run_dir": str(run_dir), "step": p["step"], "steps": config.steps, "already_complete": True}
+            p["rows"] = ckpt.read_log(run_dir, up_to_step=p["step"]) if resume else []  # drop rows after the ckpt
+            par.barrier()  # every rank has read the run directory before rank 0 writes to it
+            if par.is_main and lock is None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                lock = RunLock(run_dir).acquire()
+                if ckpt.holds_run(run_dir):  # another job took the directory while this one was preparing
+                    raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it")
+            with StopRequests() as stop:
+                return _train(config, p, resume, echo, stop, par)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests, par: distributed.Parallel) -> dict:
     from tqdm import tqdm
 
-    p = prepare(config, resume=resume, par=par)
     run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
-    optimizers, schedulers = p["optimizers"], p["schedulers"]
-    main = par.is_main
-    rows = ckpt.read_log(run_dir, up_to_step=start) if resume else []  # drop lines logged after the checkpoint
-    par.barrier()  # every rank has read the run directory before rank 0 writes to it
-    # ---- from here on, the run directory is written (by rank 0; the others write checkpoint shards only)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    optimizers, schedulers, rows, main = p["optimizers"], p["schedulers"], p["rows"], par.is_main
+    # ---- from here on, the run directory is written (by rank 0; the other ranks write checkpoint shards only)
     if main and resume:
         ckpt.write_log(run_dir, rows)
     elif main:
@@ -241,6 +281,7 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
                 "model": model.config.to_dict(),
                 "tokenizer": tokenizer.to_dict(),
                 "train": asdict(config),
+                "data_fingerprint": p["fingerprint"],
             },
         )
     autocast = autocast_for(device, config.dtype)
@@ -272,10 +313,12 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
-    timed_tokens, timed_s, last_val, step = 0, 0.0, None, start
+    timed_tokens, timed_s, last_val, step, saved_step = 0, 0.0, None, start, start
+    bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
                disable=not main)  # fmt: skip
     eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
+    save = lambda step: dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)  # noqa: E731
     model.train()
     tick, interval_tokens = time.perf_counter(), 0
     for step in range(start + 1, end + 1):
@@ -284,11 +327,13 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
             x = par.local_rows(x)  # this rank's share of the global batch
             with autocast():
-                loss = step_fn(x, labels=x).loss / config.grad_accum
+                loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         lr = schedulers[-1].get_last_lr()[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = distributed.full(torch.nn.utils.clip_grad_norm_(params, clip))  # the same on every rank
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+        bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
         for opt in optimizers:
             opt.step()
         for sched in schedulers:
@@ -297,17 +342,28 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
             opt.zero_grad(set_to_none=True)
         interval_tokens += tokens_per_step
         bar.update(1)
-        stopping = step == end or (deadline < math.inf and par.any(time.perf_counter() >= deadline))
+        late, signal = par.agree(time.perf_counter() >= deadline, stop.signal is not None)  # all ranks stop together
+        stopping = step == end or late
         do_eval = step % config.eval_every == 0 or stopping
-        if not (do_eval or step % config.log_every == 0):
+        if not (do_eval or signal or step % config.log_every == 0):
             continue
+        if int(bad_step):
+            raise TrainingDiverged(
+                f"training diverged: the loss or the gradient norm is not finite at step {int(bad_step)} (learning "
+                f"rate {lr:.3g}); nothing from it was saved, {run_dir} keeps "
+                + (f"its checkpoint of step {saved_step}" if saved_step else "no checkpoint")
+                + f"; start a new run with a lower --lr (this one has {config.lr:g})"
+            )
+        if not (do_eval or step % config.log_every == 0):  # a stop request between log steps: save and stop
+            save(step)
+            break
         loss_value = float(par.mean(loss_sum))  # synchronises, so the interval time below is real
         elapsed = time.perf_counter() - tick
         row = {
             "step": step,
             "loss": loss_value,
             "lr": lr,
-            "grad_norm": float(distributed.full(grad_norm)),
+            "grad_norm": float(grad_norm),
             "tokens": step * tokens_per_step,
             "tokens_per_s": interval_tokens / elapsed,
         }
@@ -327,11 +383,10 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
             )
             if main:
                 plot_losses(run_dir, rows)
-            if par.sharded:
-                dist_checkpoint.save(run_dir, par, model, optimizers, schedulers, step)
-            else:
-                ckpt.save_training(run_dir, model, optimizers, schedulers, step)
-        if stopping:
+        if do_eval or signal:
+            save(step)
+            saved_step = step
+        if stopping or signal:
             break
         tick, interval_tokens = time.perf_counter(), 0
     bar.close()
@@ -343,6 +398,7 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
         "run_dir": str(run_dir),
         "step": step,
         "steps": config.steps,
+        "stopped_by": stop.signal or ("a signal to another rank" if signal else None),
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,
@@ -351,14 +407,13 @@ def _train(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        "mfu": fpt * tokens_per_s / (peak * par.world_size)
-        if peak
-        else None,  # None: the device's peak is not in metrics' table
+        # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
+        "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device": device_name,
         "torch": torch.__version__,
         "world_size": par.world_size,
     }
     if main:
-        ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        ckpt.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary

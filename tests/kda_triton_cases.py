@@ -53,7 +53,7 @@ def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens
     """Our kernels; with A_log, g is the raw gate logit (lower bound -5)."""
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 
-    gate = {} if A_log is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    gate = {} if A_log is None else dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
                             use_qk_l2norm=l2norm, **gate)  # fmt: skip
 

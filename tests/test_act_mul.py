@@ -5,16 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import DEV, needs_triton
 from tests.helpers import assert_close
 
 pytest.importorskip("triton")
 from hybrid_attention.ops.act_mul import act_mul  # noqa: E402
-from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
-)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("act, eager", [("silu", F.silu), ("sigmoid", torch.sigmoid)])

@@ -17,6 +17,7 @@ import torch
 
 from hybrid_attention import cli
 from hybrid_attention.checkpoint import load_run
+from hybrid_attention.generate import generate
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
 from hybrid_attention.train import TrainConfig
 
@@ -57,7 +58,9 @@ def test_defaults_and_presets():
 
 def test_train_output_and_files(run_dir):
     names = {p.name for p in run_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "train_state.pt", "log.jsonl", "loss.png"} <= names
+    assert {"config.json", "checkpoints", "log.jsonl", "loss.png", "summary.json"} <= names
+    step = run_dir / "checkpoints" / "step_00000003"
+    assert {p.name for p in step.iterdir()} == {"model.safetensors", "train_state.pt"}
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 3 and "val_loss" in rows[-1]
 
@@ -164,7 +167,7 @@ def test_generate_streams_the_same_tokens_as_model_generate(run_dir, capsys):
     model, _, tokenizer = load_run(run_dir)
     prompt = torch.tensor([tokenizer.encode("def ")])
     generator = torch.Generator().manual_seed(5)
-    ids = model.generate(prompt, 24, temperature=0.8, generator=generator)
+    ids = generate(model, prompt, 24, temperature=0.8, generator=generator)
     assert out == "def " + tokenizer.decode(ids[0, 4:].tolist()) + "\n"
     match = re.search(r"24 tokens in .* then ([\d,.]+) tokens/s; cache ([\d,]+) bytes for 28 tokens", err)
     assert match, err
@@ -238,7 +241,7 @@ def test_readme_quickstart_command_runs(tmp_path):
     done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "validation loss" in done.stdout and "unigram baseline" in done.stdout and "tokens/s" in done.stderr
-    assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
+    assert (tmp_path / "runs" / "tiny" / "checkpoints" / "latest").is_file()
     generated = done.stdout.split("\nrun directory: ", 1)[1].split("\n", 1)[1]  # what follows train's last line
     assert generated.startswith(shlex.split(command)[-1]) and generated.endswith("\n")
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from hybrid_attention.checkpoint import WEIGHTS, latest_checkpoint
 from hybrid_attention.cli import main as cli_main
 
 pytestmark = [
@@ -131,10 +132,11 @@ def _check_units(rank: int) -> None:
     model.load_state_dict(full.state_dict())
     shard_model(model, par, param_dtype=torch.bfloat16)
 
-    # Read outside the owner's forward: every AttnRes vector and RMSNorm weight, from the forward of an MLP and
-    # from the backward (a hook on the logits), must be the whole float32 tensor with the right values.
+    # Read outside the owner's forward: every AttnRes vector, RMSNorm weight and the LM head (the chunked loss reads
+    # it), from the forward of an MLP and from the backward (a hook on the final norm's output), must be the whole
+    # float32 tensor with the right values.
     vectors = [n for n, _ in full.named_parameters() if n.endswith(("query", "key_norm.weight", "norm.weight"))]
-    vectors = [n for n in vectors if ".mixer." not in n]  # the KDA output norm and MLA kv_norm are mixer weights
+    vectors = [n for n in vectors if ".mixer." not in n] + ["lm_head.weight"]  # mixer norms are mixer weights
     seen = {}
 
     def read(where):
@@ -153,9 +155,12 @@ def _check_units(rank: int) -> None:
             mlp=model.layers[0].mlp.up_proj.weight.dtype,
         )
     )
-    out = model(x, labels=x)
-    out.logits.register_hook(lambda g: read("backward"))
-    out.loss.backward()
+
+    def on_norm_output(module, args, out):  # a tensor hook: runs in the backward
+        out.register_hook(lambda grad: read("backward"))
+
+    model.norm.register_forward_hook(on_norm_output)
+    model(x, labels=x, return_logits=False).loss.backward()
     hook.remove()
     bad = {k: v for k, v in seen.items() if v != (False, torch.float32, True)}
     assert len(seen) == 2 * len(vectors) and not bad, bad
@@ -195,16 +200,17 @@ def _log(run: Path) -> list[dict]:
 
 def _assert_same_run(got: Path, want: Path, steps: list[int]) -> None:
     """Losses, gradient norms and validation losses of `steps`, then the exported weights, agree to float32
-    reduction-order noise (the ranks sum their gradients in another order than one process does). The weights get
-    an absolute bound: AdamW divides by sqrt(v), so where a gradient is near zero the noise moves a weight by up to
-    a fraction of the learning rate (3e-3); a wrong gradient or batch moves every weight by about the learning rate."""
+    reduction-order noise (the ranks sum their gradients in another order than one process does), as amplified by
+    AdamW: it divides by sqrt(v), so where a gradient is near zero the noise moves a weight by up to a fraction of
+    the learning rate (3e-3), hence an absolute bound on the weights and 1e-4 on what they produce. A wrong
+    gradient, batch or average moves every weight by about the learning rate and the losses in the third digit."""
     rows = {r["step"]: r for r in _log(got)}
     ref = {r["step"]: r for r in _log(want)}
     for step in steps:
         for key in ("loss", "grad_norm", "val_loss"):
             if key in ref[step]:
-                assert rows[step][key] == pytest.approx(ref[step][key], rel=2e-5, abs=1e-6), (step, key)
-    a, b = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
+                assert rows[step][key] == pytest.approx(ref[step][key], rel=1e-4), (step, key)
+    a, b = (load_file(str(latest_checkpoint(run) / WEIGHTS)) for run in (got, want))
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -227,7 +233,7 @@ def test_two_ranks_equal_one_process(reference, tmp_path):
     codes, errs = _launch("_cli", 2, tmp_path, argv)
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
-    assert not (out / "model.safetensors").exists()  # the sharded run writes DCP shards only
+    assert not (latest_checkpoint(out) / WEIGHTS).exists()  # the sharded run writes DCP shards only
     assert cli_main(["export", "--ckpt", str(out)]) == 0
     _assert_same_run(out, reference, [1, 2, 3, 4])
 

@@ -5,16 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_close
+from tests.conftest import DEV, needs_cuda, needs_triton
+from tests.helpers import assert_as_accurate, assert_close
 
 pytest.importorskip("triton")
 from hybrid_attention.ops.gemv import MAX_ROWS, gemv  # noqa: E402
-from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
-)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("M, N, K", [(1, 37, 100), (3, 16, 300), (17, 70, 64)])
@@ -28,16 +25,25 @@ def test_gemv_equals_linear_float32(M, N, K, bias):
     )
 
 
+@pytest.mark.parametrize("case", ["fp32", pytest.param("bf16-k3", marks=needs_cuda)])
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_every_gemv_config(index, monkeypatch):
-    """Each autotune config alone (its BN, BK): N and K that none of them divides."""
+def test_every_gemv_config(index, case, monkeypatch):
+    """Each autotune config alone (its BN, BK; the autotuner may pick any of them): in float32 at N and K that none
+    of them divides, against float64; in bf16 at a k3-scaled shape (CUDA), as accurate as cuBLAS."""
     from hybrid_attention.ops import gemv as gemv_mod
 
     tuner = gemv_mod._gemv_kernel
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
     torch.manual_seed(index)
-    x, w, b = torch.randn(2, 300, device=DEV), torch.randn(77, 300, device=DEV), torch.randn(77, device=DEV)
-    assert_close(f"gemv config {index}", gemv(x, w, b), F.linear(x.double(), w.double(), b.double()).float(), 1e-6)
+    if case == "fp32":
+        x, w, b = torch.randn(2, 300, device=DEV), torch.randn(77, 300, device=DEV), torch.randn(77, device=DEV)
+        ref = F.linear(x.double(), w.double(), b.double()).float()
+        assert_close(f"gemv config {index}", gemv(x, w, b), ref, 1e-6)
+    else:
+        x = torch.randn(4, 2816, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(1000, 2816, device="cuda", dtype=torch.bfloat16) * 2816**-0.5
+        ref = F.linear(x.double(), w.double())
+        assert_as_accurate(f"gemv config {index}", gemv(x, w), ref, F.linear(x, w), floor=2**-8)
 
 
 def test_gemv_strided_rows_leading_dims_and_half_precision():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from hybrid_attention.generate import generate_stream, prefill, sample_next_token
+from hybrid_attention.generate import generate, generate_stream, prefill, sample_next_token
 from hybrid_attention.graphs import DecodeStep
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.helpers import assert_close
@@ -26,7 +26,7 @@ def model():
 
 def test_greedy_generation_equals_full_recompute(model):
     prompt = torch.randint(0, 256, (2, 7))
-    out = model.generate(prompt, max_new_tokens=12, temperature=0)
+    out = generate(model, prompt, max_new_tokens=12, temperature=0)
     assert out.shape == (2, 19) and torch.equal(out[:, :7], prompt)
     ids = prompt
     with torch.no_grad():
@@ -38,12 +38,12 @@ def test_greedy_generation_equals_full_recompute(model):
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model):
     prompt = torch.randint(0, 256, (1, 5))
-    a = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
-    b = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    a = generate(model, prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = generate(model, prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
-    greedy = model.generate(prompt, 10, temperature=0)
-    assert torch.equal(model.generate(prompt, 10, temperature=0.7, top_k=1), greedy)
-    assert torch.equal(model.generate(prompt, 10, temperature=0.7, top_p=1e-9), greedy)
+    greedy = generate(model, prompt, 10, temperature=0)
+    assert torch.equal(generate(model, prompt, 10, temperature=0.7, top_k=1), greedy)
+    assert torch.equal(generate(model, prompt, 10, temperature=0.7, top_p=1e-9), greedy)
 
 
 def test_top_k_and_top_p_restrict_the_support():
@@ -58,32 +58,32 @@ def test_top_k_and_top_p_restrict_the_support():
 
 def test_eos_stops_generation(model):
     prompt = torch.randint(0, 256, (1, 4))
-    first = model.generate(prompt, 1, temperature=0)[0, -1].item()
-    out = model.generate(prompt, 20, temperature=0, eos_token_id=first)
+    first = generate(model, prompt, 1, temperature=0)[0, -1].item()
+    out = generate(model, prompt, 20, temperature=0, eos_token_id=first)
     assert out.shape == (1, 5)
     assert len(list(generate_stream(model, prompt, 0))) == 0
 
 
 def test_bad_generation_input(model):
     with pytest.raises(ValueError, match="non-empty prompt"):
-        model.generate(torch.zeros(1, 0, dtype=torch.long), 5)
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        model.generate(torch.zeros(1, 3, dtype=torch.long), -1)
+        generate(model, torch.zeros(1, 3, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="token ids"):
-        model.generate(torch.full((1, 3), 256), 2)
+        generate(model, torch.full((1, 3), 256), 2)
     with pytest.raises(ValueError, match="top_p"):
-        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, top_p=1.5)
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, top_p=1.5)
 
 
 def _singles(model, prompts, n, **kw):
-    return [model.generate(p[None], n, temperature=0, **kw)[0] for p in prompts]
+    return [generate(model, p[None], n, temperature=0, **kw)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_batched_prompts_of_different_lengths_equal_one_at_a_time(model, dtype):
     m = copy.deepcopy(model).to(dtype)
     prompts = [torch.randint(0, 256, (n,)) for n in (5, 1, 17, 12)]
-    batched = m.generate(prompts, 9, temperature=0)
+    batched = generate(m, prompts, 9, temperature=0)
     assert isinstance(batched, list) and len(batched) == 4
     for b, (out, ref) in enumerate(zip(batched, _singles(m, prompts, 9), strict=True)):
         assert torch.equal(out, ref), f"prompt {b}: batched tokens differ from one-at-a-time generation"
@@ -98,13 +98,13 @@ def test_padded_batch_with_attention_mask(model, side):
     for b, p in enumerate(prompts):
         cols = slice(T - len(p), T) if side == "left" else slice(0, len(p))
         ids[b, cols], mask[b, cols] = p, 1
-    out = model.generate(ids, 8, temperature=0, attention_mask=mask)
+    out = generate(model, ids, 8, temperature=0, attention_mask=mask)
     assert out.shape == (3, T + 8) and torch.equal(out[:, :T], ids)
     for b, ref in enumerate(_singles(model, prompts, 8)):
         assert torch.equal(out[b, T:], ref[len(prompts[b]) :]), f"row {b} ({side} padding)"
     # A mask of ones is the plain batch.
-    full = model.generate(ids, 4, temperature=0, attention_mask=torch.ones_like(mask))
-    assert torch.equal(full, model.generate(ids, 4, temperature=0))
+    full = generate(model, ids, 4, temperature=0, attention_mask=torch.ones_like(mask))
+    assert torch.equal(full, generate(model, ids, 4, temperature=0))
 
 
 def test_batched_eos_and_streaming(model):
@@ -133,8 +133,8 @@ def test_chunked_prefill_is_exact(model):
                 ref = getattr(x, name)[:, :29] if name == "rows" else getattr(x, name)
                 got = getattr(y, name)[:, :29] if name == "rows" else getattr(y, name)
                 assert_close(f"cache {name}", got, ref, 1e-10)
-    out = model.generate(ids, 6, temperature=0, prefill_chunk_size=5)
-    assert torch.equal(out, model.generate(ids, 6, temperature=0))
+    out = generate(model, ids, 6, temperature=0, prefill_chunk_size=5)
+    assert torch.equal(out, generate(model, ids, 6, temperature=0))
     with pytest.raises(ValueError, match="chunk_size"):
         prefill(model, ids, model.make_cache(2, 30), chunk_size=0)
 
@@ -165,20 +165,20 @@ def test_decode_step_eager_equals_model_forward(model):
 def test_bad_batched_input(model):
     ids = torch.randint(0, 256, (2, 5))
     with pytest.raises(ValueError, match="cuda_graph=True"):
-        model.generate(ids, 3, cuda_graph=True)
+        generate(model, ids, 3, cuda_graph=True)
     with pytest.raises(ValueError, match="attention_mask shape"):
-        model.generate(ids, 3, attention_mask=torch.ones(2, 4))
+        generate(model, ids, 3, attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="holes"):
-        model.generate(ids, 3, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+        generate(model, ids, 3, attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="all padding"):
-        model.generate(ids, 3, attention_mask=torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]))
+        generate(model, ids, 3, attention_mask=torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="only 0"):
-        model.generate(ids, 3, attention_mask=torch.full((2, 5), 2))
+        generate(model, ids, 3, attention_mask=torch.full((2, 5), 2))
     with pytest.raises(ValueError, match="list of prompts is empty"):
-        model.generate([], 3)
+        generate(model, [], 3)
     with pytest.raises(ValueError, match="prompt 1 must be a non-empty 1-D"):
-        model.generate([ids[0], ids[1, :0]], 3)
+        generate(model, [ids[0], ids[1, :0]], 3)
     with pytest.raises(ValueError, match="not a list"):
-        model.generate([ids[0]], 3, attention_mask=torch.ones(1, 5))
+        generate(model, [ids[0]], 3, attention_mask=torch.ones(1, 5))
     with pytest.raises(ValueError, match="token ids"):
-        model.generate([ids[0], torch.tensor([1, 300])], 3)
+        generate(model, [ids[0], torch.tensor([1, 300])], 3)

@@ -1,4 +1,5 @@
-"""The bounded KDA gate: range, formula, dtypes, gradients at extreme logits, and a long run at the bound."""
+"""The KDA gates: range, formula, dtypes, gradients at extreme logits, the per-head form as the per-channel softplus
+form, validation, and a long run at the bound."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from hybrid_attention.ops.kda.gate import head_as_channels
 from tests.helpers import assert_close
 
 H, K = 3, 8
@@ -67,13 +69,52 @@ def test_leading_dims_and_bad_shapes():
     with pytest.raises(ValueError, match="A_log must be"):
         kda_gate(torch.randn(2, H, K), A_log[:2], dt_bias)
     with pytest.raises(ValueError, match="dt_bias must be"):
-        kda_gate(torch.randn(2, H, K), A_log, dt_bias.view(H, K))
+        kda_gate(torch.randn(2, H, K), A_log, dt_bias[:-1])
     with pytest.raises(ValueError, match="z must be"):
         kda_gate(torch.randn(H * K), A_log, dt_bias)
     with pytest.raises(ValueError, match="lower_bound"):
         kda_gate(torch.randn(2, H, K), A_log, dt_bias, lower_bound=0.0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_gate(torch.randn(2, H, K), A_log, dt_bias, lower_bound=float("-inf"))
     with pytest.raises(ValueError, match="floating"):
         kda_gate(torch.ones(2, H, K, dtype=torch.long), A_log, dt_bias)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        kda_gate(torch.randn(2, H, K), A_log, dt_bias, form="sigmoid")
+    with pytest.raises(ValueError, match='"bounded" gate only'):
+        kda_gate(torch.randn(2, H, K), A_log, dt_bias, lower_bound=-5.0, form="softplus")
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        kda_gate(torch.randn(2, H), A_log, dt_bias, form="head")
+    assert kda_gate(torch.randn(2, 3, H), A_log, dt_bias[:H], form="head").shape == (2, 3, H)
+
+
+@pytest.mark.parametrize("form", ["softplus", "head"])
+def test_softplus_forms_match_formula_and_are_unbounded(form):
+    torch.manual_seed(4)
+    A_log, dt_bias = gate_params(torch.float64)
+    shape = (2, 9, H) if form == "head" else (2, 9, H, K)
+    z = 6.0 * torch.randn(*shape, dtype=torch.float64)
+    z.view(-1)[:3] = torch.tensor([60.0, -60.0, 0.0], dtype=torch.float64)  # both softplus regimes and zero
+    bias = dt_bias[:H] if form == "head" else dt_bias.view(H, K)
+    rate = A_log.exp() if form == "head" else A_log.exp()[:, None]
+    u = z + bias
+    g = kda_gate(z, A_log, bias.reshape(-1), form=form)
+    assert_close(form, g, -rate * torch.log1p(torch.exp(-u.abs())) - rate * u.clamp_min(0), 1e-14)
+    assert (g <= 0).all() and g.min() < -20  # no lower bound
+    g32 = kda_gate(z.float(), A_log.float(), bias.reshape(-1).float(), form=form)
+    assert g32.dtype == torch.float32
+    assert_close(f"{form} float32", g32, g, 1e-6)
+
+
+def test_head_gate_is_the_softplus_gate_on_repeated_logits():
+    torch.manual_seed(5)
+    A_log, dt_bias = gate_params(torch.float64)
+    z = 3.0 * torch.randn(2, 7, H, dtype=torch.float64)
+    per_head = kda_gate(z, A_log, dt_bias[:H], form="head")
+    zc, bias_c = head_as_channels(z, dt_bias[:H], K)
+    assert zc.shape == (2, 7, H, K) and bias_c.shape == (H * K,)
+    # Equal up to the last bit of the vectorised log1p (torch may take a different code path per size).
+    per_channel = kda_gate(zc, A_log, bias_c, form="softplus")
+    assert_close("per channel", per_channel, per_head.unsqueeze(-1).expand_as(zc), 1e-15)
 
 
 def test_gate_at_the_bound_over_4096_steps_is_finite():

@@ -57,9 +57,10 @@ def decode_in_pieces(layer, x, pieces):
         [17, 19],  # both pieces chunked
     ],
 )
-def test_cached_decoding_equals_full_forward(pieces):
+@pytest.mark.parametrize("gate", ["bounded", "softplus", "head"])
+def test_cached_decoding_equals_full_forward(pieces, gate):
     torch.manual_seed(1)
-    layer = make_layer()
+    layer = make_layer(gate=gate)
     x = torch.randn(2, 36, HIDDEN, dtype=torch.float64)
     with torch.no_grad():
         full = layer(x)
@@ -136,9 +137,10 @@ def test_causality():
     assert torch.count_nonzero(grad[:, t + 1 :]) == 0 and torch.count_nonzero(grad[:, : t + 1]) > 0
 
 
-def test_gradients_reach_every_parameter():
+@pytest.mark.parametrize("gate", ["bounded", "softplus", "head"])
+def test_gradients_reach_every_parameter(gate):
     torch.manual_seed(5)
-    layer = make_layer(torch.float32)
+    layer = make_layer(torch.float32, gate=gate)
     x = torch.randn(2, 19, HIDDEN)
     (layer(x) * torch.randn(2, 19, HIDDEN)).sum().backward()
     for name, p in layer.named_parameters():
@@ -156,6 +158,30 @@ def test_initialisation_and_no_weight_decay_marks():
     assert names >= {"q_proj", "k_proj", "v_proj", "q_conv", "k_conv", "v_conv", "b_proj", "f_down", "f_up"}
     assert names >= {"g_down", "g_up", "o_norm", "o_proj"}
     assert layer.g_up.bias is not None and layer.f_up.bias is None and layer.f_down.out_features == HEAD_DIM
+
+
+@pytest.mark.parametrize("gate", ["softplus", "head"])
+def test_softplus_gates_shapes_initialisation_and_decay(gate):
+    """The softplus gates start from A = exp(A_log) in [1, 16]; "head" has one logit and one bias per head, and its
+    layer equals a "softplus" layer whose per-channel logits and biases repeat each head's over K."""
+    torch.manual_seed(7)
+    layer = make_layer(gate=gate)
+    fresh = KimiDeltaAttention(HIDDEN, HEADS, head_dim=HEAD_DIM, gate=gate)
+    A = fresh.A_log.detach().exp()
+    assert ((A >= 1.0 - 1e-6) & (A <= 16.0 + 1e-6)).all() and fresh.gate == gate
+    width = HEADS if gate == "head" else HEADS * HEAD_DIM
+    assert layer.f_up.out_features == width and layer.dt_bias.shape == (width,)
+    if gate == "head":
+        twin = make_layer(gate="softplus")
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name == "f_up.weight":
+                    p = p.repeat_interleave(HEAD_DIM, 0)
+                elif name == "dt_bias":
+                    p = p.repeat_interleave(HEAD_DIM)
+                twin.get_parameter(name).copy_(p)
+        x = torch.randn(2, 20, HIDDEN, dtype=torch.float64)
+        assert_close("per-head gate as per-channel softplus", layer(x), twin(x), 1e-12)
 
 
 def test_empty_cache_shapes():
@@ -192,3 +218,15 @@ def test_bad_input_raises():
         KimiDeltaAttention(HIDDEN, 0)
     with pytest.raises(ValueError, match="lower_bound"):
         KimiDeltaAttention(HIDDEN, HEADS, lower_bound=1.0)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        KimiDeltaAttention(HIDDEN, HEADS, gate="sigmoid")
+
+
+def test_config_field_selects_the_gate():
+    from hybrid_attention.model import HybridConfig, HybridLM
+
+    model = HybridLM(HybridConfig.from_preset("tiny", kda_gate="head"))
+    gates = {m.gate for m in model.modules() if isinstance(m, KimiDeltaAttention)}
+    assert gates == {"head"}
+    with pytest.raises(ValueError, match="kda_gate"):
+        HybridConfig.from_preset("tiny", kda_gate="sigmoid")

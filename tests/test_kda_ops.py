@@ -353,8 +353,9 @@ def test_triton_backend_missing_module(monkeypatch):
         chunk_kda(q, k, v, g, beta, backend="triton")
 
 
-def test_dispatch_fused_gate_and_l2norm_match_explicit():
-    """chunk_kda(raw z, A_log, dt_bias, lower_bound, use_qk_l2norm) == chunk_kda on kda_gate(z) and normalised q, k."""
+@pytest.mark.parametrize("form, lower_bound", [("bounded", -4.0), ("bounded", -12.0), ("softplus", None)])
+def test_dispatch_fused_gate_and_l2norm_match_explicit(form, lower_bound):
+    """chunk_kda(raw z, gate=form, ..., use_qk_l2norm) == chunk_kda on kda_gate(z) and normalised q, k."""
     from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize
 
     torch.manual_seed(0)
@@ -362,13 +363,35 @@ def test_dispatch_fused_gate_and_l2norm_match_explicit():
     q, k, z = (torch.randn(B, T, H, K) for _ in range(3))
     v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
     A_log, dt_bias = 0.3 * torch.randn(H), torch.randn(H * K)
-    fused, _ = chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-4.0, use_qk_l2norm=True,
-                         backend="torch")  # fmt: skip
-    g = kda_gate(z, A_log, dt_bias, lower_bound=-4.0)
+    fused, _ = chunk_kda(q, k, v, z, beta, gate=form, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                         use_qk_l2norm=True, backend="torch")  # fmt: skip
+    g = kda_gate(z, A_log, dt_bias, lower_bound, form=form)
     explicit, _ = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta)
     assert_close("fused gate + l2norm", fused, explicit, 1e-5)
-    with pytest.raises(ValueError, match="all of A_log, dt_bias and lower_bound"):
-        chunk_kda(q, k, v, z, beta, A_log=A_log, backend="torch")
+
+
+def test_gate_flag_is_explicit():
+    """g is the decay unless `gate` names a form; gate parameters without the flag, or a flag without them, raise."""
+    from hybrid_attention.ops.kda import chunk_kda
+
+    B, T, H, K, V = 1, 5, 2, 4, 4
+    q, k, z = (torch.randn(B, T, H, K) for _ in range(3))
+    v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+    A_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
+    with pytest.raises(ValueError, match="pass gate="):
+        chunk_kda(q, k, v, z, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, backend="torch")
+    with pytest.raises(ValueError, match="needs A_log and dt_bias"):
+        chunk_kda(q, k, v, z, beta, gate="bounded", A_log=A_log, backend="torch")
+    with pytest.raises(ValueError, match="gate must be one of"):
+        chunk_kda(q, k, v, z, beta, gate="head", A_log=A_log, dt_bias=dt_bias, backend="torch")
+    with pytest.raises(ValueError, match='"bounded" gate only'):
+        chunk_kda(q, k, v, z, beta, gate="softplus", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, backend="torch")
+    with pytest.raises(ValueError, match="lower_bound must be a finite number < 0"):
+        chunk_kda(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=0.0, backend="torch")
+    # The bounded gate's default lower bound is -5.
+    a, _ = chunk_kda(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, backend="torch")
+    b, _ = chunk_kda(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, backend="torch")
+    assert torch.equal(a, b)
 
 
 def test_auto_backend_is_torch_on_cpu():

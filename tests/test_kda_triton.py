@@ -230,7 +230,7 @@ def test_poisoned_buffers(monkeypatch, output_pass):
 def test_decode_step(gate, l2norm, T, V):
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(3, T, 2, 32, V, gate=gate, l2norm=l2norm, seed=10)
     state = h0.clone()
-    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
+    kw = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0) if gate else {}
     o = fused_recurrent_kda_step(q, k, v, g, beta, state, use_qk_l2norm=l2norm, **kw)
     ro, rS = reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, l2norm=l2norm)
     assert_close("o", o, ro, TOL32)
@@ -239,7 +239,7 @@ def test_decode_step(gate, l2norm, T, V):
 
 def test_prefill_then_decode_equals_one_pass():
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 22, 1, 16, 16, gate=True, l2norm=True, seed=11)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    gate = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     with torch.no_grad():
         full, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True, **gate)
         pre, state = chunk_kda_triton(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], initial_state=h0,
@@ -276,7 +276,7 @@ def test_compiles_without_graph_breaks():
 def test_decode_step_compiles_as_the_custom_op():
     """Traced, the step is the custom op (state mutated in the graph); the result equals the eager launch."""
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 2, 1, 16, 16, gate=True, l2norm=True, seed=15)
-    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
+    kw = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
     eager_state, compiled_state = h0.clone(), h0.clone()
     o = fused_recurrent_kda_step(q, k, v, g, beta, eager_state, **kw)
     graphs = []
@@ -314,12 +314,12 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="K and V"):
         chunk_kda_triton(big, big, v[:, :4], big, beta[:, :4])
     A_log, dt_bias = torch.zeros(1, device=DEV), torch.zeros(16, device=DEV)
-    with pytest.raises(ValueError, match="together"):
+    with pytest.raises(ValueError, match="need gate="):
         chunk_kda_triton(q, k, v, g, beta, A_log=A_log)
     with pytest.raises(ValueError, match="lower_bound"):
-        chunk_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-6.0)
+        chunk_kda_triton(q, k, v, g, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=0.0)
     with pytest.raises(ValueError, match="dt_bias"):
-        chunk_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias[:8], lower_bound=-5.0)
+        chunk_kda_triton(q, k, v, g, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias[:8], lower_bound=-5.0)
     with pytest.raises(ValueError, match="initial_state"):
         chunk_kda_triton(q, k, v, g, beta, initial_state=h0.double())
     with pytest.raises(ValueError, match="state"):

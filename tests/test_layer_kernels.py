@@ -15,13 +15,10 @@ from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.ops.gated_norm import gated_rms_norm
 from hybrid_attention.ops.short_conv import short_conv, short_conv_reference
-from hybrid_attention.ops.triton_support import triton_runs_on
+from tests.conftest import DEV, needs_triton
 from tests.helpers import assert_close, poisoned_like
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    not triton_runs_on(torch.empty(1, device=DEV)), reason="needs CUDA or TRITON_INTERPRET=1 with triton"
-)
+pytestmark = needs_triton
 TOL = 1e-5
 
 

@@ -64,6 +64,8 @@ def reference_forward(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         heads.append(probs @ v_h)
     o = torch.cat(heads, dim=-1)  # (B, T, H*d_v)
+    if not layer.output_gate:
+        return o @ layer.o_proj.weight.T
     return (torch.sigmoid(x @ layer.g_proj.weight.T) * o) @ layer.o_proj.weight.T
 
 
@@ -105,6 +107,22 @@ def test_without_shared_key_part(q_lora_rank):
         out, cache = decode_in_chunks(layer, x, [4, 1, 5, 1])
     assert_close("incremental d_s=0", out, ref, 1e-10)
     assert cache.rows.shape[-1] == SIZES["kv_lora_rank"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 6])
+def test_without_output_gate(q_lora_rank):
+    """output_gate=False: no g_proj, the heads go straight to W_o; prefill and decoding still match."""
+    torch.manual_seed(12)
+    layer = GatedMLA(**SIZES, q_lora_rank=q_lora_rank, output_gate=False).double()
+    assert not hasattr(layer, "g_proj") and len(layer.packed_linears()) == 3
+    x = torch.randn(2, 9, SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        ref = reference_forward(layer, x)
+        assert_close("prefill, no gate", layer(x), ref, 1e-12)
+        out, _ = decode_in_chunks(layer, x, [3, 1, 4, 1])
+    assert_close("incremental, no gate", out, ref, 1e-10)
+    with pytest.raises(ValueError, match="output_gate must be a bool"):
+        GatedMLA(**SIZES, output_gate=1)
 
 
 def test_prefill_gradients_match_reference():

@@ -10,66 +10,15 @@ import pytest
 import torch
 
 from hybrid_attention.ops.mla.decode import mla_decode, mla_decode_torch
+from tests.conftest import DEV, needs_triton
 from tests.helpers import assert_close
+from tests.mla_cases import decompressed_reference, make_problem, up_project
 
 triton = pytest.importorskip("triton")
 from hybrid_attention.ops.mla.triton_decode import default_num_splits, mla_decode_triton  # noqa: E402
 from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 
-needs_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
-)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(d_c=32, d_s=16, H=2, d_n=24, d_v=16)
-
-
-def make_problem(lens, Tq, *, d_c, d_s, H, d_n, d_v, max_len=None, seed=0, poison=float("nan")):
-    """Random weights, queries and a cache whose rows past each length hold `poison`."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(lens)
-    max_len = max_len or max(lens) + 5
-    f = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    p = dict(
-        q_n=f(B, Tq, H, d_n),
-        q_s=f(B, Tq, H, d_s),
-        c=f(B, max_len, d_c),
-        k_s=f(B, max_len, d_s),
-        w_uk=f(H, d_n, d_c) / d_c**0.5,
-        w_uv=f(H, d_v, d_c) / d_c**0.5,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        scale=(d_n + d_s) ** -0.5,
-        d_c=d_c,
-    )
-    rows = torch.cat([p["c"], p["k_s"]], dim=-1)
-    for b, L in enumerate(lens):
-        rows[b, L:] = poison
-    p["rows"] = rows
-    q_abs = torch.einsum("bthn,hnc->bthc", p["q_n"].double(), p["w_uk"].double())  # W_UK folded into the query
-    p["q64"] = torch.cat([q_abs, p["q_s"].double()], dim=-1)
-    p["q"] = p["q64"].float()
-    return p
-
-
-def decompressed_reference(p):
-    """[B, Tq, H, d_v] in float64: explicit per-head keys/values, bottom-right causal over each seq_lens[b]."""
-    q_n, q_s, w_uk, w_uv = (p[k].double() for k in ("q_n", "q_s", "w_uk", "w_uv"))
-    B, Tq, H, _ = q_n.shape
-    outs = []
-    for b in range(B):
-        L = int(p["seq_lens"][b])
-        c, k_s = p["c"][b, :L].double(), p["k_s"][b, :L].double()
-        k = torch.cat([torch.einsum("hnc,jc->jhn", w_uk, c), k_s[:, None, :].expand(L, H, -1)], dim=-1)
-        v = torch.einsum("hvc,jc->jhv", w_uv, c)
-        s = torch.einsum("thd,jhd->thj", torch.cat([q_n[b], q_s[b]], dim=-1), k) * p["scale"]
-        visible = torch.arange(L)[None, :] <= (L - Tq + torch.arange(Tq))[:, None]  # (Tq, L)
-        s = s.masked_fill(~visible[:, None, :], float("-inf"))
-        outs.append(torch.einsum("thj,jhv->thv", torch.softmax(s, dim=-1), v))
-    return torch.stack(outs)
-
-
-def up_project(p, o_lat):
-    """Apply W_UV,h to the latent output: [B, Tq, H, d_c] -> [B, Tq, H, d_v]."""
-    return torch.einsum("bthc,hvc->bthv", o_lat.double().cpu(), p["w_uv"].double())
 
 
 def run(p, *, backend="triton", num_splits=None, dtype=torch.float32):
@@ -184,8 +133,9 @@ def test_nope_is_permutation_invariant():
 
 
 def test_matches_naive_absorbed_attention():
-    """Against the colleague's readable reference, once it exists (one sequence at a time: no seq_lens there)."""
-    naive = pytest.importorskip("hybrid_attention.ops.mla.naive")
+    """Against the readable reference `naive.absorbed_attention` (one sequence at a time: it takes no seq_lens)."""
+    from hybrid_attention.ops.mla import naive
+
     p = make_problem([37, 6], 3, **TINY, seed=21)
     o = run(p, backend="torch" if not (torch.cuda.is_available() or interpreting()) else "auto")
     for b, L in enumerate([37, 6]):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybrid_attention.generate import generate
 from hybrid_attention.graphs import DecodeStep
 from hybrid_attention.layers import GatedMLA, KimiDeltaAttention, SwiGLU
 from hybrid_attention.layers.packed import PackedLinear, PackedProjections
@@ -103,13 +104,13 @@ def test_packed_copies_are_a_snapshot_the_parameters_stay_separate():
 
 
 def test_generate_with_and_without_packing(monkeypatch):
-    """model.generate(pack_projections=False) builds no packed copies and gives the same greedy tokens."""
+    """generate(model, pack_projections=False) builds no packed copies and gives the same greedy tokens."""
     model = tiny_model()
     built = []
     init = PackedProjections.__init__
     monkeypatch.setattr(PackedProjections, "__init__", lambda self, m: built.append(1) or init(self, m))
     prompt = torch.randint(0, 256, (2, 6))
-    packed = model.generate(prompt, 8, temperature=0)
+    packed = generate(model, prompt, 8, temperature=0)
     assert len(built) == 1
-    plain = model.generate(prompt, 8, temperature=0, pack_projections=False)
+    plain = generate(model, prompt, 8, temperature=0, pack_projections=False)
     assert len(built) == 1 and torch.equal(packed, plain)

@@ -131,7 +131,7 @@ def test_resume_is_exact(tmp_path, options):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(v) for v in a.values())
     assert a == b  # bitwise: same data, same optimizer states, same schedule
-    wa, wb = load_file(tmp_path / "full" / ckpt.WEIGHTS), load_file(tmp_path / "split" / ckpt.WEIGHTS)
+    wa, wb = (load_file(ckpt.latest_checkpoint(tmp_path / name) / ckpt.WEIGHTS) for name in ("full", "split"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert full["val_loss"] == second["val_loss"]
 
@@ -139,8 +139,11 @@ def test_resume_is_exact(tmp_path, options):
 def test_run_directory_contents(tmp_path):
     summary = _run(tmp_path, "run", steps=4, eval_every=2, log_every=3)
     run = tmp_path / "run"
-    for name in ("config.json", "model.safetensors", "train_state.pt", "log.jsonl", "loss.png", "summary.json"):
+    for name in ("config.json", "log.jsonl", "loss.png", "summary.json", "lock", "checkpoints/latest"):
         assert (run / name).is_file(), name
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000004"]  # the step-2 one is removed
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000004\n"
+    assert sorted(os.listdir(run / "checkpoints" / "step_00000004")) == ["model.safetensors", "train_state.pt"]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = ckpt.read_log(run)
     assert [r["step"] for r in rows] == [2, 3, 4]  # evaluations, log_every and the final step
@@ -148,35 +151,42 @@ def test_run_directory_contents(tmp_path):
     config = ckpt.load_config(run)
     assert HybridConfig.from_dict(config["model"]) == HybridConfig.from_preset("tiny")
     assert config["train"]["steps"] == 4 and config["tokenizer"] == {"kind": "byte", "vocab_size": 256}
-    state = ckpt.load_train_state(run)
-    assert state["step"] == 4 and ckpt.weights_step(run) == 4
+    latest = ckpt.latest_checkpoint(run)
+    assert ckpt.load_train_state(latest)["step"] == 4 and ckpt.weights_step(latest) == 4
     assert summary["val_loss"] == rows[-1]["val_loss"] and summary["unigram_loss"] > 0
     assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~umask}, "one rule for every file's permissions"
 
 
 def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     _run(tmp_path, "run", steps=2, eval_every=2)
     run = tmp_path / "run"
-    before = {name: (run / name).read_bytes() for name in (ckpt.WEIGHTS, ckpt.TRAIN_STATE)}
+    before = snapshot(run / "checkpoints")
 
-    def dies_halfway(model, path, metadata=None):
+    def dies_halfway(obj, path, *args, **kwargs):
         with open(path, "wb") as f:
             f.write(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt, "save_model", dies_halfway)
+    monkeypatch.setattr(torch, "save", dies_halfway)  # the second file of the checkpoint
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_training(run, _tiny_model(), [], [], 99)
-    assert {name: (run / name).read_bytes() for name in before} == before
-    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+    assert snapshot(run / "checkpoints") == before
+
+
+def snapshot(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def test_resume_refuses_weights_and_state_from_different_steps(tmp_path):
     _run(tmp_path, "run", stop_after=3)
     run = tmp_path / "run"
-    state = ckpt.load_train_state(run)
-    ckpt.save_train_state(run, {**state, "step": 2})
-    with pytest.raises(ValueError, match=r"weights \(step 3\) and train_state.pt \(step 2\) disagree"):
+    latest = ckpt.latest_checkpoint(run)
+    ckpt.save_train_state(latest, {**ckpt.load_train_state(latest), "step": 2})
+    with pytest.raises(ValueError, match=r"weights \(step 3\) and train_state.pt \(step 2\) disagree; the checkpoint"):
         train(TrainConfig.create(ckpt.load_config(run)["train"]), resume=True)
 
 

@@ -7,8 +7,8 @@ compile (nothing executes, outputs are garbage), then reads the resource use (cu
 Spilled registers in these kernels cost far more than any tuning gains, so this is the first check after a
 kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. HA_KDA_AUTOTUNE=0 is
 set here, so every kernel compiles its first config only. --sass adds each kernel's static SASS instruction count
-and its most frequent opcodes: these kernels are bound by the instructions they issue (Nsight Compute, RESULTS.md
-2026-11-30 fourth session), so a change that removes instructions without adding registers is the one to time.
+and its most frequent opcodes: the prep kernel is bound by the instructions it issues at low occupancy
+(docs/kernels.md), so a change that removes instructions without adding registers is the one to time.
 """
 
 from __future__ import annotations

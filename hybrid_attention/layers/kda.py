@@ -1,11 +1,16 @@
-"""The Kimi Delta Attention layer (DESIGN.md, "Layers"; Kimi Linear report, KDA layer).
+"""The Kimi Delta Attention layer (docs/math.md; Kimi Linear report, KDA layer).
 
     q, k, v = ShortConv(W_q x), ShortConv(W_k x), ShortConv(W_v x)       (ShortConv applies SiLU)
     q, k    = L2-normalised per head (float32)
     beta    = sigmoid(W_b x)                                             per head
-    g       = kda_gate(W_f_up W_f_down x, A_log, dt_bias)                low rank, per channel, in (-5, 0)
+    g       = kda_gate(W_f_up W_f_down x, A_log, dt_bias, form=gate)     low rank, per channel (or per head), <= 0
     o       = KDA(q, k, v, g, beta)                                      chunkwise, or recurrent when decoding
     y       = W_o GatedRMSNorm_head(o, W_g_up W_g_down x)                sigmoid output gate, low rank
+
+The decay gate is "bounded" (lower_bound * sigmoid(...), in (lower_bound, 0)), "softplus" (-exp(A_log) *
+softplus(...), Kimi Linear's released form) or "head" (Gated DeltaNet's one decay per head: W_f_up outputs H logits
+and dt_bias has H entries). The per-head gate runs as the per-channel softplus gate on logits repeated over the K
+channels of each head, so every kernel that fuses the gate takes it as it is.
 
 A `KDACache` carries the conv tails and the recurrent state between calls, so a prompt can be fed whole,
 in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
@@ -27,6 +32,7 @@ from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import project
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
+from hybrid_attention.ops.kda.gate import check_gate_form, check_lower_bound, head_as_channels
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import triton_runs_on
 
@@ -54,9 +60,10 @@ class KimiDeltaAttention(nn.Module):
         num_heads: H; each head has K = V = head_dim.
         head_dim: per-head key/value size, also the rank of the low-rank decay and output-gate projections.
         conv_size: kernel of the causal depthwise short convolutions.
-        lower_bound: most negative log decay per step (see `kda_gate`).
+        lower_bound: most negative log decay per step of the "bounded" gate (finite, < 0; unused by the others).
         norm_eps: epsilon of the per-head output RMSNorm.
         backend: `chunk_kda` backend ("auto", "torch", "triton", "fla").
+        gate: the decay gate's form, "bounded", "softplus" or "head" (see `kda_gate`).
     """
 
     def __init__(
@@ -68,13 +75,14 @@ class KimiDeltaAttention(nn.Module):
         lower_bound: float = -5.0,
         norm_eps: float = 1e-6,
         backend: str = "auto",
+        gate: str = "bounded",
     ):
         super().__init__()
         for label, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KimiDeltaAttention: {label} must be a positive int, got {value!r}")
-        if not lower_bound < 0:
-            raise ValueError(f"KimiDeltaAttention: lower_bound must be < 0, got {lower_bound!r}")
+        check_lower_bound(lower_bound, name="KimiDeltaAttention")
+        check_gate_form(gate, name="KimiDeltaAttention")
         resolve_backend(backend)  # fail early on an unknown backend name
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -82,6 +90,7 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size = conv_size
         self.lower_bound = float(lower_bound)
         self.backend = backend
+        self.gate = gate
         dim = num_heads * head_dim
 
         self.q_proj = nn.Linear(hidden_size, dim, bias=False)
@@ -92,9 +101,10 @@ class KimiDeltaAttention(nn.Module):
         self.v_conv = ShortConv(dim, conv_size)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.f_down = nn.Linear(hidden_size, head_dim, bias=False)
-        self.f_up = nn.Linear(head_dim, dim, bias=False)
+        gate_width = num_heads if gate == "head" else dim  # logits (and biases) per head or per channel
+        self.f_up = nn.Linear(head_dim, gate_width, bias=False)
         self.A_log = nn.Parameter(torch.empty(num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(dim))
+        self.dt_bias = nn.Parameter(torch.empty(gate_width))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.g_down = nn.Linear(hidden_size, head_dim, bias=False)
@@ -105,11 +115,13 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        """A_log = 0 per head; dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] per channel.
-
-        With the bounded gate this spreads the initial per-step retention from about e^-0.005 to e^-0.45.
-        """
-        self.A_log.zero_()
+        """dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] per channel (per head for "head"); A_log = 0
+        for the bounded gate (initial per-step retention from about e^-0.005 to e^-0.45), log of uniform [1, 16]
+        for the softplus gates (Kimi Linear's and Gated DeltaNet's initialisation: g = -A dt at z = 0)."""
+        if self.gate == "bounded":
+            self.A_log.zero_()
+        else:
+            self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float64).uniform_(1.0, 16.0).log())
         u = torch.rand(self.dt_bias.shape, dtype=torch.float64, device=self.dt_bias.device)
         dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus(y) = log(1 + e^y)
@@ -171,17 +183,16 @@ class KimiDeltaAttention(nn.Module):
         k = self.k_conv(k_in, conv_k).view(B, T, H, D)
         v = self.v_conv(v_in, conv_v).view(B, T, H, D)
         beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
-        z = self.f_up(f_in).view(B, T, H, D)  # raw decay logits
+        z, gate_args = self._gate_logits(self.f_up(f_in).view(B, T, H, -1))
 
         if cache is not None and T <= 16 and not torch.is_grad_enabled():  # a few tokens: the recurrence itself
             q, k = l2_normalize(q), l2_normalize(k)
-            g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.lower_bound)
+            g = kda_gate(z, gate_args["A_log"], gate_args["dt_bias"], gate_args["lower_bound"], form=gate_args["gate"])
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
         else:
             # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA (also for a
             # prefill into the cache). Clone the cached state: autograd may keep the initial state for backward,
             # and the cache is overwritten below.
-            gate_args = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
             initial_state = None if cache is None else cache.state.clone()
             o, state = chunk_kda(
                 q, k, v, z, beta, initial_state=initial_state, output_final_state=cache is not None,
@@ -192,6 +203,15 @@ class KimiDeltaAttention(nn.Module):
 
         gate = self.g_up(g_in).view(B, T, H, D)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
+
+    def _gate_logits(self, z: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """z [B, T, H, K] (or [B, T, H, 1] for "head") -> (per-channel logits [B, T, H, K], the gate arguments of
+        chunk_kda): the per-head gate becomes the per-channel softplus gate on logits repeated over K."""
+        if self.gate == "head":
+            z, dt_bias = head_as_channels(z[..., 0], self.dt_bias, self.head_dim)
+            return z, dict(gate="softplus", A_log=self.A_log, dt_bias=dt_bias, lower_bound=None)
+        lower_bound = self.lower_bound if self.gate == "bounded" else None
+        return z, dict(gate=self.gate, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=lower_bound)
 
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
@@ -207,19 +227,24 @@ class KimiDeltaAttention(nn.Module):
         from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
         q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, self.packed_linears())
+        f_up, gate, dt_bias, lower_bound = self.f_up.weight, self.gate, self.dt_bias, self.lower_bound
+        if gate == "head":  # rows of the per-head logits repeated over K: the per-channel softplus gate
+            f_up = f_up.repeat_interleave(self.head_dim, 0)
+            gate, dt_bias = "softplus", dt_bias.repeat_interleave(self.head_dim)
         q, k, v, g, beta = kda_decode_inputs(
             q_in,
             k_in,
             v_in,
             b_in,
             f_in,
-            self.f_up.weight,
+            f_up,
             (cache.conv_q, cache.conv_k, cache.conv_v),
             (self.q_conv.weight, self.k_conv.weight, self.v_conv.weight),
             self.A_log,
-            self.dt_bias,
+            dt_bias,
             num_heads=self.num_heads,
-            lower_bound=self.lower_bound,
+            gate=gate,
+            lower_bound=lower_bound if gate == "bounded" else None,
         )
         o = fused_recurrent_kda_step(q, k, v, g, beta, cache.state)  # state updated in place, in the kernel
         y = kda_gated_output_norm(
@@ -230,5 +255,5 @@ class KimiDeltaAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-            f"conv_size={self.conv_size}, lower_bound={self.lower_bound}, backend={self.backend!r}"
+            f"conv_size={self.conv_size}, gate={self.gate!r}, lower_bound={self.lower_bound}, backend={self.backend!r}"
         )

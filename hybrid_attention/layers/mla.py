@@ -1,9 +1,11 @@
 """Gated Multi-head Latent Attention without positional encoding (NoPE), as in Kimi Linear / Kimi K3.
 
-Equations in MATH.md ("Gated MLA"); background in notes/gated-mla.md. Per token the layer computes a latent
+Equations in docs/math.md ("Gated MLA (NoPE)"); the design follows the Kimi Linear report (arXiv 2510.26692) and
+the output gate of Qiu et al. (arXiv 2505.06708). Per token the layer computes a latent
 `c = RMSNorm(W_DKV x)` [d_c] and one shared key part `k_s = W_KS x` [d_s]. Head h has key `[W_UK,h c ; k_s]`,
 value `W_UV,h c` and query `[q_n,h ; q_s,h]`; causal softmax with scale `(d_n + d_s) ** -0.5`; the heads are
-concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`.
+concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`. Without the
+output gate (`output_gate=False`) the layer is plain MLA with NoPE, as in Kimi Linear: `W_o concat_h o_h`.
 
 Two paths compute the same function:
 - prefill (no cache, or a multi-token call on an empty one): decompress per-head K and V and call SDPA, which is
@@ -109,7 +111,8 @@ class GatedMLA(nn.Module):
     """Gated MLA (NoPE). x: [B, T, hidden_size] -> [B, T, hidden_size].
 
     Sizes: H = num_heads, d_c = kv_lora_rank, d_n = qk_nope_head_dim, d_s = qk_shared_head_dim,
-    d_v = v_head_dim, d_q = q_lora_rank (None: a direct query projection).
+    d_v = v_head_dim, d_q = q_lora_rank (None: a direct query projection). output_gate: the sigmoid gate
+    `sigmoid(W_g x)` on the concatenated heads (False: no `g_proj`, the heads go straight to `W_o`).
     """
 
     def __init__(
@@ -122,8 +125,11 @@ class GatedMLA(nn.Module):
         v_head_dim: int,
         q_lora_rank: int | None = None,
         norm_eps: float = 1e-6,
+        output_gate: bool = True,
     ):
         super().__init__()
+        if not isinstance(output_gate, bool):
+            raise ValueError(f"GatedMLA: output_gate must be a bool, got {output_gate!r}")
         sizes = dict(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -146,6 +152,7 @@ class GatedMLA(nn.Module):
         self.qk_shared_head_dim = qk_shared_head_dim
         self.v_head_dim = v_head_dim
         self.q_lora_rank = q_lora_rank
+        self.output_gate = output_gate
         self.qk_head_dim = qk_nope_head_dim + qk_shared_head_dim
         # The per-head QK dot product has d_n + d_s terms, whichever path computes it.
         self.scale = self.qk_head_dim**-0.5
@@ -164,7 +171,8 @@ class GatedMLA(nn.Module):
             self.k_shared = nn.Linear(hidden_size, qk_shared_head_dim, bias=False)
         self.k_up = nn.Linear(kv_lora_rank, H * qk_nope_head_dim, bias=False)
         self.v_up = nn.Linear(kv_lora_rank, H * v_head_dim, bias=False)
-        self.g_proj = nn.Linear(hidden_size, H * v_head_dim, bias=False)
+        if output_gate:
+            self.g_proj = nn.Linear(hidden_size, H * v_head_dim, bias=False)
         self.o_proj = nn.Linear(H * v_head_dim, hidden_size, bias=False)
 
     @property
@@ -185,7 +193,7 @@ class GatedMLA(nn.Module):
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
         q_in = self.q_proj if self.q_lora_rank is None else self.q_down
-        return [q_in, self.kv_down, self.k_shared, self.g_proj]
+        return [q_in, self.kv_down, self.k_shared] + ([self.g_proj] if self.output_gate else [])
 
     def _query(self, q_in: torch.Tensor) -> torch.Tensor:
         """The query projection (q_proj x, or q_down x with a query LoRA) [B, T, *] -> q: [B, T, H, d_n + d_s]."""
@@ -259,7 +267,8 @@ class GatedMLA(nn.Module):
             # Validate before any write so a bad call leaves the cache untouched.
             cache._check_append(B, T, self.latent_dim)
 
-        q_in, kv, k_shared, g_in = project(self, x, self.packed_linears())
+        q_in, kv, k_shared, *gate = project(self, x, self.packed_linears())
+        g_in = gate[0] if gate else None
         q = self._query(q_in)  # (B, T, H, d_n + d_s)
         if cache is not None and T == 1 and _fused_append_ok(x) and not torch.is_grad_enabled():
             # Decoding on CUDA: norm + row + write + length advance in one kernel (same values as the eager append).
@@ -281,15 +290,18 @@ class GatedMLA(nn.Module):
             o = self._absorbed_attention(q, cache.rows, cache.lengths)
         return self._output(g_in, o)
 
-    def _output(self, g_in: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """The gate projection W_g x [B, T, H*d_v], per-head outputs o [B, T, H, d_v] -> W_o (sigmoid(W_g x) *
-        concat_h o_h)."""
-        B, T, _ = g_in.shape
+    def _output(self, g_in: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+        """The gate projection W_g x [B, T, H*d_v] (None without the output gate), per-head outputs o [B, T, H, d_v]
+        -> W_o (sigmoid(W_g x) * concat_h o_h), or W_o concat_h o_h."""
+        B, T = o.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.v_head_dim)
+        if g_in is None:
+            return self.o_proj(o)
         return self.o_proj(decode_act_mul(self, g_in, o, "sigmoid"))  # (B, T, H*d_v) before W_o
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, qk_nope={self.qk_nope_head_dim}, "
-            f"qk_shared={self.qk_shared_head_dim}, v={self.v_head_dim}, q_lora_rank={self.q_lora_rank}"
+            f"qk_shared={self.qk_shared_head_dim}, v={self.v_head_dim}, q_lora_rank={self.q_lora_rank}, "
+            f"output_gate={self.output_gate}"
         )

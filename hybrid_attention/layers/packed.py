@@ -1,10 +1,10 @@
 """Decode-time packing of the projections that read the same input: one matrix-vector product instead of several.
 
-At batch 1 a decode step is mostly small GEMVs, each far below the memory bandwidth: on an H200 a k3-scaled step
-spends 0.75 of its 1.24 ms in 149 of them (benchmarks/RESULTS.md, "the decode step, kernel by kernel"). The
-projections of one layer that read the same x (KDA: q, k, v, beta, and the decay and output-gate down projections;
-Gated MLA: q, the latent down projection, the shared key and the gate; SwiGLU: gate and up) can be read as one
-concatenated weight [sum of outputs, in] in one launch, with the same products.
+At batch 1 a decode step is mostly small GEMVs, each far below the memory bandwidth, and their number sets the
+step's time (docs/performance.md, "Decode step, kernel by kernel"). The projections of one layer that read the same
+x (KDA: q, k, v, beta, and the decay and output-gate down projections; Gated MLA: q, the latent down projection,
+the shared key and the gate; SwiGLU: gate and up) can be read as one concatenated weight [sum of outputs, in] in one
+launch, with the same products.
 
 On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
 linear layers while a step runs (HA_DECODE_GEMV: auto, the default; triton forces it, also on CPU under the
@@ -35,9 +35,8 @@ _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
     """Whether decode-step products of `x` go to `ops.gemv`: HA_DECODE_GEMV=triton always (the interpreter on
-    CPU), "torch" never (F.linear), "auto" (the default) on CUDA, where it measured 4% faster per k3-scaled step than
-    cuBLAS at batch 1 (benchmarks/RESULTS.md, 2026-11-30 second session). Without `x`: whether it may, on some
-    device."""
+    CPU), "torch" never (F.linear), "auto" (the default) on CUDA, where it beats cuBLAS's batch-1 GEMVs. Without
+    `x`: whether it may, on some device."""
     mode = os.environ.get("HA_DECODE_GEMV", "auto")
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"HA_DECODE_GEMV must be auto, torch or triton, got {mode!r}")

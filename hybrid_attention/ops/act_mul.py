@@ -1,9 +1,9 @@
 """act(a) * b in one Triton kernel, for inference: SwiGLU's SiLU(gate) * up and Gated MLA's sigmoid(gate) * o.
 
 Eager PyTorch runs each as two elementwise kernels (the activation, then the product), each a full pass over the
-activations; at batch-1 decoding they are two launches per layer (benchmarks/RESULTS.md, the decode step kernel by
-kernel). Rounding follows the eager ops: act(a) is rounded to the input dtype before the product, and the product
-to the output dtype, both computed in float32. No autograd: the layers use it only without gradients.
+activations; at batch-1 decoding, where launches set the step's time, they are two launches per layer. Rounding
+follows the eager ops: act(a) is rounded to the input dtype before the product, and the product to the output
+dtype, both computed in float32. No autograd: the layers use it only without gradients.
 """
 
 from __future__ import annotations

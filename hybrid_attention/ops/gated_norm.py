@@ -2,7 +2,8 @@
 
     y = round(x * rstd * w) * sigmoid(gate),     rstd = 1 / sqrt(mean(x^2) + eps)
 
-in float32, rounded to x.dtype where `GatedRMSNorm` rounds (round = that rounding).
+in float32, rounded to x.dtype where `GatedRMSNorm` rounds (round = that rounding; docs/math.md, "Gated output
+norm").
 Backward, with s = sigmoid(gate), xh = x * rstd and dy1 = dy * s:
 
     dgate = dy * round(xh * w) * s (1 - s)     dx = rstd (dy1 w - xh mean(dy1 w xh))     dw = sum_rows dy1 xh

@@ -1,14 +1,14 @@
 """Small-batch matrix-vector products for decoding: y = x W^T (+ b) for a few rows of x, in one Triton kernel.
 
-Why not `F.linear` (cuBLAS): on an H200 a batch-1 k3-scaled decode step spent 0.75 of its 1.24 ms in 149 cuBLAS
-GEMVs, at 0.33 to 0.9 TB/s of weight read (benchmarks/RESULTS.md, 2026-11-30), where the card copies at 4.27 TB/s.
-A decode step reads every weight once for a handful of rows, so the product is a pure weight stream: here each
+Why not `F.linear` (cuBLAS): at batch 1 cuBLAS's GEMV kernels read the weights far below the memory bandwidth,
+and they are most of a decode step's time (docs/performance.md, "Decode step, kernel by kernel"). A decode step
+reads every weight once for a handful of rows, so the product is a pure weight stream: here each
 program owns BN output features for all rows and walks the K dimension with pipelined loads, and BN is small enough
 that the grid covers the GPU. The rows are padded to 16 for the tensor-core dot (the padding costs no bandwidth).
 
-On by default on CUDA (`HA_DECODE_GEMV`, read at call time by `layers.packed.decode_gemv_enabled`): a batch-1 step
-took 0.727 ms against 0.758 ms with cuBLAS, 150 kernels against 163 (H200, RESULTS.md, 2026-11-30 second
-session). `DecodeStep` routes its projections here (`layers/packed.py`); over MAX_ROWS rows they stay on cuBLAS.
+On by default on CUDA (`HA_DECODE_GEMV`, read at call time by `layers.packed.decode_gemv_enabled`), where a
+batch-1 step takes fewer kernels and less time than with cuBLAS. `DecodeStep` routes its projections here
+(`layers/packed.py`); over MAX_ROWS rows they stay on cuBLAS.
 """
 
 from __future__ import annotations

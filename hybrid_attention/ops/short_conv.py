@@ -10,9 +10,9 @@ wants [B, C, T] and its depthwise backward is slow, which is why this is hand-wr
 Each program owns BC channels and SEG consecutive time steps and walks along time, keeping the last rows of x (and,
 in the backward, of dp) in registers: every row of x and dy is read once, plus a 3-row halo per segment. The
 kernels have TAPS = 4 taps (KDA's kernel size); a shorter kernel's missing taps are zeros on the left, and
-`short_conv` rejects longer ones (`layers.conv.ShortConv` runs conv1d for those). On an H200 at 8 x 4096 x 2048
-(bf16) the backward takes 0.23 ms; an earlier tiled kernel that recomputed the pre-activation from W shifted
-loads for each of W shifts took 1.71 ms (benchmarks/RESULTS.md, 2026-11-30, sixth session).
+`short_conv` rejects longer ones (`layers.conv.ShortConv` runs conv1d for those). Streaming is what makes the
+backward cheap: a tiled kernel recomputes the pre-activation from W shifted loads for each of W shifts (W^2 loads of
+x per element). The equations are in docs/math.md ("Short convolution").
 
 dw is summed per (batch, segment) in the kernel and over those partials by torch. The PyTorch reference is
 `short_conv_reference`; `ShortConv` uses these kernels on CUDA for every multi-token call (with a decoding cache,
@@ -31,8 +31,7 @@ from hybrid_attention.ops.numerics import compute_dtype
 TAPS = 4  # the kernels' window: rows t-3 .. t
 BC = 512  # channels per program
 SEG = 32  # time steps per program
-# Measured at 8 x 4096 x 2048 on an H200: the forward 101 us with 4 warps; the backward, which keeps twice the
-# rows live, 227 us with 8 warps vs 381 us with 4.
+# The backward keeps twice the rows live (x and dp), so it runs best with twice the warps.
 FWD_WARPS, BWD_WARPS = 4, 8
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import needs_cuda
 from tests.helpers import assert_as_accurate
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_cuda
 
 
 @pytest.mark.parametrize("M", [1, 32])
@@ -27,7 +28,7 @@ def test_gemv_as_accurate_as_cublas(M, N, K):
 
 
 def test_graph_decode_through_the_gemv(monkeypatch):
-    """Both bf16 decodes round differently, and 4 layers amplify that (1.8e-2 apart, measured): each is held
+    """Both bf16 decodes round differently, and 4 layers amplify that (about 2e-2 apart): each is held
     against the float64 full forward, the Triton GEMV's decode as accurate as the cuBLAS one."""
     from hybrid_attention.graphs import DecodeStep
     from tests.gpu.test_generate_gpu import K3_BLOCK, float64_copy, make_model, prompt
@@ -42,17 +43,3 @@ def test_graph_decode_through_the_gemv(monkeypatch):
     with torch.no_grad():
         ref64 = float64_copy(model)(ids.cpu()).logits
     assert_as_accurate("graph decode with the Triton GEMV", logits["triton"], ref64, logits["torch"])
-
-
-@pytest.mark.parametrize("index", [0, 1, 2])
-def test_every_gemv_config(index, monkeypatch):
-    """Each autotune config alone at a k3-scaled shape (the autotuner may pick any of them)."""
-    from hybrid_attention.ops import gemv as gemv_mod
-
-    tuner = gemv_mod._gemv_kernel
-    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    torch.manual_seed(index)
-    x = torch.randn(4, 2816, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1000, 2816, device="cuda", dtype=torch.bfloat16) * 2816**-0.5
-    ref = F.linear(x.double(), w.double())
-    assert_as_accurate(f"gemv config {index}", gemv_mod.gemv(x, w), ref, F.linear(x, w), floor=2**-8)

@@ -192,8 +192,8 @@ def test_decode_step(B, H, T):
 
     q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(B, T, H, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
     state = h0.clone()
-    o = fused_recurrent_kda_step(q, k, v, z, beta, state, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                                 use_qk_l2norm=True)  # fmt: skip
+    o = fused_recurrent_kda_step(q, k, v, z, beta, state, gate="bounded", A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=-5.0, use_qk_l2norm=True)  # fmt: skip
     ro, rS = reference_kda(q, k, v, z, beta, h0, A_log, dt_bias, l2norm=True)
     case = f"decode B{B} H{H} T{T} gate+l2norm"
     check([record(case, "o", rel_err(o, ro), 1e-2), record(case, "state", rel_err(state, rS), 1e-5)])
@@ -204,7 +204,7 @@ def test_prefill_then_decode():
     from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
     q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(4, 203, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=8)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
+    gate = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
     with torch.no_grad():
         full, _ = chunk_kda_triton(q, k, v, z, beta, initial_state=h0, **gate)
         pre, state = chunk_kda_triton(q[:, :200], k[:, :200], v[:, :200], z[:, :200], beta[:, :200],

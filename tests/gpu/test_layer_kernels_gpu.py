@@ -15,9 +15,10 @@ import torch
 from hybrid_attention.layers import conv, norm
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.ops.short_conv import short_conv_reference
+from tests.conftest import needs_cuda
 from tests.helpers import assert_as_accurate, assert_close
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = needs_cuda
 
 
 def _run(layer, x, dy) -> dict[str, torch.Tensor]:

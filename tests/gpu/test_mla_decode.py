@@ -10,58 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import mla_cases
+from tests.conftest import needs_cuda
 from tests.helpers import assert_close
+from tests.mla_cases import decompressed_reference, up_project
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_cuda
 
 K3 = dict(d_c=256, d_s=32, H=8, d_n=96, d_v=128)
 
 
-def make_problem(lens, Tq, *, max_len=None, dtype=torch.bfloat16, seed=0, d_c, d_s, H, d_n, d_v):
-    """Random weights/queries/cache on the GPU; rows past each length are NaN. Head h is sharper for larger h."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    B = len(lens)
-    max_len = max_len or max(lens) + 64
-    f = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    sharp = torch.linspace(0.5, 3.0, H, device="cuda")[:, None]  # softmax temperature spread over heads
-    p = dict(
-        q_n=f(B, Tq, H, d_n) * sharp,
-        q_s=f(B, Tq, H, d_s) * sharp,
-        w_uk=f(H, d_n, d_c) / d_c**0.5,
-        w_uv=f(H, d_v, d_c) / d_c**0.5,
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-        scale=(d_n + d_s) ** -0.5,
-        d_c=d_c,
-    )
-    rows = torch.cat([f(B, max_len, d_c), f(B, max_len, d_s)], dim=-1).to(dtype)  # the cache is stored in dtype
-    for b, L in enumerate(lens):
-        rows[b, L:] = float("nan")
-    p["rows"] = rows
-    q_abs = torch.einsum("bthn,hnc->bthc", p["q_n"].double(), p["w_uk"].double())
-    p["q"] = torch.cat([q_abs, p["q_s"].double()], dim=-1).to(dtype)
-    return p
-
-
-def decompressed_reference(p):
-    """float64 [B, Tq, H, d_v] from the stored cache rows and the unrounded queries."""
-    q_n, q_s, w_uk, w_uv = (p[k].double() for k in ("q_n", "q_s", "w_uk", "w_uv"))
-    B, Tq, H, _ = q_n.shape
-    d_c = p["d_c"]
-    outs = []
-    for b in range(B):
-        L = int(p["seq_lens"][b])
-        c, k_s = p["rows"][b, :L, :d_c].double(), p["rows"][b, :L, d_c:].double()
-        k = torch.cat([torch.einsum("hnc,jc->jhn", w_uk, c), k_s[:, None, :].expand(L, H, -1)], dim=-1)
-        v = torch.einsum("hvc,jc->jhv", w_uv, c)
-        s = torch.einsum("thd,jhd->thj", torch.cat([q_n[b], q_s[b]], dim=-1), k) * p["scale"]
-        visible = torch.arange(L, device="cuda")[None, :] <= (L - Tq + torch.arange(Tq, device="cuda"))[:, None]
-        s = s.masked_fill(~visible[:, None, :], float("-inf"))
-        outs.append(torch.einsum("thj,jhv->thv", torch.softmax(s, dim=-1), v))
-    return torch.stack(outs)
-
-
-def up_project(p, o_lat):
-    return torch.einsum("bthc,hvc->bthv", o_lat.double(), p["w_uv"].double())
+def make_problem(lens, Tq, *, dtype=torch.bfloat16, **kw):
+    """A problem on the GPU at k3-scaled sizes, a whole 64-row block of NaN past the longest sequence, heads of
+    different sharpness."""
+    return mla_cases.make_problem(lens, Tq, **K3, dtype=dtype, device="cuda", spare=64, sharpen_heads=True, **kw)
 
 
 def decode(p, **kw):
@@ -76,7 +38,7 @@ def decode(p, **kw):
     + [([1, 2, 1000, 70000, 4097], 1)],
 )
 def test_bf16_matches_decompressed_reference(lens, Tq):
-    p = make_problem(lens, Tq, **K3, seed=sum(lens) + Tq)
+    p = make_problem(lens, Tq, seed=sum(lens) + Tq)
     ref = decompressed_reference(p)
     for ns in (None, 1, 7):
         o = decode(p, num_splits=ns)
@@ -86,12 +48,12 @@ def test_bf16_matches_decompressed_reference(lens, Tq):
 
 def test_mixed_lengths_multi_token():
     lens = [4, 17, 999, 5000, 33, 70000]
-    p = make_problem(lens, 3, **K3, max_len=72000, seed=1)
+    p = make_problem(lens, 3, max_len=72000, seed=1)
     assert_close("bf16 mixed Tq=3", up_project(p, decode(p)), decompressed_reference(p), 1e-2)
 
 
 def test_fp16():
-    p = make_problem([1000, 3], 2, **K3, dtype=torch.float16, seed=2)
+    p = make_problem([1000, 3], 2, dtype=torch.float16, seed=2)
     o = decode(p)
     assert o.dtype == torch.float16
     assert_close("fp16", up_project(p, o), decompressed_reference(p), 1e-2)
@@ -100,13 +62,13 @@ def test_fp16():
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 def test_fp32_is_exact(num_splits):
     """fp32 inputs take the IEEE dot path: a tf32 rounding would show up as ~1e-3 error."""
-    p = make_problem([1000, 3, 2500], 2, **K3, dtype=torch.float32, seed=3)
+    p = make_problem([1000, 3, 2500], 2, dtype=torch.float32, seed=3)
     o = decode(p, num_splits=num_splits)
     assert_close(f"fp32 splits={num_splits}", up_project(p, o), decompressed_reference(p), 1e-5)
 
 
 def test_triton_agrees_with_torch_path():
-    p = make_problem([2, 1500, 300], 2, **K3, seed=4)
+    p = make_problem([2, 1500, 300], 2, seed=4)
     o = decode(p)
     o_torch = decode(p, backend="torch")
     assert_close("triton vs torch", o.float(), o_torch.float(), 1e-2)
@@ -117,7 +79,7 @@ def test_cuda_graph_with_changing_lengths():
     from hybrid_attention.ops.mla.decode import mla_decode
 
     B, Tq, max_len = 3, 2, 4096
-    p = make_problem([max_len] * B, Tq, **K3, max_len=max_len, seed=5)
+    p = make_problem([max_len] * B, Tq, max_len=max_len, seed=5)
     q, rows, lens = p["q"].clone(), p["rows"].clone(), p["seq_lens"].clone()  # static buffers
     kw = dict(value_dim=p["d_c"], scale=p["scale"])
 
@@ -132,7 +94,7 @@ def test_cuda_graph_with_changing_lengths():
         out = mla_decode(q, rows, lens, **kw)
 
     for i, new_lens in enumerate([[2, max_len, 777], [max_len, 3, 1500], [100, 64, 2]]):
-        fresh = make_problem(new_lens, Tq, **K3, max_len=max_len, seed=100 + i)
+        fresh = make_problem(new_lens, Tq, max_len=max_len, seed=100 + i)
         fresh["w_uk"], fresh["w_uv"] = p["w_uk"], p["w_uv"]
         q.copy_(torch.cat([torch.einsum("bthn,hnc->bthc", fresh["q_n"], p["w_uk"]), fresh["q_s"]], -1))
         fresh["q"] = q

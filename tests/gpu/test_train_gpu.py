@@ -9,13 +9,11 @@ import json
 import math
 import re
 
-import pytest
-import torch
-
 from hybrid_attention import cli
 from hybrid_attention.checkpoint import read_log
+from tests.conftest import needs_cuda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = needs_cuda
 
 FAST = ["--steps", "6", "--batch-size", "4", "--seq-len", "64", "--data-max-bytes", "200000", "--eval-batches", "2",
         "--log-every", "1", "--eval-every", "3", "--device", "cuda"]  # fmt: skip

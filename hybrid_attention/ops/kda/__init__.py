@@ -2,7 +2,8 @@
 
     o, S = recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None)
     o, S = chunk_kda(q, k, v, g, beta, ..., chunk_size=64, backend="auto")
-    g = kda_gate(z, A_log, dt_bias, lower_bound=-5.0)
+    o, S = chunk_kda(q, k, v, z, beta, gate="bounded" | "softplus", A_log=A_log, dt_bias=dt_bias, ...)
+    g = kda_gate(z, A_log, dt_bias, lower_bound=None, form="bounded" | "softplus" | "head")
 
 Backends of `chunk_kda`: "torch" (readable reference, naive.py), "triton" (our kernels, triton_chunk.py),
 "fla" (flash-linear-attention 0.6.0, optional extra), "auto" (see `resolve_backend`).
@@ -13,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
-from hybrid_attention.ops.kda.gate import kda_gate
+from hybrid_attention.ops.kda.gate import FUSED_FORMS, GATE_FORMS, check_gate, check_gate_form, kda_gate
 from hybrid_attention.ops.kda.naive import chunk_kda_torch, recurrent_kda
 from hybrid_attention.ops.triton_support import triton_runs_on
 
 __all__ = [
     "BACKENDS",
+    "GATE_FORMS",
     "chunk_kda",
     "kda_gate",
     "l2_normalize",
@@ -28,16 +30,19 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton", "fla")
+# What "auto" sends to the Triton kernels: a decay or the bounded gate.
+TRITON_GATES = (None, "bounded")
 
 
-def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64) -> str:
+def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64, gate: str | None = None) -> str:
     """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors they take (16/32-bit
-    floats, chunk size 64, the size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
+    floats, chunk size 64, the size they are built for, a decay or the bounded gate) and the PyTorch reference
+    elsewhere. Unknown names raise."""
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
         on_gpu = q is not None and chunk_size == 64 and triton_runs_on(q, cpu_interpreter=False)
-        return "triton" if on_gpu else "torch"
+        return "triton" if on_gpu and gate in TRITON_GATES else "torch"
     return backend
 
 
@@ -54,6 +59,7 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    gate: str | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
@@ -62,25 +68,38 @@ def chunk_kda(
     """Chunkwise KDA; every backend computes exactly `recurrent_kda`.
 
     Args:
-        q, k: [B, T, H, K] (L2-normalised by the caller).  v: [B, T, H, V].
-        g: [B, T, H, K] natural-log decay (e.g. from `kda_gate`).  beta: [B, T, H].
+        q, k: [B, T, H, K] (L2-normalised by the caller unless use_qk_l2norm).  v: [B, T, H, V].
+        g: [B, T, H, K]: the natural-log decay (<= 0) when gate is None, else the raw gate logits z.
+        beta: [B, T, H], in [0, 1].
         scale: defaults to K ** -0.5.
         initial_state: [N, H, K, V] float32 (or float64 with float64 inputs); zeros when None.
         output_final_state: return the state after the last token.
         cu_seqlens: int [N + 1]; packs N sequences along T of a batch of one (B == 1).
         chunk_size: 16, 32 or 64 (the FLA backend takes 32 or 64).
         backend: "auto", "torch", "triton" or "fla".
-        A_log, dt_bias, lower_bound: when all three are given, `g` holds the raw gate logits z and the decay is
-            `kda_gate(z, A_log, dt_bias, lower_bound)` (fused into the Triton kernels, computed first elsewhere).
+        gate: None (g is the decay), "bounded" or "softplus" (g holds logits; the decay is
+            `kda_gate(g, A_log, dt_bias, lower_bound, form=gate)`, fused into the Triton kernels, computed first
+            elsewhere). A_log [H], dt_bias [H*K] (or [H, K]) go with a gate; lower_bound with "bounded" only
+            (None: -5).
         use_qk_l2norm: L2-normalise q and k per head first (fused into the Triton kernels).
     Returns:
         o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] (float32/float64) or None.
     """
-    gate_params = (A_log, dt_bias, lower_bound)
-    if any(p is not None for p in gate_params) and any(p is None for p in gate_params):
-        raise ValueError("chunk_kda: pass all of A_log, dt_bias and lower_bound (fused gate) or none of them")
-    fused_gate = A_log is not None
-    backend = resolve_backend(backend, q, chunk_size)
+    if gate is None:
+        if A_log is not None or dt_bias is not None or lower_bound is not None:
+            raise ValueError(
+                'chunk_kda: A_log, dt_bias and lower_bound belong to a gate: pass gate="bounded" or '
+                '"softplus" to say that g holds raw logits, or leave them out when g is the decay'
+            )
+    else:
+        check_gate_form(gate, name="chunk_kda", allowed=FUSED_FORMS)
+        if A_log is None or dt_bias is None:
+            raise ValueError(f"chunk_kda: gate={gate!r} needs A_log and dt_bias")
+        if isinstance(q, torch.Tensor) and q.dim() == 4:  # other shapes: the backend's input checks say what is wrong
+            H, K = q.shape[-2:]
+            lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=K, name="chunk_kda", device=q.device)
+            lower_bound = lb if gate == "bounded" else None
+    backend = resolve_backend(backend, q, chunk_size, gate)
     kwargs = dict(
         scale=scale,
         initial_state=initial_state,
@@ -94,12 +113,12 @@ def chunk_kda(
         except ImportError as exc:
             raise ValueError(f'chunk_kda: backend="triton" is unavailable: {exc!r}') from exc
         return chunk_kda_triton(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-            **kwargs,
+            q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            use_qk_l2norm=use_qk_l2norm, **kwargs,
         )  # fmt: skip
     # The other backends take the decay and normalised q, k: compute them here, with autograd.
-    if fused_gate:
-        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if gate is not None:
+        g = kda_gate(g, A_log, dt_bias.reshape(-1), lower_bound, form=gate)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if backend == "torch":

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.kda.gate import FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import L2_EPS
 from hybrid_attention.ops.triton_support import as_rows
 
@@ -130,6 +131,7 @@ def _decode_inputs_kernel(
     stride_b,
     stride_f,
     lower_bound,
+    SOFTPLUS: tl.constexpr,
     H: tl.constexpr,
     D: tl.constexpr,
     W: tl.constexpr,
@@ -154,7 +156,11 @@ def _decode_inputs_kernel(
 
     z = _matvec(fup_ptr, f_ptr + b * stride_f, offs, ok, R, BLOCK_D, BLOCK_R).to(dtype).to(tl.float32)  # as f_up rounds
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    g = lower_bound * tl.sigmoid(rate * (z + tl.load(dt_bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)))
+    u = z + tl.load(dt_bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if SOFTPLUS:
+        g = -rate * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0))))
+    else:
+        g = lower_bound * tl.sigmoid(rate * u)
     beta = tl.sigmoid(tl.load(b_ptr + b * stride_b + h).to(tl.float32))
 
     out = (b * H + h) * D + d
@@ -201,7 +207,8 @@ def kda_decode_inputs(
     dt_bias: torch.Tensor,
     *,
     num_heads: int,
-    lower_bound: float,
+    gate: str = "bounded",
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One-token KDA inputs for B sequences.
 
@@ -211,6 +218,7 @@ def kda_decode_inputs(
             are computed here (rounded to the activation dtype, as the eager f_up), one [D, R] slice per head.
         tails: conv tails (q, k, v), each [B, H*D, W-1] contiguous, shifted in place (W = conv kernel size >= 2).
         conv_weights: (q, k, v) conv weights, each [H*D, 1, W].  A_log: [H].  dt_bias: [H*D].
+        gate: "bounded" (with lower_bound; None: -5) or "softplus" (see `kda_gate`).
     Returns:
         q, k, v [B, 1, H, D] float32 (q, k L2-normalised; values rounded to the activation dtype like the eager
         layer), g [B, 1, H, D] float32 log decay, beta [B, 1, H] float32.
@@ -222,6 +230,7 @@ def kda_decode_inputs(
     W = conv_weights[0].shape[-1]
     if C != H * D or W < 2:
         raise ValueError(f"kda decode: width {C} must be num_heads * head_dim and conv size >= 2 (got {W})")
+    lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=D, name="kda decode", allowed=FUSED_FORMS)
     xq, xk, xv = (_rows(t, C, n) for t, n in ((q_in, "q_in"), (k_in, "k_in"), (v_in, "v_in")))
     fup = _up_weight(f_up_weight, C, "f_up_weight")
     R = fup.shape[1]
@@ -255,7 +264,8 @@ def kda_decode_inputs(
         xq.stride(0),
         bb.stride(0),
         ff.stride(0),
-        float(lower_bound),
+        lb,
+        SOFTPLUS=gate == "softplus",
         W=W,
         **_per_head_launch(H, D, R),
     )

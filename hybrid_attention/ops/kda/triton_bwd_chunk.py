@@ -151,16 +151,15 @@ def _dqkg_kernel(
     dgam = tl.sum(kn * decay * dkg, 0) + de * tl.exp2(gam)
     cm = (kk + tl.arange(0, BK)) < K
     dgl = tl.where((r < nv)[:, None] & cm[None, :], tl.cumsum(dG, 0, reverse=True) + dgam[None, :], 0.0)
-    if GATE:
-        # dz = dg * (d g / d x) * exp(A_log); the per-chunk sums of dz and dz * (z + bias) feed dt_bias and A_log.
-        # The gate's parts are recomputed from z here rather than kept from the start: two fewer live tiles.
-        _, dgdx, x = gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK)
-        dx = dgl * dgdx
-        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+    if GATE != 0:
+        # dz = dg * (d g / d u), u = z + dt_bias; the per-chunk sums of dz and of dg * (d g / d A_log) feed dt_bias
+        # and A_log. The gate's parts are recomputed from z here rather than kept from the start: fewer live tiles.
+        _, dgdu, dgda = gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK)
+        dz = dgl * dgdu
         part = (c * H + h).to(tl.int64) * K + kk + tl.arange(0, BK)
-        tl.store(dalog + part, tl.sum(dx * x, 0), mask=cm)
-        tl.store(dbias + part, tl.sum(dx, 0) * rate, mask=cm)
-        dgl = dx * rate
+        tl.store(dalog + part, tl.sum(dgl * dgda, 0), mask=cm)
+        tl.store(dbias + part, tl.sum(dz, 0), mask=cm)
+        dgl = dz
     db = -tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T)) (its Akk part: stage 2)
     tl.store(dbeta + (ik + 1).to(tl.int64) * T_tot * H + (t0 + r) * H + h, db, mask=r < nv)
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)

@@ -5,19 +5,18 @@ The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd`
 Kernels: triton_prep.py + triton_fwd.py (forward, 2 kernels), triton_bwd.py + triton_bwd_chunk.py (backward,
 3 kernels, +1 with the fused l2norm); docs/kernels.md explains the organisation and what is saved.
 
-Optional fusions: the bounded gate (pass A_log, dt_bias and lower_bound; g is then the raw logit z) and the
-q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). The kernels rely on g >= -5 per step (see
-triton_utils): with the fused gate that is checked through lower_bound; a precomputed g must respect it.
+Optional fusions: the gate (gate="bounded" with A_log, dt_bias and lower_bound; g is then the raw logit z) and
+the q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). The kernels rely on g >= -5 per step (see
+triton_utils): with the bounded gate that holds for lower_bound >= -5; a precomputed g must respect it.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
 
 from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.gate import FORM_CODES, check_gate
 from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
 from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
@@ -32,7 +31,7 @@ FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the 
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None,
-    scale: float, lower_bound: float, gate: bool, l2norm: bool, final: bool, save: bool,
+    scale: float, lower_bound: float, gate: int, l2norm: bool, final: bool, save: bool,
 ) -> FwdOutputs:  # fmt: skip
     """(o, final state, *saved for the backward in _SAVED order)."""
     o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
@@ -53,7 +52,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_
 def _bwd_op(
     do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None, saved: list[Tensor],
-    scale: float, lower_bound: float, gate: bool, l2norm: bool, h0_needed: bool,
+    scale: float, lower_bound: float, gate: int, l2norm: bool, h0_needed: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta, d initial_state, d A_log, d dt_bias); unused slots are empty tensors."""
     saved = dict(zip(_SAVED, saved, strict=True))
@@ -108,8 +107,8 @@ def _backward(ctx, do, dht, *_):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bias, lower_bound):
-    """Input checks: the shared KDA rules, then what these kernels support. Returns (gate, lower_bound)."""
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound):
+    """Input checks: the shared KDA rules, then what these kernels support. Returns (gate code, lower_bound)."""
     if torch.compiler.is_compiling():  # the shared check reads cu_seqlens on the host, a graph break
         validate_kda_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None, None, name=_NAME)
     else:
@@ -122,22 +121,15 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bi
         raise ValueError(f'{_NAME}: supports float16, bfloat16 and float32 inputs, got {q.dtype}; use backend="torch"')
     if not triton_runs_on(q):
         raise ValueError(f"{_NAME}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {q.device}")
-    given = [x is not None for x in (A_log, dt_bias, lower_bound)]
-    if any(given) and not all(given):
-        raise ValueError(f"{_NAME}: the fused gate needs A_log, dt_bias and lower_bound together, got only some")
-    if not all(given):
-        return False, -5.0
-    H = q.shape[2]
-    if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) or not -5.0 <= lower_bound < 0:
-        raise ValueError(f"{_NAME}: lower_bound must be in [-5, 0) (the kernels' gate bound), got {lower_bound!r}")
-    if tuple(A_log.shape) != (H,):
-        raise ValueError(f"{_NAME}: A_log must be [H] = [{H}], got shape {tuple(A_log.shape)}")
-    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
-        raise ValueError(f"{_NAME}: dt_bias must be [H*K] = [{H * K}] (or [H, K]), got shape {tuple(dt_bias.shape)}")
-    for label, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if not t.is_floating_point() or t.device != q.device:
-            raise ValueError(f"{_NAME}: {label} must be a floating tensor on {q.device}, got {t.dtype} on {t.device}")
-    return True, float(lower_bound)
+    if gate is None:
+        if A_log is not None or dt_bias is not None or lower_bound is not None:
+            raise ValueError(f'{_NAME}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
+        return 0, 0.0
+    lb = check_gate(gate, A_log, dt_bias, lower_bound, H=q.shape[2], K=K, name=_NAME, device=q.device,
+                    allowed=("bounded",))  # fmt: skip
+    if lb < -5.0:
+        raise ValueError(f"{_NAME}: lower_bound must be >= -5 (the kernels' gate range), got {lb!r}")
+    return FORM_CODES[gate], lb
 
 
 def chunk_kda_triton(
@@ -152,6 +144,7 @@ def chunk_kda_triton(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
+    gate: str | None = None,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
@@ -161,19 +154,20 @@ def chunk_kda_triton(
 
     Args:
         q, k: [B, T, H, K], K <= 256 (normalised inside when use_qk_l2norm).  v: [B, T, H, V], V <= 256.
-        g: [B, T, H, K] natural-log decay, each step >= -5; or, with A_log, dt_bias and lower_bound, the raw
-            gate logits z, turned into lower_bound * sigmoid(exp(A_log) (z + dt_bias)) inside the kernels.
+        g: [B, T, H, K] natural-log decay (gate None), or the raw gate logits z that the kernels turn into the decay
+            of `kda_gate(z, A_log, dt_bias, lower_bound, form=gate)` (gate "bounded" or "softplus").
         beta: [B, T, H].  scale: defaults to K ** -0.5.
         initial_state: [N, H, K, V] float32.  output_final_state: also return the state after the last token.
         cu_seqlens: int [N + 1], N sequences packed along T with B == 1.  chunk_size: 64 (the only size).
-        A_log: [H].  dt_bias: [H*K] (or [H, K]).  lower_bound: in [-5, 0).
+        gate: None, "bounded" or "softplus".  A_log: [H].  dt_bias: [H*K] (or [H, K]).
+        lower_bound: finite and < 0, "bounded" only (None: -5).
         use_qk_l2norm: L2-normalise q and k per head inside the kernels.
     Returns:
         o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] float32 or None.
     Inputs float16, bfloat16 or float32, on CUDA (or CPU under TRITON_INTERPRET=1). Differentiable in q, k, v,
     g (z), beta, initial_state, A_log and dt_bias.
     """
-    gate, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, A_log, dt_bias, lower_bound)
+    gate, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound)
     H, K = q.shape[2], q.shape[3]
     scale = K**-0.5 if scale is None else float(scale)
     dt = dt_bias.reshape(H, K) if gate else None

@@ -10,13 +10,12 @@ launch the kernel directly, skipping the op's host overhead.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
     MAX_DIM,
@@ -44,7 +43,7 @@ def _step_kernel(
     mv = rv < V
     soffs, smask = state_slice(iv, K, V, BK, BV)
     S = load_state(state, b * H + h, soffs, smask, True, K, V, BK, BV)
-    if GATE:
+    if GATE != 0:
         bias = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
     for t in range(0, T):
@@ -57,8 +56,11 @@ def _step_kernel(
         if L2NORM:
             qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + L2_EPS)
             kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + L2_EPS)
-        if GATE:
+        if GATE == 1:
             gt = tl.where(mk, lower_bound * tl.sigmoid(rate * (gt + bias)), 0.0)
+        elif GATE == 2:
+            u = gt + bias
+            gt = tl.where(mk, -rate * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(tl.minimum(u, 20.0)))), 0.0)
         S = S * tl.exp(gt)[:, None]
         vn = bt * (vt - tl.sum(S * kt[:, None], 0))  # beta_t (v_t - S^T k_t)
         S = S + kt[:, None] * vn[None, :]
@@ -75,7 +77,7 @@ def value_tile(V: int) -> int:
 
 def _launch_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
-    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
+    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool,
 ) -> Tensor:  # fmt: skip
     """The kernel launch (also the custom op's body); arguments checked by fused_recurrent_kda_step."""
     B, T, H, K = q.shape
@@ -85,7 +87,7 @@ def _launch_step(
     BV = value_tile(V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     _step_kernel[(triton.cdiv(V, BV), B, H)](
-        q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: unused pointer
+        q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: an unused pointer
         scale, lower_bound, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, num_warps=4 if BK <= 128 else 8,
     )  # fmt: skip
     return o
@@ -94,7 +96,7 @@ def _launch_step(
 @torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
 def _step_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
-    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: bool, l2norm: bool,
+    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool,
 ) -> Tensor:  # fmt: skip
     return _launch_step(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm)
 
@@ -113,6 +115,7 @@ def fused_recurrent_kda_step(
     state: Tensor,
     *,
     scale: float | None = None,
+    gate: str | None = None,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
@@ -121,8 +124,8 @@ def fused_recurrent_kda_step(
     """Advance `state` by T tokens (T small: decoding) and return their outputs; forward only.
 
     Args:
-        q, k, g: [B, T, H, K] (g natural-log decay, or the raw logits z with A_log, dt_bias and lower_bound, as
-            in chunk_kda_triton).  v: [B, T, H, V].  beta: [B, T, H].  K, V <= 256.
+        q, k, g: [B, T, H, K] (g the natural-log decay, or with gate "bounded" / "softplus" the raw logits z, as
+            in chunk_kda).  v: [B, T, H, V].  beta: [B, T, H].  K, V <= 256.
         state: [B, H, K, V] float32, contiguous; updated in place.
         scale: defaults to K ** -0.5.  use_qk_l2norm: L2-normalise q and k inside the kernel.
     Returns:
@@ -156,22 +159,16 @@ def fused_recurrent_kda_step(
             raise ValueError(f"{name}: {label} is on {t.device} but state is on {state.device}")
     if not triton_runs_on(state):
         raise ValueError(f"{name}: needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {state.device}")
-    given = [x is not None for x in (A_log, dt_bias, lower_bound)]
-    if any(given) and not all(given):
-        raise ValueError(f"{name}: the fused gate needs A_log, dt_bias and lower_bound together, got only some")
-    gate = all(given)
-    if gate:
-        if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) or lower_bound >= 0:
-            raise ValueError(f"{name}: lower_bound must be a finite number < 0, got {lower_bound!r}")
-        if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) not in ((H * K,), (H, K)):
-            raise ValueError(
-                f"{name}: A_log must be [H] = [{H}] and dt_bias [H*K] = [{H * K}], got {tuple(A_log.shape)} "
-                f"and {tuple(dt_bias.shape)}"
-            )
+    if gate is None:
+        if A_log is not None or dt_bias is not None or lower_bound is not None:
+            raise ValueError(f'{name}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
+        lb = 0.0
+    else:
+        lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=K, name=name, device=state.device,
+                        allowed=FUSED_FORMS)  # fmt: skip
         A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
     scale = K**-0.5 if scale is None else float(scale)
-    lb = float(lower_bound) if gate else 0.0
     # The custom op's dispatch costs tens of microseconds of host time per call (79 us on a CI CPU), as long as the
     # whole step at small batches, so eager calls launch the kernel directly; traced calls need the op.
     step = _step_op if torch.compiler.is_compiling() else _launch_step
-    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, gate, bool(use_qk_l2norm))
+    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm))

@@ -180,30 +180,40 @@ def fast_rcp(x):
 @triton.jit
 def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
                R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """(log2 decay, d g / d x, x) of a tile, x = exp(A_log) (z + dt_bias) the pre-sigmoid gate (GATE only).
-    sigmoid(x) = 1 / (1 + 2^(-x log2 e)): one ex2 and one rcp per element (tl.sigmoid's exp and division expand to
-    about twenty instructions)."""
+    """(log2 decay, d g / d u, d g / d A_log) of a tile, u = z + dt_bias (the last two for GATE only).
+
+    GATE 0: g holds the decay. GATE 1, bounded: g = lower_bound * sigmoid(exp(A_log) u). GATE 2, softplus:
+    g = -exp(A_log) softplus(u). Both from one ex2 per element (sigmoid(x) = 1 / (1 + 2^(-x log2 e)) with a fast
+    reciprocal; softplus(u) = log(1 + e^u), u itself above 20 as torch's softplus): tl.sigmoid's exp and division
+    expand to about twenty instructions."""
     x = load_tile(g, row0, nrows, stride, col0, K, R, C)
-    if GATE:
+    if GATE == 0:
+        return x * LOG2E, x, x
+    else:
         r = tl.arange(0, R)
         c = col0 + tl.arange(0, C)
+        valid = (r < nrows)[:, None] & (c < K)[None, :]
         bias = tl.load(dt_bias + h * K + c, mask=c < K, other=0.0).to(tl.float32)
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-        zb = x + bias[None, :]
-        xx = rate * zb
-        e = tl.exp2(zb * (-rate * LOG2E))
-        s = fast_rcp(1.0 + e)
-        gn = tl.where((r < nrows)[:, None] & (c < K)[None, :], (lower_bound * LOG2E) * s, 0.0)
-        return gn, lower_bound * s * (1.0 - s), xx
-    else:
-        return x * LOG2E, x, x
+        u = x + bias[None, :]
+        if GATE == 1:
+            xx = rate * u
+            s = fast_rcp(1.0 + tl.exp2(u * (-rate * LOG2E)))
+            ds = lower_bound * s * (1.0 - s)  # d g / d x
+            return tl.where(valid, (lower_bound * LOG2E) * s, 0.0), ds * rate, ds * xx
+        else:
+            e = tl.exp2(tl.minimum(u, 20.0) * LOG2E)
+            sp2 = tl.where(u > 20.0, u * LOG2E, tl.log2(1.0 + e))  # softplus(u) in log2 units
+            s = e * fast_rcp(1.0 + e)  # sigmoid(u), the derivative of softplus
+            g2 = tl.where(valid, -rate * sp2, 0.0)
+            return g2, -rate * tl.where(u > 20.0, 1.0, s), g2 * (1.0 / LOG2E)
 
 
 @triton.jit
 def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
               R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the bounded gate is applied here:
-    g = lower_bound * sigmoid(exp(A_log_h) * (z + dt_bias_hc)). Zero outside the valid rows and columns."""
+    """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the gate is applied here (gate_parts).
+    Zero outside the valid rows and columns."""
     decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, R, C)
     return decay
 

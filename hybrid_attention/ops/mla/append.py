@@ -1,5 +1,5 @@
 """Fused one-token append to the MLA latent cache: RMSNorm of the latent, the row [c ; k_s], the write at each
-sequence's length and the length increment, in one Triton kernel (inference, CUDA; MATH.md "Gated MLA").
+sequence's length and the length increment, in one Triton kernel (inference, CUDA; docs/math.md "Gated MLA (NoPE)").
 
     c = RMSNorm(W_DKV x) (float32 math, rounded to the activation dtype as the eager RMSNorm does)
     rows[b, lengths[b]] = [c ; k_s]        lengths[b] += 1

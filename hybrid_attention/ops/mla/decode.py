@@ -1,6 +1,6 @@
 """Absorbed MLA decode over the latent cache: the public entry point, its input checks and a PyTorch path.
 
-Gated MLA with NoPE is MQA with one shared KV head (MATH.md, "Gated MLA", absorbed decode): the cache holds one row
+Gated MLA with NoPE is MQA with one shared KV head (docs/math.md, "Absorbed decode"): the cache holds one row
 [c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
 keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
 output. The fast path is the flash-decoding Triton kernel in `triton_decode.py`; `mla_decode_torch` is the readable

@@ -1,4 +1,4 @@
-"""Readable reference for attention over the MLA latent cache with weight absorption (MATH.md, "Gated MLA").
+"""Readable reference for attention over the MLA latent cache with weight absorption (docs/math.md, "Absorbed decode").
 
 With NoPE, head h scores cached token j as `scale * q'_h . [c_j ; k_s,j]` where the absorbed query is
 `q'_h = [W_UK,h^T q_n,h ; q_s,h]`, and attends to the values `c_j` (the first d_c columns of the same row).

@@ -1,6 +1,6 @@
 """Triton flash-decoding kernels for absorbed MLA over the latent cache (MQA with one shared KV head).
 
-Gated MLA with NoPE decodes as multi-query attention (MATH.md, "Gated MLA", absorbed decode): each cached token is
+Gated MLA with NoPE decodes as multi-query attention (docs/math.md, "Absorbed decode"): each cached token is
 one row [c ; k_s] of D = d_c + d_s numbers, head h's absorbed query q'_h = [W_UK,h^T q_n,h ; q_s,h] has D entries,
 the keys are the rows and the values are their first `value_dim` columns. Since every head reads the same KV head,
 one program holds all Tq * H query rows of a sequence and scores them against each block of cache rows it loads:
@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows a split should stream at least, so that its start-up and (m, l, acc) write-back stay small next to its reads.
-# 512 left batch-1 decoding at 4K context with 8 programs on a 132-SM H200 (12.9 us per call, 0.19 TB/s of cache);
-# at 128 it gets 32: 5.5 us per call in the same profile of the whole step (benchmarks/RESULTS.md, 2026-11-30).
+# Rows a split should stream at least, so that its start-up and (m, l, acc) write-back stay small next to its reads;
+# small enough that batch-1 decoding at a few thousand tokens still spreads over dozens of SMs.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 512
 RESIDENT_PER_SM = 2  # programs an SM holds at once with the default config (~85 KB shared memory each on sm_90)

@@ -1,0 +1,48 @@
+"""`HybridAttentionConfig`: a transformers `PreTrainedConfig` holding exactly the fields of `HybridConfig`.
+
+The fields, their names and their defaults are read from `HybridConfig` itself, so the two cannot drift apart; a
+value is checked by building the `HybridConfig` it describes (the same errors as the core package). transformers'
+own fields (special token ids, `use_cache`, ...) sit beside them. `tie_word_embeddings` follows `tie_embeddings`.
+
+`layer_types` keeps the core names ("kda", "mla"). The config does not set `num_hidden_layers`: transformers checks
+`layer_types` against its own vocabulary of layer kinds whenever that attribute exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from hybrid_attention.model import HybridConfig
+
+
+def hybrid_fields() -> dict[str, Any]:
+    """The init fields of `HybridConfig` with their defaults (JSON-able: `layer_types` as a list)."""
+    return HybridConfig().to_dict()
+
+
+class HybridAttentionConfig(PreTrainedConfig):
+    """transformers configuration of a `HybridLM`: `HybridAttentionConfig(**HybridConfig.to_dict())` and back with
+    `to_hybrid_config()`. Unknown keys are kept as transformers keeps them (as attributes), not passed to the model."""
+
+    model_type = "hybrid_attention"
+
+    def __post_init__(self, **kwargs):
+        values = {name: kwargs.pop(name, default) for name, default in hybrid_fields().items()}
+        values["layer_types"] = list(values["layer_types"])
+        HybridConfig.from_dict(values)  # raises ValueError naming the bad field and what was expected
+        for name, value in values.items():
+            setattr(self, name, value)
+        kwargs.pop("tie_word_embeddings", None)  # follows tie_embeddings, the model's own switch
+        self.tie_word_embeddings = values["tie_embeddings"]
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_hybrid_config(cls, config: HybridConfig, **kwargs) -> HybridAttentionConfig:
+        """The transformers config of `config`; `kwargs` are transformers' own fields (e.g. `eos_token_id`)."""
+        return cls(**config.to_dict(), **kwargs)
+
+    def to_hybrid_config(self) -> HybridConfig:
+        """The `HybridConfig` these fields describe."""
+        return HybridConfig.from_dict({name: getattr(self, name) for name in hybrid_fields()})

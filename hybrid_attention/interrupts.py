@@ -1,0 +1,41 @@
+"""Stopping a training job cleanly: the first SIGINT (Ctrl-C) or SIGTERM asks the loop to save and stop after the
+current step; a second one aborts at once (KeyboardInterrupt), leaving the last committed checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequests:
+    """`with StopRequests() as stop:` installs the handlers (main thread only; elsewhere they stay as they were and
+    `stop.signal` stays None). `stop.signal` is the name of the first signal received, e.g. "SIGINT"."""
+
+    def __init__(self, echo=None):
+        self.signal: str | None = None
+        self._echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        self._echo(f"\n{self.signal}: saving a checkpoint after this step, then stopping (again to abort at once)")
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, the shell's convention for a job ended by a signal."""
+        return 128 + int(getattr(signal, self.signal)) if self.signal else 0

@@ -1,0 +1,331 @@
+"""Differentiable fused AttnRes for training: Full AttnRes and both Block AttnRes phases, each fused with the RMSNorm
+of the sublayer that reads the mixture, as torch custom ops (fake implementations, registered autograd), so
+`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes.
+
+- `attn_res_norm_train(sources, ...)`: RMSNorm(AttnRes(sources)), kernels in `triton_full.py`.
+- `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
+- `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
+  RMSNorm; kernels for both phases in `triton_block.py`.
+
+Sources are a list of separate tensors, each stored once by whoever produced it: the kernels read them through a
+pointer table and autograd saves the same tensors (references, no copies), so nothing grows with depth per call.
+The forwards save per-row statistics only (log-sum-exp, reciprocal norms); the backwards recompute the rest. Every
+source, query, key-norm weight and norm weight gets its gradient. The readable references are in `naive.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from hybrid_attention.ops.attnres.rows import as_rows, fused_train_supported
+from hybrid_attention.ops.attnres.triton_block import merge_norm_bwd, merge_norm_fwd, partial_bwd, partial_fwd
+from hybrid_attention.ops.attnres.triton_full import full_bwd, full_fwd
+from hybrid_attention.ops.numerics import compute_dtype
+
+
+def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [t.reshape(-1, t.shape[-1]) for t in tensors]
+
+
+def _distinct_empty(like: Tensor) -> Tensor:
+    # Custom op outputs may not alias each other: each placeholder is its own tensor.
+    return like.new_empty(0)
+
+
+# ------------------------------------------------------------------------------------------------------ Full AttnRes
+@torch.library.custom_op("hybrid_attention::attn_res_norm_fwd", mutates_args=())
+def _full_fwd_op(
+    sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x [..., D] in the sources' dtype, lse [...], rho [...] in the compute dtype)."""
+    shape = sources[0].shape
+    out, lse, rho = full_fwd(_flat(sources), query, key_weight, norm_weight, eps, norm_eps)
+    return out.view(shape), lse.view(shape[:-1]), rho.view(shape[:-1])
+
+
+@_full_fwd_op.register_fake
+def _(sources, query, key_weight, norm_weight, eps, norm_eps):
+    s0 = sources[0]
+    stat = lambda: s0.new_empty(s0.shape[:-1], dtype=compute_dtype(s0))
+    return torch.empty_like(s0), stat(), stat()
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_norm_bwd", mutates_args=())
+def _full_bwd_op(
+    dout: Tensor, sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, lse: Tensor,
+    rho: Tensor, eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(d sources [S, ..., D], dL/du [D] with u = query * key_weight, d norm_weight [D]); du, dnw in compute dtype."""
+    shape = sources[0].shape
+    dsrc, du, dnw = full_bwd(
+        as_rows(dout).view(-1, shape[-1]), _flat(sources), query, key_weight, norm_weight, lse.view(-1),
+        rho.view(-1), eps,
+    )  # fmt: skip
+    return dsrc.view(len(sources), *shape), du, dnw
+
+
+@_full_bwd_op.register_fake
+def _(dout, sources, query, key_weight, norm_weight, lse, rho, eps):
+    s0 = sources[0]
+    D = s0.shape[-1]
+    return s0.new_empty(len(sources), *s0.shape), lse.new_empty(D), lse.new_empty(D)
+
+
+def _full_setup(ctx, inputs, output):
+    sources, query, key_weight, norm_weight, eps, norm_eps = inputs
+    _, lse, rho = output
+    ctx.save_for_backward(*sources, query, key_weight, norm_weight, lse, rho)
+    ctx.eps = eps
+    ctx.mark_non_differentiable(lse, rho)
+
+
+def _full_backward(ctx, dout, _dlse, _drho):
+    *sources, query, key_weight, norm_weight, lse, rho = ctx.saved_tensors
+    dsrc, du, dnw = _full_bwd_op(dout, sources, query, key_weight, norm_weight, lse, rho, ctx.eps)
+    dq, dkw = (du * key_weight).to(query.dtype), (du * query).to(key_weight.dtype)
+    return list(dsrc.unbind(0)), dq, dkw, dnw.to(norm_weight.dtype), None, None
+
+
+_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup)
+
+
+# ------------------------------------------------------------------------------------------- Block AttnRes, phase 1
+@torch.library.custom_op("hybrid_attention::attn_res_partial_fwd", mutates_args=())
+def _partial_fwd_op(blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(out [Q, ..., D], lse [Q, ...]) in the compute dtype."""
+    shape, Q = blocks[0].shape, queries.shape[0]
+    out, lse = partial_fwd(_flat(blocks), queries, key_weights, eps)
+    return out.view(Q, *shape), lse.view(Q, *shape[:-1])
+
+
+@_partial_fwd_op.register_fake
+def _(blocks, queries, key_weights, eps):
+    b0, Q = blocks[0], queries.shape[0]
+    cdt = compute_dtype(b0)
+    return b0.new_empty(Q, *b0.shape, dtype=cdt), b0.new_empty(Q, *b0.shape[:-1], dtype=cdt)
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_partial_bwd", mutates_args=())
+def _partial_bwd_op(
+    dout: Tensor, dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, out: Tensor, lse: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
+    shape, Q, D = blocks[0].shape, queries.shape[0], queries.shape[1]
+    dblk, du = partial_bwd(
+        as_rows(dout).view(Q, -1, D), as_rows(dlse).view(Q, -1), _flat(blocks), queries, key_weights,
+        out.view(Q, -1, D), lse.view(Q, -1), eps,
+    )  # fmt: skip
+    return dblk.view(len(blocks), *shape), du
+
+
+@_partial_bwd_op.register_fake
+def _(dout, dlse, blocks, queries, key_weights, out, lse, eps):
+    b0 = blocks[0]
+    return b0.new_empty(len(blocks), *b0.shape), out.new_empty(queries.shape)
+
+
+def _partial_setup(ctx, inputs, output):
+    blocks, queries, key_weights, eps = inputs
+    ctx.save_for_backward(*blocks, queries, key_weights, *output)
+    ctx.eps = eps
+
+
+def _partial_backward(ctx, dout, dlse):
+    *blocks, queries, key_weights, out, lse = ctx.saved_tensors
+    dblk, du = _partial_bwd_op(dout, dlse, blocks, queries, key_weights, out, lse, ctx.eps)
+    dq, dkw = (du * key_weights).to(queries.dtype), (du * queries).to(key_weights.dtype)
+    return list(dblk.unbind(0)), dq, dkw, None
+
+
+_partial_fwd_op.register_autograd(_partial_backward, setup_context=_partial_setup)
+
+
+# ------------------------------------------------------------------------------------------- Block AttnRes, phase 2
+@torch.library.custom_op("hybrid_attention::attn_res_merge_norm_fwd", mutates_args=())
+def _merge_fwd_op(
+    out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor, norm_weight: Tensor,
+    eps: float, norm_eps: float, dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(x [..., D] in `dtype`, rho [...] in the compute dtype)."""
+    shape, D = out.shape, out.shape[-1]
+    flat_partial = None if partial is None else as_rows(partial).view(-1, D)
+    x, rho = merge_norm_fwd(
+        as_rows(out).view(-1, D), as_rows(lse).view(-1), flat_partial, query, key_weight, norm_weight, eps,
+        norm_eps, dtype,
+    )  # fmt: skip
+    return x.view(shape), rho.view(shape[:-1])
+
+
+@_merge_fwd_op.register_fake
+def _(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
+    return out.new_empty(out.shape, dtype=dtype), lse.new_empty(lse.shape)
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_merge_norm_bwd", mutates_args=())
+def _merge_bwd_op(
+    dx: Tensor, out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor,
+    norm_weight: Tensor, rho: Tensor, eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(d out, d lse, d partial, dL/du [D], d norm_weight [D]); without `partial` the 2nd to 4th are empty."""
+    shape, D = out.shape, out.shape[-1]
+    flat_partial = None if partial is None else as_rows(partial).view(-1, D)
+    dout, dlse, dpartial, du, dnw = merge_norm_bwd(
+        as_rows(dx).view(-1, D), as_rows(out).view(-1, D), as_rows(lse).view(-1), flat_partial, query, key_weight,
+        norm_weight, rho.view(-1), eps,
+    )  # fmt: skip
+    if partial is None:
+        return dout.view(shape), _distinct_empty(lse), _distinct_empty(out), _distinct_empty(out), dnw
+    return dout.view(shape), dlse.view(shape[:-1]), dpartial.view(shape), du, dnw
+
+
+@_merge_bwd_op.register_fake
+def _(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps):
+    D = out.shape[-1]
+    if partial is None:
+        return torch.empty_like(out), lse.new_empty(0), out.new_empty(0), out.new_empty(0), out.new_empty(D)
+    return torch.empty_like(out), torch.empty_like(lse), torch.empty_like(partial), out.new_empty(D), out.new_empty(D)
+
+
+def _merge_setup(ctx, inputs, output):
+    out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype = inputs
+    ctx.save_for_backward(out, lse, partial, query, key_weight, norm_weight, output[1])
+    ctx.eps = eps
+    ctx.mark_non_differentiable(output[1])
+
+
+def _merge_backward(ctx, dx, _drho):
+    out, lse, partial, query, key_weight, norm_weight, rho = ctx.saved_tensors
+    dout, dlse, dpartial, du, dnw = _merge_bwd_op(dx, out, lse, partial, query, key_weight, norm_weight, rho, ctx.eps)
+    dnw = dnw.to(norm_weight.dtype)
+    if partial is None:  # h = out: lse, the query and the key-norm weight play no part
+        return dout, None, None, None, None, dnw, None, None, None
+    dq, dkw = (du * key_weight).to(query.dtype), (du * query).to(key_weight.dtype)
+    return dout, dlse, dpartial, dq, dkw, dnw, None, None, None
+
+
+_merge_fwd_op.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+# ----------------------------------------------------------------------------------------------- public functions
+def _check_sources(name: str, sources: Sequence[Tensor]) -> list[Tensor]:
+    if isinstance(sources, Tensor) or len(sources) == 0:
+        raise ValueError(f"{name}: expected a non-empty list of [..., D] tensors, got {type(sources).__name__}")
+    s0 = sources[0]
+    for i, s in enumerate(sources):
+        if s.shape != s0.shape or s.dtype != s0.dtype or s.device != s0.device:
+            raise ValueError(
+                f"{name}: every source must be {s0.dtype} {tuple(s0.shape)} on {s0.device} like source 0, got "
+                f"{s.dtype} {tuple(s.shape)} on {s.device} at {i}"
+            )
+    if not fused_train_supported(s0):
+        raise ValueError(
+            f"{name}: needs triton and CUDA tensors (or CPU tensors with TRITON_INTERPRET=1) of float16, bfloat16 or "
+            f"float32 (float64 under the interpreter) with D <= 16384; got {s0.dtype} {tuple(s0.shape)} on "
+            f"{s0.device}; use the references in ops.attnres.naive"
+        )
+    return [as_rows(s) for s in sources]
+
+
+def _check_vectors(name: str, D: int, **vectors: Tensor) -> None:
+    for label, t in vectors.items():
+        if tuple(t.shape) != (D,):
+            raise ValueError(f"{name}: {label} must have shape [{D}], got {tuple(t.shape)}")
+
+
+def attn_res_norm_train(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    key_weight: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+) -> Tensor:
+    """RMSNorm(AttnRes(sources)) in one Triton kernel each way, differentiable in every input.
+
+    Args:
+        sources: S x [B, T, D] (any [..., D]), one dtype and shape, each its own tensor (never stacked).
+        query, key_weight: [D], the AttnRes pseudo-query and key-norm weight; eps is the key norm's epsilon.
+        norm_weight: [D], the weight of the RMSNorm applied to the mixture h (rounded to the sources' dtype first);
+            norm_eps is its epsilon.
+
+    Returns:
+        [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight,
+        norm_eps)` with the math in float32 (float64 for float64 sources).
+    """
+    name = "attn_res_norm_train"
+    sources = _check_sources(name, sources)
+    _check_vectors(name, sources[0].shape[-1], query=query, key_weight=key_weight, norm_weight=norm_weight)
+    return _full_fwd_op(sources, query, key_weight, norm_weight, float(eps), float(norm_eps))[0]
+
+
+def attn_res_partial_train(
+    blocks: Sequence[Tensor], queries: Tensor, key_weights: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Block AttnRes phase 1 for the Q sublayers of a block at once, differentiable.
+
+    Args:
+        blocks: N x [B, T, D], the completed block sums (b_0 is the embedding), one dtype and shape.
+        queries, key_weights: [Q, D], the pseudo-queries and key-norm weights of the Q sublayers.
+
+    Returns:
+        out [Q, B, T, D] and lse [Q, B, T] in float32 (float64 for float64 blocks): row q equals
+        `attn_res_partial(blocks, queries[q], key_weights[q], eps)`.
+    """
+    name = "attn_res_partial_train"
+    blocks = _check_sources(name, blocks)
+    D = blocks[0].shape[-1]
+    for label, t in (("queries", queries), ("key_weights", key_weights)):
+        if t.dim() != 2 or t.shape[1] != D or t.shape[0] != queries.shape[0] or t.shape[0] == 0:
+            raise ValueError(f"{name}: {label} must have shape [Q, {D}] with Q >= 1 (the same Q), got {tuple(t.shape)}")
+    return _partial_fwd_op(blocks, queries.contiguous(), key_weights.contiguous(), float(eps))
+
+
+def attn_res_merge_norm_train(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor | None,
+    query: Tensor,
+    key_weight: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Block AttnRes phase 2 fused with the sublayer's RMSNorm, differentiable.
+
+    Args:
+        out, lse: [B, T, D] and [B, T], this sublayer's row of phase 1 (float32, or float64).
+        partial: [B, T, D], the partial sum of the sublayer's block, or None for the sublayer that opens the block
+            (then h = out).
+        query, key_weight: [D], as in phase 1; norm_weight: [D], the RMSNorm's weight, norm_eps its epsilon.
+        dtype: dtype of the result (and of h before the norm); defaults to partial's (required without it).
+
+    Returns:
+        [B, T, D]: `rms_norm(attn_res_merge(out, lse, partial, query, key_weight, eps), norm_weight, norm_eps)`.
+    """
+    name = "attn_res_merge_norm_train"
+    D = out.shape[-1]
+    _check_vectors(name, D, query=query, key_weight=key_weight, norm_weight=norm_weight)
+    if out.dtype != compute_dtype(out) or lse.dtype != out.dtype or lse.shape != out.shape[:-1]:
+        raise ValueError(
+            f"{name}: out and lse must be phase-1 results (float32 or float64, lse [...] for out [..., D]), got "
+            f"out {out.dtype} {tuple(out.shape)}, lse {lse.dtype} {tuple(lse.shape)}"
+        )
+    if partial is not None:
+        _check_sources(name, [partial])
+        if partial.shape != out.shape or compute_dtype(partial) != out.dtype:
+            raise ValueError(
+                f"{name}: partial must be {tuple(out.shape)} with compute dtype {out.dtype}, got "
+                f"{partial.dtype} {tuple(partial.shape)}"
+            )
+    elif dtype is None:
+        raise ValueError(f"{name}: without a partial sum, pass dtype (the dtype of h and of the result)")
+    else:
+        _check_sources(name, [out])
+    dtype = dtype or partial.dtype
+    return _merge_fwd_op(out, lse, partial, query, key_weight, norm_weight, float(eps), float(norm_eps), dtype)[0]

@@ -1,0 +1,303 @@
+"""Block AttnRes for training, two-phase: Triton kernels for both phases, forward and backward.
+
+Phase 1, once per block for all its Q sublayers (docs/math.md, "Attention Residuals"): over the completed block
+sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never stacked), per query q
+
+    z_qk = r_k (u_q . b_k),  out_q = sum_k softmax_k(z_q) b_k,  lse_q = logsumexp_k(z_q)      (u_q = w_q * gamma_q)
+
+kept in the compute dtype so that phase 2 is exact. Phase 2, per sublayer, fused with its RMSNorm: fold the
+partial sum P of the sublayer's own block in with an online-softmax update, then normalise,
+
+    s = r_P (u . P),  alpha = sigmoid(s - lse),  h = out + alpha (P - out),  x = norm_weight * h * rho
+
+(a sublayer that opens its block has no P: h = out). The backward recomputes z, p and alpha from the inputs and
+the two saved per-row numbers (docs/math.md, "AttnRes backward"). One program per row forward; in the backward
+each program loops over rows and sums the parameter gradients in registers, one partial row per program.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs, split_scalar
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path still works
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_fwd_kernel(
+        table,  # int64 [N]: data pointers of the N completed blocks, each [M, D] contiguous
+        first,  # block 0 (its element type is the blocks')
+        queries,  # [Q, D]
+        key_ws,  # [Q, D]
+        out,  # [Q, M, D] compute dtype
+        lse_ptr,  # [Q, M] compute dtype
+        N,
+        Q,
+        M,
+        D,
+        eps,
+        eps_lo,
+        CDT: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        row = tl.program_id(0).to(tl.int64)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q_ok = offs_q < Q
+        qd = offs_q[:, None] * D + offs_d[None, :]
+        qd_ok = q_ok[:, None] & d_ok[None, :]
+        u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
+        run_max = tl.full([BLOCK_Q], float("-inf"), CDT)
+        run_sum = tl.zeros([BLOCK_Q], CDT)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
+        for k in range(0, N):
+            ptr = tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty))
+            b = tl.load(ptr + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
+            z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
+            new_max = tl.maximum(run_max, z)
+            rescale = tl.exp(run_max - new_max)  # 0 for the first block
+            p = tl.exp(z - new_max)
+            run_sum = run_sum * rescale + p
+            acc = acc * rescale[:, None] + p[:, None] * b[None, :]
+            run_max = new_max
+        q_rows = offs_q.to(tl.int64) * M + row
+        tl.store(out + q_rows[:, None] * D + offs_d[None, :], acc / run_sum[:, None], mask=qd_ok)
+        tl.store(lse_ptr + q_rows, run_max + tl.log(run_sum), mask=q_ok)
+
+    @triton.jit
+    def _partial_bwd_kernel(
+        table,  # int64 [N] block pointers, as in the forward
+        first,
+        queries,  # [Q, D]
+        key_ws,  # [Q, D]
+        out,  # [Q, M, D] the forward's output
+        lse_ptr,  # [Q, M]
+        dout,  # [Q, M, D] its gradient
+        dlse,  # [Q, M] the gradient of lse
+        dblk,  # [N, M, D] gradients of the blocks (the blocks' dtype)
+        du_part,  # [programs, Q, D] partial sums of dL/du_q
+        N,
+        Q,
+        M,
+        D,
+        eps,
+        eps_lo,
+        CDT: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        pid = tl.program_id(0)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q_ok = offs_q < Q
+        qd = offs_q[:, None] * D + offs_d[None, :]
+        qd_ok = q_ok[:, None] & d_ok[None, :]
+        u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
+        du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
+        for row in range(pid, M, tl.num_programs(0)):
+            base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
+            q_rows = offs_q.to(tl.int64) * M + row
+            o = tl.load(out + q_rows[:, None] * D + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
+            do = tl.load(dout + q_rows[:, None] * D + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
+            lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
+            dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
+            c = tl.sum(do * o, axis=1)  # sum_k p_qk (dout_q . b_k)
+            for k in range(0, N):
+                ptr = tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty))
+                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
+                dot_u = tl.sum(u * b[None, :], axis=1)
+                p = tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0)
+                # dz_qk = p_qk (dout_q . b_k - c_q + dlse_q)
+                # db_k = sum_q p_qk dout_q + dz_qk (r u_q - r^3 (u_q . b_k) b_k / D)
+                dz = p * (tl.sum(do * b[None, :], axis=1) - c + dl)
+                db = tl.sum(p[:, None] * do + (dz * r)[:, None] * u, axis=0)
+                db -= (r * r * r / D) * tl.sum(dz * dot_u, axis=0) * b
+                slot = tl.full([], 0, tl.int64) + k  # int64: N * M * D may pass 2^31
+                tl.store(dblk + slot * M * D + base + offs_d, db.to(dblk.dtype.element_ty), mask=d_ok)
+                du_acc += (dz * r)[:, None] * b[None, :]
+        tl.store(du_part + pid * Q * D + qd, du_acc, mask=qd_ok)
+
+    @triton.jit
+    def _merge_norm_fwd_kernel(
+        out,  # [M, D] phase-1 output for this sublayer (compute dtype)
+        lse_ptr,  # [M]
+        partial,  # [M, D] the block's partial sum (HAS_PARTIAL only)
+        query,  # [D]
+        key_w,  # [D]
+        norm_w,  # [D]
+        x_ptr,  # [M, D] the result, in its own dtype
+        rho_ptr,  # [M] compute dtype
+        D,
+        eps,
+        eps_lo,
+        norm_eps,
+        norm_eps_lo,
+        HAS_PARTIAL: tl.constexpr,
+        CDT: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        norm_eps = tl.cast(norm_eps, CDT) + tl.cast(norm_eps_lo, CDT)
+        row = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        h = tl.load(out + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
+        if HAS_PARTIAL:
+            P = tl.load(partial + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
+            u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(
+                key_w + offs_d, mask=d_ok, other=0.0
+            ).to(CDT)
+            s = tl.sum(u * P, axis=0) * tl.rsqrt(tl.sum(P * P, axis=0) / D + eps)
+            alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + row).to(CDT) - s))
+            h = h + alpha * (P - h)
+        hr = h.to(x_ptr.dtype.element_ty).to(CDT)  # rounded before the norm, as the unfused composition does
+        rho = tl.rsqrt(tl.sum(hr * hr, axis=0) / D + norm_eps)
+        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
+        tl.store(x_ptr + row * D + offs_d, (hr * rho * nw).to(x_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(rho_ptr + row, rho)
+
+    @triton.jit
+    def _merge_norm_bwd_kernel(
+        out,  # [M, D] phase-1 output (compute dtype)
+        lse_ptr,  # [M]
+        partial,  # [M, D] (HAS_PARTIAL only)
+        query,
+        key_w,
+        norm_w,
+        rho_ptr,  # [M]
+        dx_ptr,  # [M, D] gradient of the result
+        dout,  # [M, D] gradient of `out` (compute dtype)
+        dlse,  # [M] (HAS_PARTIAL only)
+        dpartial,  # [M, D] (HAS_PARTIAL only), the partial sum's dtype
+        du_part,  # [programs, D] (HAS_PARTIAL only)
+        dnw_part,  # [programs, D]
+        M,
+        D,
+        eps,
+        eps_lo,
+        HAS_PARTIAL: tl.constexpr,
+        CDT: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        pid = tl.program_id(0)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(
+            CDT
+        )
+        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
+        du_acc = tl.zeros([BLOCK_D], CDT)
+        dnw_acc = tl.zeros([BLOCK_D], CDT)
+        for row in range(pid, M, tl.num_programs(0)):
+            base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
+            o = tl.load(out + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+            h = o
+            if HAS_PARTIAL:
+                P = tl.load(partial + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                r = tl.rsqrt(tl.sum(P * P, axis=0) / D + eps)
+                dot_u = tl.sum(u * P, axis=0)
+                alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + row).to(CDT) - dot_u * r))
+                h = o + alpha * (P - o)
+            hr = h.to(dx_ptr.dtype.element_ty).to(CDT)
+            rho = tl.load(rho_ptr + row).to(CDT)
+            dx = tl.load(dx_ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+            a = dx * nw
+            dnw_acc += dx * hr * rho
+            dh = rho * a - (rho * rho * rho / D) * tl.sum(a * hr, axis=0) * hr
+            if HAS_PARTIAL:
+                # d out = (1 - alpha) dh, dt = (dh . (P - out)) alpha (1 - alpha) with t = s - lse.
+                tl.store(dout + base + offs_d, (1.0 - alpha) * dh, mask=d_ok)
+                dt = tl.sum(dh * (P - o), axis=0) * alpha * (1.0 - alpha)
+                tl.store(dlse + row, -dt)
+                dp = alpha * dh + (dt * r) * u - (dt * r * r * r * dot_u / D) * P
+                tl.store(dpartial + base + offs_d, dp.to(dpartial.dtype.element_ty), mask=d_ok)
+                du_acc += (dt * r) * P
+            else:
+                tl.store(dout + base + offs_d, dh, mask=d_ok)
+        if HAS_PARTIAL:
+            tl.store(du_part + pid * D + offs_d, du_acc, mask=d_ok)
+        tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 1024 else 8
+
+
+def partial_fwd(blocks, queries, key_weights, eps):
+    """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out [Q, M, D], lse [Q, M])
+    in the compute dtype."""
+    N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
+    cdt = torch.float64 if blocks[0].dtype == torch.float64 else torch.float32
+    out = torch.empty(Q, M, D, device=blocks[0].device, dtype=cdt)
+    lse = torch.empty(Q, M, device=blocks[0].device, dtype=cdt)
+    if M > 0:
+        bq, bd = triton.next_power_of_2(Q), block_d(D)
+        _partial_fwd_kernel[(M,)](
+            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, N, Q, M, D, *split_scalar(eps),
+            CDT=compute_tl_dtype(cdt), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+        )  # fmt: skip
+    return out, lse
+
+
+def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
+    """-> (d blocks [N, M, D] in the blocks' dtype, du [Q, D] = dL/d(queries * key_weights) in compute dtype)."""
+    N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
+    dblk = torch.empty(N, M, D, device=dout.device, dtype=blocks[0].dtype)
+    programs = row_programs(M, dout.device)
+    du = torch.empty(programs, Q, D, device=dout.device, dtype=out.dtype)
+    if M > 0:
+        bq, bd = triton.next_power_of_2(Q), block_d(D)
+        _partial_bwd_kernel[(programs,)](
+            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, dout, dlse, dblk, du, N, Q, M, D,
+            *split_scalar(eps), CDT=compute_tl_dtype(out.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+        )  # fmt: skip
+    return dblk, du.sum(0)
+
+
+def merge_norm_fwd(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
+    """out [M, D], lse [M] (compute dtype), partial [M, D] or None -> (x [M, D] in `dtype`, rho [M])."""
+    M, D = out.shape
+    x = torch.empty(M, D, device=out.device, dtype=dtype)
+    rho = torch.empty(M, device=out.device, dtype=out.dtype)
+    if M > 0:
+        bd = block_d(D)
+        _merge_norm_fwd_kernel[(M,)](
+            out, lse, partial if partial is not None else out, query, key_weight, norm_weight, x, rho, D,
+            *split_scalar(eps), *split_scalar(norm_eps), HAS_PARTIAL=partial is not None,
+            CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
+        )  # fmt: skip
+    return x, rho
+
+
+def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps):
+    """-> (d out [M, D], d lse [M], d partial [M, D] or None, du [D] or None, d norm_weight [D])."""
+    M, D = out.shape
+    has_partial = partial is not None
+    dout = torch.empty_like(out)
+    dlse = torch.empty_like(lse) if has_partial else None
+    dpartial = torch.empty_like(partial) if has_partial else None
+    programs = row_programs(M, out.device)
+    du = torch.empty(programs, D, device=out.device, dtype=out.dtype)
+    dnw = torch.empty(programs, D, device=out.device, dtype=out.dtype)
+    if M > 0:
+        bd = block_d(D)
+        _merge_norm_bwd_kernel[(programs,)](
+            out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
+            dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
+            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
+        )  # fmt: skip
+    return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)

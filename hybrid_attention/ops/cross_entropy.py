@@ -1,0 +1,127 @@
+"""The LM head and its cross-entropy in one op, over token chunks: the [N, vocab] logits never exist at once.
+
+    loss = mean over tokens n with labels[n] != ignore_index of  lse_n - z_n[labels[n]],     z_n = W h_n
+
+`F.cross_entropy(F.linear(h, W), labels)` keeps the whole logit matrix for the backward, in float32 for a bf16
+model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192, as much as four layers of
+activations). Here the forward walks the tokens in chunks, keeps only the per-token log-sum-exp, and the backward
+recomputes each chunk's logits:
+
+    dz_n = (softmax(z_n) - onehot(labels[n])) * dloss / count,     dh = dz W,     dW = dz^T h
+
+so only one [chunk, vocab] block (in the matmul dtype, plus its float32 softmax) is alive at a time. Costs one more
+matmul (the recomputed logits) than the plain form.
+
+Precision follows autocast: the matmuls run in the autocast dtype when autocast is on (else in h's dtype), the
+log-sum-exp, softmax and loss in float32 (float64 for float64 inputs), dW accumulates in float32 over chunks. Plain
+PyTorch in a `torch.autograd.Function`, so `torch.compile(fullgraph=True)` traces it (the chunk loop unrolls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_attention.ops.numerics import compute_dtype
+
+# Logit elements per chunk: 2^23 keeps a chunk's float32 softmax at 32 MiB whatever the vocabulary.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(h, weight) would run in: the autocast dtype when autocast is on for h's device."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device) and h.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, dtype: torch.dtype):
+        h_dtype = h.dtype
+        acc = compute_dtype(dtype)
+        h = h.to(dtype)  # kept for the backward in the matmul dtype, as F.linear under autocast keeps its input
+        w = weight.to(dtype)
+        N = h.shape[0]
+        lse = torch.empty(N, device=h.device, dtype=acc)
+        total = torch.zeros((), device=h.device, dtype=acc)
+        for start in range(0, N, chunk):
+            hc = h[start : start + chunk]
+            y = labels[start : start + chunk]
+            z = (hc @ w.t()).to(acc)  # (C, V)
+            lse_c = torch.logsumexp(z, dim=-1)
+            target = z.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total = total + torch.where(y != ignore_index, lse_c - target, 0.0).sum()
+            lse[start : start + chunk] = lse_c
+        count = (labels != ignore_index).sum()
+        ctx.save_for_backward(h, weight, labels, lse, count)
+        ctx.ignore_index, ctx.chunk, ctx.h_dtype = ignore_index, chunk, h_dtype
+        # 0 / 0 = NaN when every label is ignored, as F.cross_entropy gives.
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, labels, lse, count = ctx.saved_tensors
+        dtype, chunk = h.dtype, ctx.chunk
+        acc = lse.dtype
+        w = weight.to(dtype)
+        # No valid label: every row below is masked to zero, so any finite scale does.
+        scale = grad.to(acc) / count.clamp(min=1)
+        dh = torch.empty(h.shape, device=h.device, dtype=dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if ctx.needs_input_grad[1] else None
+        N = h.shape[0]
+        for start in range(0, N, chunk):
+            hc = h[start : start + chunk]
+            y = labels[start : start + chunk]
+            valid = y != ctx.ignore_index
+            p = torch.exp((hc @ w.t()).to(acc) - lse[start : start + chunk].unsqueeze(1))  # (C, V) softmax
+            p = p.scatter_add(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
+            dz = (p * (valid.to(acc) * scale).unsqueeze(1)).to(dtype)
+            if dh is not None:
+                dh[start : start + chunk] = dz @ w
+            if dw is not None:
+                dw += (dz.t() @ hc).to(acc)
+        dh = None if dh is None else dh.to(ctx.h_dtype)
+        dw = None if dw is None else dw.to(weight.dtype)
+        return dh, dw, None, None, None, None
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of the logits `h @ weight^T` against `labels`, without materialising the logits.
+
+    Args:
+        h: [N, D] hidden states (any float dtype; under autocast the matmuls run in the autocast dtype).
+        weight: [V, D] the head's weight.
+        labels: [N] integer class indices in [0, V), or `ignore_index` for tokens that do not count.
+        ignore_index: label value left out of the mean (as in `F.cross_entropy`).
+        chunk_size: tokens per chunk; None: as many as keep one chunk's logits at `CHUNK_ELEMENTS` elements.
+
+    Returns:
+        the scalar mean loss over the counted tokens, in float32 (float64 for float64 inputs); NaN when none counts,
+        as `F.cross_entropy` gives (the gradients are then zero). Labels outside [0, V) other than `ignore_index`
+        are not checked (a device-side index error on CUDA).
+    """
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: h must be [N, D] and weight [V, D], got {tuple(h.shape)} and {tuple(weight.shape)}"
+        )
+    if labels.shape != h.shape[:1] or labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"linear_cross_entropy: labels must be integer [N] = [{h.shape[0]}], got {labels.dtype} "
+            f"{tuple(labels.shape)}"
+        )
+    if h.shape[0] == 0:
+        raise ValueError("linear_cross_entropy: h has no rows (N = 0); expected at least one token")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    elif not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int or None, got {chunk_size!r}")
+    dtype = _matmul_dtype(h, weight)
+    return _LinearCrossEntropy.apply(h, weight, labels.long(), ignore_index, min(chunk_size, h.shape[0]), dtype)

@@ -1,0 +1,194 @@
+"""Differentiable fused AttnRes (`ops.attnres.fused_train`): the Triton kernels (interpreter on CPU, float64) against
+the readable references in `ops.attnres.naive` for the outputs and every gradient, with NaN-poisoned output
+buffers, zero and non-zero pseudo-queries, and the custom ops through `torch.library.opcheck`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_attention.ops.attnres.fused_train import (
+    attn_res_merge_norm_train,
+    attn_res_norm_train,
+    attn_res_partial_train,
+)
+from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
+from hybrid_attention.ops.numerics import rms_norm
+from hybrid_attention.ops.triton_support import interpreting
+from tests.helpers import assert_close
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+F64 = torch.float64 if DEV == "cpu" else torch.float32  # float64 runs only under the interpreter
+TOL = 1e-12 if F64 == torch.float64 else 1e-5
+SHAPE = (2, 3)  # B, T: tiny, the interpreter is slow
+EPS, NORM_EPS = 1e-6, 1e-5
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """While active, torch.empty / empty_like return NaN-filled tensors: an output element a kernel forgets to write
+    fails the comparison."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
+
+
+def sources(S, D, *, seed=0, dtype=F64):
+    """S leaf tensors [B, T, D] of very different scales, as sublayer outputs are."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(S, generator=g, dtype=torch.float64) * 4 + 0.1
+    out = [torch.randn(*SHAPE, D, generator=g, dtype=torch.float64) * scales[i] for i in range(S)]
+    return [t.to(DEV, dtype).requires_grad_() for t in out]
+
+
+def vectors(D, n, *, seed=0, zero_query=False, rows=None):
+    """(query, key_weight, norm_weight, ...) leaves: a random (or zero) query, then weights around one."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    shape = (D,) if rows is None else (rows, D)
+    query = torch.zeros(shape, dtype=torch.float64) if zero_query else torch.randn(shape, generator=g).double()
+    rest = [0.5 + torch.rand(shape, generator=g, dtype=torch.float64) for _ in range(n - 1)]
+    return [t.to(DEV, F64).requires_grad_() for t in (query, *rest)]
+
+
+def grads(out, inputs, seed=0):
+    """Gradients of <out, cotangent> (a fixed random cotangent per output) with respect to `inputs`."""
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed + 7)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum() for o in outs)
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def check_grads(name, fused, ref, labels):
+    for label, a, b in zip(labels, fused, ref, strict=True):
+        if b is None:
+            assert a is None or not a.any(), f"{name}: {label} has a gradient where the reference has none"
+            continue
+        assert a is not None, f"{name}: no gradient for {label}"
+        assert_close(f"{name}: d {label}", a, b, TOL)
+
+
+@pytest.mark.parametrize("S", [1, 2, 7, 27])
+@pytest.mark.parametrize("zero_query", [False, True])
+def test_full_matches_reference(S, zero_query, poisoned):
+    D = 24 if S < 27 else 16
+    src = sources(S, D, seed=S)
+    query, key_w, norm_w = vectors(D, 3, seed=S, zero_query=zero_query)
+    params = [query, key_w, norm_w]
+    out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
+    ref = rms_norm(attn_res(src, query, key_w, EPS), norm_w, NORM_EPS)
+    assert out.dtype == src[0].dtype and out.shape == src[0].shape
+    assert_close(f"full S={S}", out, ref, TOL)
+    labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
+    check_grads(f"full S={S}", grads(out, src + params), grads(ref, src + params), labels)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_full_low_precision_sources(dtype, tol):
+    """bf16 / float32 sources, float32 parameters: the float64 reference within the precision's rounding."""
+    src64 = sources(5, 32, seed=11, dtype=torch.float64)
+    src = [s.detach().to(dtype).requires_grad_() for s in src64]
+    query, key_w, norm_w = (t.detach().float() for t in vectors(32, 3, seed=11))
+    out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
+    ref = rms_norm(
+        attn_res([s.detach().double() for s in src], query.double(), key_w.double(), EPS), norm_w.double(), NORM_EPS
+    )
+    assert out.dtype == dtype
+    assert_close(f"full {dtype}", out, ref, tol)
+    for s, g in zip(src, grads(out.double(), src), strict=True):
+        assert g.dtype == dtype and torch.isfinite(g).all(), f"gradient of a {dtype} source: {g.dtype}, finite?"
+        assert s.shape == g.shape
+
+
+@pytest.mark.parametrize("N, Q", [(1, 1), (3, 2), (5, 3)])
+@pytest.mark.parametrize("zero_query", [False, True])
+def test_partial_matches_reference(N, Q, zero_query, poisoned):
+    D = 24
+    blocks = sources(N, D, seed=N)
+    queries, key_ws = vectors(D, 2, seed=N + Q, zero_query=zero_query, rows=Q)
+    out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
+    ref = [attn_res_partial(blocks, queries[q], key_ws[q], EPS) for q in range(Q)]
+    ref_out, ref_lse = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
+    assert out.shape == (Q, *SHAPE, D) and lse.shape == (Q, *SHAPE)
+    assert_close(f"partial N={N} Q={Q} out", out, ref_out, TOL)
+    assert_close(f"partial N={N} Q={Q} lse", lse, ref_lse, TOL)
+    inputs = [*blocks, queries, key_ws]
+    labels = [f"block {i}" for i in range(N)] + ["queries", "key_weights"]
+    check_grads(f"partial N={N} Q={Q}", grads((out, lse), inputs), grads((ref_out, ref_lse), inputs), labels)
+
+
+@pytest.mark.parametrize("with_partial", [True, False])
+@pytest.mark.parametrize("zero_query", [False, True])
+def test_merge_norm_matches_reference(with_partial, zero_query, poisoned):
+    """Phase 2 + RMSNorm on a real phase-1 result (so lse is consistent with out), every gradient."""
+    D = 24
+    blocks = sources(4, D, seed=3)
+    (partial,) = sources(1, D, seed=4)
+    query, key_w, norm_w = vectors(D, 3, seed=5, zero_query=zero_query)
+    with torch.no_grad():
+        out0, lse0 = attn_res_partial(blocks, query, key_w, EPS)
+    out, lse = out0.clone().requires_grad_(), lse0.clone().requires_grad_()
+    P = partial if with_partial else None
+    x = attn_res_merge_norm_train(out, lse, P, query, key_w, norm_w, EPS, NORM_EPS, dtype=F64)
+    h = attn_res_merge(out, lse, partial, query, key_w, EPS) if with_partial else out
+    ref = rms_norm(h, norm_w, NORM_EPS)
+    assert_close(f"merge partial={with_partial}", x, ref, TOL)
+    inputs = [out, lse, partial, query, key_w, norm_w]
+    check_grads(
+        f"merge partial={with_partial}", grads(x, inputs), grads(ref, inputs),
+        ["out", "lse", "partial", "query", "key_weight", "norm_weight"],
+    )  # fmt: skip
+
+
+def test_two_phases_equal_full_attnres():
+    """Phase 1 over completed blocks merged with the partial sum equals one softmax over all of them."""
+    D = 16
+    blocks = sources(4, D, seed=21)
+    query, key_w, norm_w = vectors(D, 3, seed=21)
+    out, lse = attn_res_partial_train(blocks[:3], query[None], key_w[None], EPS)
+    x = attn_res_merge_norm_train(out[0], lse[0], blocks[3], query, key_w, norm_w, EPS, NORM_EPS)
+    full = attn_res_norm_train(blocks, query, key_w, norm_w, EPS, NORM_EPS)
+    assert_close("two phases vs one", x, full, TOL)
+    inputs = [*blocks, query, key_w, norm_w]
+    check_grads("two phases vs one", grads(x, inputs), grads(full, inputs), ["b0", "b1", "b2", "b3", "w", "g", "nw"])
+
+
+def test_opcheck():
+    D = 16
+    src = sources(3, D, seed=31)
+    query, key_w, norm_w = vectors(D, 3, seed=31)
+    ops = torch.ops.hybrid_attention
+    torch.library.opcheck(ops.attn_res_norm_fwd, (src, query, key_w, norm_w, EPS, NORM_EPS))
+    queries, key_ws = vectors(D, 2, seed=32, rows=2)
+    torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
+    out, lse = (t.detach().requires_grad_() for t in attn_res_partial_train(src, queries, key_ws, EPS))
+    for partial in (src[0], None):
+        args = (out[0], lse[0], partial, query, key_w, norm_w, EPS, NORM_EPS, F64)
+        torch.library.opcheck(ops.attn_res_merge_norm_fwd, args)
+
+
+def test_bad_inputs():
+    D = 16
+    src = sources(2, D)
+    query, key_w, norm_w = vectors(D, 3)
+    with pytest.raises(ValueError, match="non-empty list"):
+        attn_res_norm_train([], query, key_w, norm_w)
+    with pytest.raises(ValueError, match="non-empty list"):
+        attn_res_norm_train(torch.stack(src), query, key_w, norm_w)
+    with pytest.raises(ValueError, match="like source 0"):
+        attn_res_norm_train([src[0], src[1][:, :2]], query, key_w, norm_w)
+    with pytest.raises(ValueError, match="like source 0"):
+        attn_res_norm_train([src[0], src[1].float()], query, key_w, norm_w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \[16\]"):
+        attn_res_norm_train(src, query, key_w, norm_w[:4])
+    with pytest.raises(ValueError, match=r"queries must have shape \[Q, 16\]"):
+        attn_res_partial_train(src, query, key_w)
+    with pytest.raises(ValueError, match="pass dtype"):
+        attn_res_merge_norm_train(src[0], src[0][..., 0], None, query, key_w, norm_w)
