@@ -234,8 +234,14 @@ def test_two_ranks_equal_one_process(reference, tmp_path):
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
     assert not (latest_checkpoint(out) / WEIGHTS).exists()  # the sharded run writes DCP shards only
+    sample = ["generate", "--ckpt", str(out), "--prompt", "def ", "--max-new-tokens", "2", "--device", "cpu"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli_main(sample) == 1
+    assert f"gather it with `hybrid-attention export --ckpt {out}`" in err.getvalue()
     assert cli_main(["export", "--ckpt", str(out)]) == 0
     _assert_same_run(out, reference, [1, 2, 3, 4])
+    _run_cli(sample)  # one process, one device, from the exported file
 
 
 def test_resume_on_another_world_size(reference, tmp_path):
