@@ -119,14 +119,14 @@ class Parallel:
         dist.all_reduce(value)
         return value / self.world_size
 
-    def agree(self, *flags: bool) -> tuple[bool, ...]:
-        """Each flag True on every rank when it is True on any: decisions (stop, save) all ranks take together.
-        One small all-reduce (and a host sync) per call."""
+    def maxima(self, *values: float) -> tuple[float, ...]:
+        """The maximum of each value over ranks, on every rank: for decisions all ranks must take together (a flag
+        True anywhere is True everywhere). One small all-reduce and a host sync per call."""
         if self.world_size == 1:
-            return flags
-        t = torch.tensor([float(f) for f in flags], device=self.device)
+            return values
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return tuple(bool(v) for v in t.tolist())
+        return tuple(t.tolist())
 
     def barrier(self) -> None:
         if self.world_size > 1:

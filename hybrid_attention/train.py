@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -313,7 +314,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests,
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
-    timed_tokens, timed_s, last_val, step, saved_step = 0, 0.0, None, start, start
+    timed_tokens, timed_s, last_val, step, saved_step, stopped_by = 0, 0.0, None, start, start, None
     bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
                disable=not main)  # fmt: skip
@@ -342,10 +343,12 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests,
             opt.zero_grad(set_to_none=True)
         interval_tokens += tokens_per_step
         bar.update(1)
-        late, signal = par.agree(time.perf_counter() >= deadline, stop.signal is not None)  # all ranks stop together
-        stopping = step == end or late
+        # All ranks stop together: past the deadline, or a stop signal on any rank (the highest number wins).
+        late, signum = par.maxima(time.perf_counter() >= deadline, signal.Signals[stop.signal] if stop.signal else 0)
+        stopped_by = signal.Signals(int(signum)).name if signum else None
+        stopping = step == end or bool(late)
         do_eval = step % config.eval_every == 0 or stopping
-        if not (do_eval or signal or step % config.log_every == 0):
+        if not (do_eval or stopped_by or step % config.log_every == 0):
             continue
         if int(bad_step):
             raise TrainingDiverged(
@@ -383,10 +386,10 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests,
             )
             if main:
                 plot_losses(run_dir, rows)
-        if do_eval or signal:
+        if do_eval or stopped_by:
             save(step)
             saved_step = step
-        if stopping or signal:
+        if stopping or stopped_by:
             break
         tick, interval_tokens = time.perf_counter(), 0
     bar.close()
@@ -398,7 +401,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests,
         "run_dir": str(run_dir),
         "step": step,
         "steps": config.steps,
-        "stopped_by": stop.signal or ("a signal to another rank" if signal else None),
+        "stopped_by": stopped_by,
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -88,15 +89,18 @@ def _cli(rank: int, argv: list[str]) -> int:
     return cli_main(argv)
 
 
-def _cli_rank1_fails(rank: int, argv: list[str]) -> int:
-    """The CLI, with rank 1's batch of step 3 raising (a rank-local fault: say, its copy of the data is unreadable)."""
+def _cli_with(rank: int, argv: list[str], fault: str) -> int:
+    """The CLI, with something happening to rank 1 alone while it draws the batch of step 2: `fault` "error" (say,
+    its copy of the data is unreadable) or "sigint" (a Ctrl-C that reached this one process)."""
     import hybrid_attention.train as train_module
 
     real = train_module.sample_batch
 
     def sample_batch(*a, step, **kw):
-        if rank == 1 and step == 3:
+        if rank == 1 and step == 2 and fault == "error":
             raise ValueError("injected: rank 1 cannot read its data")
+        if rank == 1 and step == 2 and fault == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
         return real(*a, step=step, **kw)
 
     train_module.sample_batch = sample_batch
@@ -245,11 +249,13 @@ def test_two_ranks_equal_one_process(reference, tmp_path):
 
 
 def test_resume_on_another_world_size(reference, tmp_path):
-    """Save on 2 ranks at step 2, then resume on 2 ranks and in one process: both continuations equal the
-    uninterrupted run."""
+    """A SIGINT that reaches rank 1 alone during step 2 makes both ranks save step 2 and stop (exit 130); resumed on
+    2 ranks and in one process, both continuations equal the uninterrupted run."""
     first = tmp_path / "first"
-    codes, errs = _launch("_cli", 2, tmp_path, ["train", *TRAIN, "--out", str(first), "--stop-after", "2"])
-    assert codes == [0, 0], errs[0][-3000:]
+    codes, errs = _launch("_cli_with", 2, tmp_path, ["train", *TRAIN, "--out", str(first)], "sigint")
+    assert codes == [130, 130], errs[0][-3000:] + errs[1][-3000:]
+    assert latest_checkpoint(first).name == "step_00000002"
+    assert [r["step"] for r in _log(first)] == [1, 2]
     on_two, on_one = tmp_path / "on_two", tmp_path / "on_one"
     shutil.copytree(first, on_two)
     shutil.copytree(first, on_one)
@@ -272,7 +278,7 @@ def test_sharding_units(tmp_path):
 def test_failing_rank_stops_every_rank(tmp_path):
     """An error on rank 1 ends both ranks non-zero, each with rank 1's one-line error, well within the timeout."""
     start = time.monotonic()
-    codes, errs = _launch("_cli_rank1_fails", 2, tmp_path, ["train", *TRAIN, "--out", str(tmp_path / "run")])
+    codes, errs = _launch("_cli_with", 2, tmp_path, ["train", *TRAIN, "--out", str(tmp_path / "run")], "error")
     assert time.monotonic() - start < DEADLINE_S
     assert codes == [1, 1], errs
     want = "hybrid-attention train: error: rank 1 failed: injected: rank 1 cannot read its data"
