@@ -122,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
     i.set_defaults(func=_info)
 
-    x = sub.add_parser("export", help="gather a distributed run's sharded checkpoint into model.safetensors")
-    x.add_argument("--ckpt", required=True, help="run directory written by `torchrun ... train`")
+    x = sub.add_parser("export", help="gather a torchrun run's sharded checkpoint into model.safetensors; --hf: "
+                       "also write a transformers model directory")  # fmt: skip
+    x.add_argument("--ckpt", required=True, help="run directory written by `train`")
+    x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
     return parser
 
@@ -340,8 +342,17 @@ def _info(args) -> int:
 
 
 def _export(args) -> int:
-    from hybrid_attention.dist_checkpoint import export
+    from hybrid_attention import dist_checkpoint
 
-    path = export(args.ckpt)
-    print(f"wrote {path}; `generate`, `eval` and `info` read it on one device")
+    if args.hf is None or dist_checkpoint.needs_export(args.ckpt):  # a torchrun run's DCP shards, gathered
+        print(f"wrote {dist_checkpoint.export(args.ckpt)}; `generate`, `eval` and `info` read it on one device")
+    if args.hf is None:
+        return 0
+    try:
+        from hybrid_attention.hf.export import export_run
+    except ImportError:
+        raise ValueError("--hf needs the optional transformers package: pip install 'hybrid-attention[hf]'") from None
+
+    out = export_run(args.ckpt, args.hf)
+    print(f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

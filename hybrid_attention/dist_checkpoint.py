@@ -136,6 +136,12 @@ def _size_blob(path, state) -> None:
     state["train"]["blob"] = torch.empty(entry.size, dtype=torch.uint8)
 
 
+def needs_export(run_dir: str | Path) -> bool:
+    """Whether the run's newest checkpoint is sharded and not yet gathered into model.safetensors."""
+    directory = ckpt.latest_checkpoint(run_dir)
+    return is_sharded(directory) and not (directory / ckpt.WEIGHTS).is_file()
+
+
 def export(run_dir: str | Path) -> Path:
     """Gather the model of the run's newest (sharded) checkpoint into `model.safetensors` in its step directory, the
     step in its metadata, readable on one device. Needs no process group; holds the run's lock while it writes.

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64 if DEV == "cpu" else torch.float32  # float64 runs only under the interpreter
-TOL = 1e-12 if F64 == torch.float64 else 1e-5
+# float32 on CUDA against a float64 reference: the query gradient sums near-cancelling terms (dz_i sums to zero
+# over the sources), so it carries a few float32 roundings more than the outputs.
+TOL = 1e-12 if F64 == torch.float64 else 1e-4
 SHAPE = (2, 3)  # B, T: tiny, the interpreter is slow
 EPS, NORM_EPS = 1e-6, 1e-5
 
@@ -58,6 +60,11 @@ def vectors(D, n, *, seed=0, zero_query=False, rows=None):
     return [t.to(DEV, F64).requires_grad_() for t in (query, *rest)]
 
 
+def f64(tensors):
+    """Float64 leaf copies: the references run in float64 whatever the kernels' precision."""
+    return [None if t is None else t.detach().double().requires_grad_() for t in tensors]
+
+
 def grads(out, inputs, seed=0):
     """Gradients of <out, cotangent> (a fixed random cotangent per output) with respect to `inputs`."""
     outs = out if isinstance(out, tuple) else (out,)
@@ -83,11 +90,12 @@ def test_full_matches_reference(S, zero_query, poisoned):
     query, key_w, norm_w = vectors(D, 3, seed=S, zero_query=zero_query)
     params = [query, key_w, norm_w]
     out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
-    ref = rms_norm(attn_res(src, query, key_w, EPS), norm_w, NORM_EPS)
+    src64, params64 = f64(src), f64(params)
+    ref = rms_norm(attn_res(src64, params64[0], params64[1], EPS), params64[2], NORM_EPS)
     assert out.dtype == src[0].dtype and out.shape == src[0].shape
     assert_close(f"full S={S}", out, ref, TOL)
     labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
-    check_grads(f"full S={S}", grads(out, src + params), grads(ref, src + params), labels)
+    check_grads(f"full S={S}", grads(out, src + params), grads(ref, src64 + params64), labels)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -114,14 +122,17 @@ def test_partial_matches_reference(N, Q, zero_query, poisoned):
     blocks = sources(N, D, seed=N)
     queries, key_ws = vectors(D, 2, seed=N + Q, zero_query=zero_query, rows=Q)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
-    ref = [attn_res_partial(blocks, queries[q], key_ws[q], EPS) for q in range(Q)]
+    blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
+    ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
     ref_out, ref_lse = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
     assert out.shape == (Q, *SHAPE, D) and lse.shape == (Q, *SHAPE)
     assert_close(f"partial N={N} Q={Q} out", out, ref_out, TOL)
     assert_close(f"partial N={N} Q={Q} lse", lse, ref_lse, TOL)
-    inputs = [*blocks, queries, key_ws]
     labels = [f"block {i}" for i in range(N)] + ["queries", "key_weights"]
-    check_grads(f"partial N={N} Q={Q}", grads((out, lse), inputs), grads((ref_out, ref_lse), inputs), labels)
+    fused_grads = grads((out, lse), [*blocks, queries, key_ws])
+    check_grads(
+        f"partial N={N} Q={Q}", fused_grads, grads((ref_out, ref_lse), [*blocks64, queries64, key_ws64]), labels
+    )
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
@@ -137,12 +148,13 @@ def test_merge_norm_matches_reference(with_partial, zero_query, poisoned):
     out, lse = out0.clone().requires_grad_(), lse0.clone().requires_grad_()
     P = partial if with_partial else None
     x = attn_res_merge_norm_train(out, lse, P, query, key_w, norm_w, EPS, NORM_EPS, dtype=F64)
-    h = attn_res_merge(out, lse, partial, query, key_w, EPS) if with_partial else out
-    ref = rms_norm(h, norm_w, NORM_EPS)
-    assert_close(f"merge partial={with_partial}", x, ref, TOL)
     inputs = [out, lse, partial, query, key_w, norm_w]
+    o64, l64, p64, q64, k64, n64 = inputs64 = f64(inputs)
+    h = attn_res_merge(o64, l64, p64, q64, k64, EPS) if with_partial else o64
+    ref = rms_norm(h, n64, NORM_EPS)
+    assert_close(f"merge partial={with_partial}", x, ref, TOL)
     check_grads(
-        f"merge partial={with_partial}", grads(x, inputs), grads(ref, inputs),
+        f"merge partial={with_partial}", grads(x, inputs), grads(ref, inputs64),
         ["out", "lse", "partial", "query", "key_weight", "norm_weight"],
     )  # fmt: skip
 
@@ -155,7 +167,7 @@ def test_two_phases_equal_full_attnres():
     out, lse = attn_res_partial_train(blocks[:3], query[None], key_w[None], EPS)
     x = attn_res_merge_norm_train(out[0], lse[0], blocks[3], query, key_w, norm_w, EPS, NORM_EPS)
     full = attn_res_norm_train(blocks, query, key_w, norm_w, EPS, NORM_EPS)
-    assert_close("two phases vs one", x, full, TOL)
+    assert_close("two phases vs one", x, full, TOL)  # both fused: the same precision
     inputs = [*blocks, query, key_w, norm_w]
     check_grads("two phases vs one", grads(x, inputs), grads(full, inputs), ["b0", "b1", "b2", "b3", "w", "g", "nw"])
 
@@ -185,7 +197,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="like source 0"):
         attn_res_norm_train([src[0], src[1][:, :2]], query, key_w, norm_w)
     with pytest.raises(ValueError, match="like source 0"):
-        attn_res_norm_train([src[0], src[1].float()], query, key_w, norm_w)
+        attn_res_norm_train([src[0], src[1].half()], query, key_w, norm_w)
     with pytest.raises(ValueError, match=r"norm_weight must have shape \[16\]"):
         attn_res_norm_train(src, query, key_w, norm_w[:4])
     with pytest.raises(ValueError, match=r"queries must have shape \[Q, 16\]"):

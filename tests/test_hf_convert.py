@@ -1,7 +1,8 @@
-"""Parity with transformers' own layers: GLM-5-next's KDA layer and Kimi Linear's MLA layer (q_lora_rank set and
-unset), converted by `hybrid_attention.hf.convert`, give the same outputs on the same weights and inputs. Float64 on
-the CPU: the full forward, and a prefill followed by decode steps and a chunk through both caches (transformers'
-DynamicCache, ours). Options with no counterpart are rejected.
+"""Parity with transformers' own layers: GLM-5-next's KDA layer (bounded and softplus gates), Kimi Linear's KDA
+layer (softplus gate) and Kimi Linear's MLA layer (q_lora_rank set and unset), converted by
+`hybrid_attention.hf.convert`, give the same outputs on the same weights and inputs. Float64 on the CPU: the full
+forward, and a prefill followed by decode steps and a chunk through both caches (transformers' DynamicCache, ours).
+Options with no counterpart are rejected.
 
 transformers' reference layers cast to float32 inside (the gate, the KDA recurrence, the norms, the softmax), so they
 run here under `Float32AsFloat64`, which turns every float32 request into float64 while they run: their arithmetic,
@@ -49,11 +50,19 @@ class Float32AsFloat64(TorchFunctionMode):
 
 
 def _randomize(layer: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere (norm weights away from 1, varied decay rates)."""
+    """Non-trivial values everywhere: matrices N(0, 1/fan_in), norm weights in [0.5, 1.5], other vectors N(0, 0.3^2)
+    (the decay rates are set by the builders)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+        for name, p in layer.named_parameters():
+            if p.dim() > 1:
+                std = p[0].numel() ** -0.5
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) + 0.5)
+                continue
+            else:
+                std = 0.3
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
 
 
 def _steps(layer, x, splits, make_cache, call):
@@ -66,34 +75,46 @@ def _steps(layer, x, splits, make_cache, call):
 
 
 # ------------------------------------------------------------------------------------------------------ KDA
-def glm5_next_kda(lower_bound=-5.0, seed=0, **overrides):
-    config = Glm5NextTextConfig(
+def transformers_kda(source="glm5_next", lower_bound=-5.0, seed=0, **overrides):
+    """(config, layer): a GLM-5-next KDA layer (bounded gate with `lower_bound`, or its softplus gate with None) or
+    a Kimi Linear one (softplus gate), float64, random weights."""
+    values = dict(
         hidden_size=40, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
-        layer_types=["linear_attention"], linear_lower_bound=lower_bound, rms_norm_eps=1e-5, vocab_size=64,
-        pad_token_id=0, **overrides,
+        layer_types=["linear_attention"], rms_norm_eps=1e-5, vocab_size=64, pad_token_id=0,
     )  # fmt: skip
+    if source == "glm5_next":
+        config = Glm5NextTextConfig(**{**values, "linear_lower_bound": lower_bound, **overrides})
+        make = glm5_next.Glm5NextTextLinearAttention
+    else:
+        config = KimiLinearConfig(**{**values, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+        make = kimi_linear.KimiLinearDeltaAttention
     torch.manual_seed(seed)
-    layer = glm5_next.Glm5NextTextLinearAttention(config, 0).double().eval()
+    layer = make(config, 0).double().eval()
     _randomize(layer, seed)
     with torch.no_grad():
         layer.forget_gate.A_log.uniform_(-1.0, 1.5)  # decay rates exp(A_log) from 0.37 to 4.5
     return config, layer
 
 
-def test_glm5_next_kda_full_forward():
-    _, ref = glm5_next_kda()
+KDA_SOURCES = [("glm5_next", -5.0), ("glm5_next", -7.5), ("glm5_next", None), ("kimi_linear", None)]
+
+
+@pytest.mark.parametrize(("source", "lower_bound"), KDA_SOURCES)
+def test_kda_full_forward(source, lower_bound):
+    _, ref = transformers_kda(source, lower_bound)
     ours = convert_kda(ref, backend="torch")
+    assert ours.gate == ("softplus" if lower_bound is None else "bounded")
     x = torch.randn(2, 45, 40, dtype=torch.float64)  # not a multiple of either side's chunk size
     with torch.no_grad():
         with Float32AsFloat64():
             expected = ref(x)
-        assert_close("KDA forward", ours(x), expected, TOL)
+        assert_close(f"KDA forward ({source}, {lower_bound})", ours(x), expected, TOL)
 
 
-def test_glm5_next_kda_prefill_then_decode_through_both_caches():
-    config, ref = glm5_next_kda(lower_bound=-3.0, seed=1)
+@pytest.mark.parametrize(("source", "lower_bound"), [("glm5_next", -3.0), ("kimi_linear", None)])
+def test_kda_prefill_then_decode_through_both_caches(source, lower_bound):
+    config, ref = transformers_kda(source, lower_bound, seed=1)
     ours = convert_kda(ref, backend="torch")
-    assert ours.lower_bound == -3.0
     x = torch.randn(2, 31, 40, dtype=torch.float64)
     splits = [21, 1, 1, 1, 5, 1, 1]  # prefill, decode steps, a chunk on a filled cache, decode again
 
@@ -109,26 +130,27 @@ def test_glm5_next_kda_prefill_then_decode_through_both_caches():
             expected = _steps(ref, x, splits, lambda: DynamicCache(config=config), theirs)
         got = _steps(ours, x, splits, lambda: ours.empty_cache(2), mine)
     assert_close("transformers cached vs full", expected, full, TOL)
-    assert_close("KDA through the caches", got, expected, TOL)
+    assert_close(f"KDA through the caches ({source})", got, expected, TOL)
 
 
 def test_kda_converter_rejects_what_has_no_counterpart():
-    _, layer = glm5_next_kda(lower_bound=-6.0)
-    with pytest.raises(ValueError, match=r"gate lower bound -6.0 \(ours: -5 <= lower_bound < 0\)"):
-        convert_kda(layer)
-    _, layer = glm5_next_kda(hidden_act="gelu")
+    _, layer = transformers_kda(hidden_act="gelu")
     with pytest.raises(ValueError, match="applies 'gelu' after its short conv"):
         convert_kda(layer)
-    _, layer = glm5_next_kda()
+    _, layer = transformers_kda()
     layer.q_proj.bias = torch.nn.Parameter(torch.zeros(24, dtype=torch.float64))
     with pytest.raises(ValueError, match="has a bias on q_proj"):
+        convert_kda(layer)
+    _, layer = transformers_kda("kimi_linear")
+    layer.conv1d.bias = torch.nn.Parameter(torch.zeros(72, dtype=torch.float64))
+    with pytest.raises(ValueError, match="has a bias on its short conv"):
         convert_kda(layer)
     with pytest.raises(ValueError, match="expected a transformers KDA layer"):
         convert_kda(torch.nn.Linear(4, 4))
 
 
 def test_kda_converter_carries_a_gate_bias():
-    _, ref = glm5_next_kda(seed=2)
+    _, ref = transformers_kda(seed=2)
     ref.g_b_proj.bias = torch.nn.Parameter(torch.randn(24, dtype=torch.float64))
     ours = convert_kda(ref, backend="torch")
     x = torch.randn(1, 9, 40, dtype=torch.float64)
@@ -136,17 +158,6 @@ def test_kda_converter_carries_a_gate_bias():
         with Float32AsFloat64():
             expected = ref(x)
         assert_close("KDA with a gate bias", ours(x), expected, TOL)
-
-
-def test_kimi_linear_softplus_gate_is_reported_missing():
-    config = KimiLinearConfig(
-        hidden_size=32, num_attention_heads=2, num_key_value_heads=2, linear_num_heads=2, linear_head_dim=8,
-        num_hidden_layers=1, layer_types=["linear_attention"], vocab_size=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2,
-    )  # fmt: skip
-    layer = kimi_linear.KimiLinearDeltaAttention(config, 0)
-    with pytest.raises(ValueError, match="softplus gate .* kda_gate='softplus'"):
-        convert_kda(layer)
 
 
 # ------------------------------------------------------------------------------------------------------ MLA

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
+from hybrid_attention.generate import generate  # noqa: E402
 from hybrid_attention.hf import HybridAttentionCache, HybridAttentionConfig, HybridAttentionForCausalLM  # noqa: E402
 from hybrid_attention.hf.modeling import CACHE_KWARG  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
@@ -117,13 +118,14 @@ def test_generate_equals_ours_token_for_token(which, request):
     ours, hf = request.getfixturevalue(which)
     prompt = torch.randint(0, 256, (2, 9))
     greedy = hf.generate(prompt, max_new_tokens=16, do_sample=False)
-    assert torch.equal(greedy, ours.generate(prompt, 16, temperature=0))
+    assert torch.equal(greedy, generate(ours, prompt, 16, temperature=0))
     for seed, (temperature, top_k, top_p) in enumerate([(1.0, None, None), (0.8, 20, None), (1.3, None, 0.9)]):
         torch.manual_seed(seed)  # transformers samples from the global generator
         theirs = hf.generate(
             prompt, max_new_tokens=16, do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0
         )
-        mine = ours.generate(prompt, 16, temperature, top_k, top_p, generator=torch.Generator().manual_seed(seed))
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        mine = generate(ours, prompt, 16, **options, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(theirs, mine), (temperature, top_k, top_p)
 
 
@@ -134,8 +136,8 @@ def test_left_padded_batch_equals_ours(tiny):
     mask[0, :3] = 0
     mask[2, :7] = 0
     theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert torch.equal(theirs, ours.generate(ids, 10, temperature=0, attention_mask=mask))
-    alone = ours.generate(ids[2:, 7:], 10, temperature=0)  # row 2 is one token of prompt
+    assert torch.equal(theirs, generate(ours, ids, 10, temperature=0, attention_mask=mask))
+    alone = generate(ours, ids[2:, 7:], 10, temperature=0)  # row 2 is one token of prompt
     assert torch.equal(theirs[2, 7:], alone[0])
 
 

@@ -14,9 +14,10 @@ same function. The weights map one to one except for three layouts:
 
 Kimi Linear's MLA carries a `qk_rope_head_dim` slice of the query and of a key shared by all heads that it never
 rotates (NoPE): that slice is our shared key part, `qk_shared_head_dim`, with the same softmax scale
-(d_n + d_s) ** -0.5. Options with no counterpart here raise ValueError: projection biases, grouped KV heads, an
-activation other than SiLU in the short convs, a conv bias, a softmax scale other than (d_n + d_s) ** -0.5, and
-a gate lower bound below -5 (the chunked kernels' range). Kimi Linear's softplus gate needs `kda_gate="softplus"`.
+(d_n + d_s) ** -0.5. The KDA decay gate keeps its form: GLM-5-next's bounded gate (`gate="bounded"`, its lower
+bound) and Kimi Linear's softplus gate (`gate="softplus"`). Options with no counterpart here raise ValueError:
+projection biases, grouped KV heads, an activation other than SiLU in the short convs, a conv bias, and a softmax
+scale other than (d_n + d_s) ** -0.5.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _like(source: nn.Module, target: nn.Module) -> nn.Module:
 
 def convert_kda(layer: nn.Module, *, backend: str = "auto") -> KimiDeltaAttention:
     """A transformers KDA layer (glm5_next `Glm5NextTextLinearAttention`, kimi_linear `KimiLinearDeltaAttention`)
-    as a `KimiDeltaAttention` with the same weights. `backend`: our `chunk_kda` backend."""
+    as a `KimiDeltaAttention` with the same weights and decay gate: "bounded" with GLM-5-next's lower bound, or
+    Kimi Linear's "softplus". `backend`: our `chunk_kda` backend."""
     for name in ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm"):
         if not hasattr(layer, name):
             raise ValueError(f"convert_kda: {type(layer).__name__} has no `{name}`; expected a transformers KDA layer")
@@ -65,23 +67,19 @@ def convert_kda(layer: nn.Module, *, backend: str = "auto") -> KimiDeltaAttentio
     # g_b_proj may have a bias: our g_up has one.
     _no_bias(layer, ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "o_proj"])
     _no_bias(layer, ["forget_gate.f_a_proj", "forget_gate.f_b_proj"])
+    # GLM-5-next's gate is bounded unless its lower bound is None; Kimi Linear's is always the softplus gate.
     lower_bound = getattr(gate, "safe_gate_lower_bound", None)
-    if lower_bound is None:
-        raise ValueError(
-            f"convert_kda: {type(layer).__name__} uses Kimi Linear's softplus gate -exp(A_log) * softplus(f + dt_bias),"
-            " which needs the KDA gate option kda_gate='softplus' (not available in this version)"
-        )
-    if not -5.0 <= lower_bound < 0.0:
-        _reject(layer, f"has gate lower bound {lower_bound} (ours: -5 <= lower_bound < 0)")
+    form = "softplus" if lower_bound is None else "bounded"
 
     ours = KimiDeltaAttention(
         layer.hidden_size,
         H,
         head_dim=D,
         conv_size=layer.conv_kernel_size,
-        lower_bound=float(lower_bound),
+        lower_bound=-5.0 if lower_bound is None else float(lower_bound),  # the softplus gate has none
         norm_eps=layer.o_norm.variance_epsilon,
         backend=backend,
+        gate=form,
     )
     conv = layer.conv1d.weight  # (3 * dim, 1, W): q, k, v channels
     g_up_bias = layer.g_b_proj.bias

@@ -3,9 +3,33 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.layers.packed import decode_act_mul, project
+from hybrid_attention.ops.numerics import compute_dtype
+
+
+class _SiLUMul(torch.autograd.Function):
+    """SiLU(a) * b with the eager ops' forward, keeping only a and b for the backward (autograd on the eager ops
+    also keeps SiLU(a), one more [..., intermediate] tensor per MLP); the backward recomputes sigmoid(a):
+
+    da = dy b s (1 + a (1 - s)),   db = dy SiLU(a),   s = sigmoid(a)   (in compute_dtype(a))."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        dtype = compute_dtype(a)
+        af, dyf = a.to(dtype), dy.to(dtype)
+        s = torch.sigmoid(af)
+        da = dyf * b.to(dtype) * s * (1 + af * (1 - s))
+        db = dyf * (af * s).to(a.dtype).to(dtype)  # the forward multiplied by SiLU(a) rounded to a's dtype
+        return da.to(a.dtype), db.to(b.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -18,6 +42,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]."""
         gate, up = project(self, x, self.packed_linears())
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(_SiLUMul.apply(gate, up))
         return self.down_proj(decode_act_mul(self, gate, up, "silu"))
 
     def packed_linears(self) -> list[nn.Linear]:

@@ -15,6 +15,34 @@ from hybrid_attention.ops.triton_support import triton_runs_on
 __all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """`rms_norm` (the same forward ops) with a backward that keeps x and the per-row 1/rms only: autograd on the
+    eager ops would also keep float32 copies of x (for a bf16 x) and of the normalised x, 2-3x the bytes.
+
+    dx = rstd (dy w - xh mean(dy w xh)),   dw = sum_rows dy xh,   xh = x rstd   (in compute_dtype(x))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.to(compute_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        xh = x.to(rstd.dtype) * rstd
+        dyf = dy.to(rstd.dtype)
+        dyw = dyf * weight.to(rstd.dtype)
+        dx = rstd * (dyw - xh * (dyw * xh).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
+        dw = (dyf * xh).reshape(-1, xh.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return (
+            None if dx is None else dx.to(x.dtype),
+            None if dw is None else dw.to(weight.dtype),
+            None,
+        )
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension with a learnable scale (ones at init)."""
 
@@ -24,7 +52,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> [..., dim]."""
+        """x: [..., dim] -> [..., dim] in x.dtype (`rms_norm`; its backward keeps only x and 1/rms per row)."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -91,6 +91,10 @@ def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) ->
     packed = getattr(module, "packed_projection", None)
     if packed is not None:
         return packed(x)
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
+        # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
+        x = x.to(torch.get_autocast_dtype(device))
     return tuple(lin(x) for lin in linears)
 
 

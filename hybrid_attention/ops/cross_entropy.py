@@ -3,9 +3,8 @@
     loss = mean over tokens n with labels[n] != ignore_index of  lse_n - z_n[labels[n]],     z_n = W h_n
 
 `F.cross_entropy(F.linear(h, W), labels)` keeps the whole logit matrix for the backward, in float32 for a bf16
-model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192, as much as four layers of
-activations). Here the forward walks the tokens in chunks, keeps only the per-token log-sum-exp, and the backward
-recomputes each chunk's logits:
+model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192). Here the forward walks the
+tokens in chunks, keeps only the per-token log-sum-exp, and the backward recomputes each chunk's logits:
 
     dz_n = (softmax(z_n) - onehot(labels[n])) * dloss / count,     dh = dz W,     dW = dz^T h
 
@@ -74,9 +73,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[start : start + chunk]
             y = labels[start : start + chunk]
             valid = y != ctx.ignore_index
-            p = torch.exp((hc @ w.t()).to(acc) - lse[start : start + chunk].unsqueeze(1))  # (C, V) softmax
-            p = p.scatter_add(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
-            dz = (p * (valid.to(acc) * scale).unsqueeze(1)).to(dtype)
+            # In place on the fresh (C, V) block: one float32 block per chunk, not one per elementwise op.
+            p = (hc @ w.t()).to(acc).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()  # softmax
+            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
+            dz = p.mul_((valid.to(acc) * scale).unsqueeze(1)).to(dtype)
             if dh is not None:
                 dh[start : start + chunk] = dz @ w
             if dw is not None:

@@ -1,6 +1,7 @@
-"""The fused AttnRes + RMSNorm kernel (`ops.attnres.fused`) on CUDA at k3-scaled widths, at decode (1 row) and
-prefill (4096 rows) sizes, which take different launch shapes (all sources in one tile, or 8 at a time with an
-online softmax): as accurate against float64 as the bf16 PyTorch composition. Run:
+"""The fused AttnRes kernels on CUDA at k3-scaled widths, as accurate against float64 as the bf16 PyTorch
+composition: the inference kernel (`ops.attnres.fused`) at decode (1 row) and prefill (4096 rows) sizes, which take
+different launch shapes, and the training ops (`ops.attnres.fused_train`: Full AttnRes + RMSNorm, Block AttnRes
+phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024, outputs and every gradient. Run:
 `python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
 
 from __future__ import annotations
@@ -40,3 +41,84 @@ def test_fused_attn_res_norm_at_model_widths(rows, S):
     )
     plain = attn_res_norm(buf[:S].clone(), query, key_w, 1e-6, backend="torch", **args)
     assert_as_accurate(f"attn_res_norm rows={rows} S={S}", out, ref, plain, floor=2**-8)
+
+
+def _leaves(tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _grads(out, inputs, cot):
+    return torch.autograd.grad(out, inputs, cot.to(out.dtype))
+
+
+def _sources(n, B, T, D, g):
+    scales = torch.rand(n, device="cuda", generator=g) * 4 + 0.1
+    return [(torch.randn(B, T, D, device="cuda", generator=g) * scales[i]).bfloat16() for i in range(n)]
+
+
+@pytest.mark.parametrize("S", [2, 27])
+def test_fused_training_full_at_model_sizes(S):
+    """Full AttnRes + RMSNorm forward and every gradient at B=8, T=2048, D=1024, bf16 sources: as accurate against
+    float64 as the bf16 reference composition."""
+    from hybrid_attention.ops.attnres.fused_train import attn_res_norm_train
+    from hybrid_attention.ops.attnres.naive import attn_res
+    from hybrid_attention.ops.numerics import rms_norm
+
+    B, T, D = 8, 2048, 1024
+    g = torch.Generator("cuda").manual_seed(S)
+    src = _sources(S, B, T, D, g)
+    params = [torch.randn(D, device="cuda", generator=g) * 2 * D**-0.5]
+    params += [0.5 + torch.rand(D, device="cuda", generator=g) for _ in range(2)]
+    cot = torch.randn(B, T, D, device="cuda", generator=g)
+    results = {}
+    for name, dtype in (("fused", None), ("plain", None), ("ref", torch.float64)):
+        s_in = _leaves([s if dtype is None else s.to(dtype) for s in src])
+        p_in = _leaves([p if dtype is None else p.to(dtype) for p in params])
+        if name == "fused":
+            out = attn_res_norm_train(s_in, *p_in, 1e-6, 1e-6)
+        else:
+            out = rms_norm(attn_res(s_in, p_in[0], p_in[1], 1e-6), p_in[2], 1e-6)
+        results[name] = (out.detach(), _grads(out, s_in + p_in, cot))
+        del out, s_in, p_in
+    (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]
+    assert_as_accurate(f"full S={S} out", fo, ro, po, floor=2**-8)
+    labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
+    for label, f, p, r in zip(labels, fg, pg, rg, strict=True):
+        assert_as_accurate(f"full S={S} d {label}", f, r, p, floor=2**-8)
+
+
+@pytest.mark.parametrize("N", [1, 8])
+def test_fused_training_block_at_model_sizes(N):
+    """Block AttnRes phase 1 (4 queries over N blocks) then phase 2 + RMSNorm on one query, at B=8, T=2048, D=1024,
+    bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient."""
+    from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
+    from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
+    from hybrid_attention.ops.numerics import rms_norm
+
+    B, T, D, Q = 8, 2048, 1024, 4
+    g = torch.Generator("cuda").manual_seed(N)
+    blk = _sources(N + 1, B, T, D, g)  # the last one is the partial sum
+    queries = torch.randn(Q, D, device="cuda", generator=g) * 2 * D**-0.5
+    key_ws, norm_w = 0.5 + torch.rand(Q, D, device="cuda", generator=g), 0.5 + torch.rand(D, device="cuda", generator=g)
+    cot = torch.randn(B, T, D, device="cuda", generator=g)
+    results = {}
+    for name, dtype in (("fused", None), ("plain", None), ("ref", torch.float64)):
+        b_in = _leaves([b if dtype is None else b.to(dtype) for b in blk])
+        p_in = _leaves([p if dtype is None else p.to(dtype) for p in (queries, key_ws, norm_w)])
+        qs, kws, nw = p_in
+        if name == "fused":
+            out, lse = attn_res_partial_train(b_in[:-1], qs, kws, 1e-6)
+            x = attn_res_merge_norm_train(out[1], lse[1], b_in[-1], qs[1], kws[1], nw, 1e-6, 1e-6)
+            extra = out[2].sum() + lse[3].sum()  # the other rows get gradients too
+        else:
+            parts = [attn_res_partial(b_in[:-1], qs[i], kws[i], 1e-6) for i in range(Q)]
+            x = rms_norm(attn_res_merge(*parts[1], b_in[-1], qs[1], kws[1], 1e-6), nw, 1e-6)
+            extra = parts[2][0].sum() + parts[3][1].sum()
+        loss = (x.double() * cot.double()).sum() + extra.double() * 1e-3
+        results[name] = (x.detach(), torch.autograd.grad(loss, b_in + p_in))
+        del x, b_in, p_in, loss
+    (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]
+    assert_as_accurate(f"block N={N} out", fo, ro, po, floor=2**-8)
+    labels = [f"block {i}" for i in range(N)] + ["partial", "queries", "key_weights", "norm_weight"]
+    for label, f, p, r in zip(labels, fg, pg, rg, strict=True):
+        assert_as_accurate(f"block N={N} d {label}", f, r, p, floor=2**-8)

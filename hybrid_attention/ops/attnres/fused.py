@@ -1,6 +1,6 @@
 """Fused inference AttnRes: the depth softmax over stacked sources and the next sublayer's RMSNorm in one kernel.
 
-    h   = sum_i softmax_i(w . (gamma * v_i / rms(v_i))) v_i           (MATH.md, "Attention Residuals")
+    h   = sum_i softmax_i(w . (gamma * v_i / rms(v_i))) v_i           (docs/math.md, "Attention Residuals")
     out = norm_weight * h / rms(h)                                    (the PreNorm of the sublayer that reads h)
 
 Only the normalised `out` is ever used by a Full-AttnRes model (the sublayer sees PreNorm(h), the head sees
@@ -149,10 +149,9 @@ if triton is not None:
 def _launch_shape(M: int, S: int, D: int, block_s=None, block_d=None) -> tuple[int, int, int]:
     """(BLOCK_S, BLOCK_D, num_warps) for M rows of S sources of width D; block_s / block_d force a shape (tests).
 
-    Measured on an H200 at D = 1024 (benchmarks/RESULTS.md, 2026-11-30 second session): with few rows each program
-    waits on its loads, so it reads every source in one tile (8 warps; 10 us against 21 us for 4 at a time, 32 rows,
-    27 sources); with thousands of rows many programs keep the GPU busy, so small tiles (4 warps, 4 sources of 1024)
-    read faster: 84 us at 4096 rows and 27 sources (2.7 TB/s) against 229 us for all 27 at once."""
+    With few rows (decoding) each program waits on its loads, so it reads every source in one tile with 8 warps;
+    with thousands of rows many programs keep the GPU busy and small tiles (4 sources of 1024, 4 warps) read
+    faster (measurements in docs/performance.md)."""
     full_d = triton.next_power_of_2(D)
     all_s = triton.next_power_of_2(S)
     if block_d is None:

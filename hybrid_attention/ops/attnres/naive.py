@@ -1,4 +1,4 @@
-"""Readable reference for Attention Residuals (MATH.md, "Attention Residuals"; notes/attention-residuals.md).
+"""Readable reference for Attention Residuals (docs/math.md, "Attention Residuals"; arXiv 2603.15031).
 
 A sublayer's input is a softmax mixture over depth of earlier outputs ("sources") v_0 .. v_{S-1}:
 
@@ -7,7 +7,7 @@ A sublayer's input is a softmax mixture over depth of earlier outputs ("sources"
 
 Norms, logits and softmax run in float32 (float64 for float64 inputs); h comes back in the sources' dtype.
 
-Block AttnRes two-phase form (notes section 3): the pseudo-query w does not depend on the input, so the attention
+Block AttnRes two-phase form (docs/math.md): the pseudo-query w does not depend on the input, so the attention
 over completed blocks can be computed once per block for all its sublayers (`attn_res_partial`, which accepts
 several queries), and each sublayer then folds in the running partial sum of its own block with an exact
 online-softmax update (`attn_res_merge`).

@@ -155,7 +155,8 @@ if triton is not None:
 
 
 def _launch_shape(S: int, D: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_D, num_warps): whole rows, a few sources per tile."""
+    """(BLOCK_S, BLOCK_D, num_warps): whole rows, a few sources per tile. 4 warps up to D = 1024 both ways: the
+    backward holds several rows' worth of registers, and 8 warps halve how many programs an SM keeps in flight."""
     bd = block_d(D)
     bs = max(1, min(triton.next_power_of_2(S), TILE // bd))
     return bs, bd, 4 if bd <= 1024 else 8
@@ -192,6 +193,6 @@ def full_bwd(dout, sources, query, key_weight, norm_weight, lse, rho, eps):
         _full_bwd_kernel[(programs,)](
             pointer_table(sources), sources[0], query, key_weight, norm_weight, dout, lse, rho, dsrc, du, dnw,
             M, S, D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_S=bs, BLOCK_D=bd,
-            num_warps=8 if bd >= 1024 else 4,
+            num_warps=warps,
         )  # fmt: skip
     return dsrc, du.sum(0), dnw.sum(0)

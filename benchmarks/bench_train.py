@@ -1,0 +1,352 @@
+"""Training step side by side: our presets, transformers' Llama (SDPA) and FLA's KDA model at the same sizes.
+
+Per case and shape: step time (median over --steps after --warmup steps), tokens/s, peak memory of the timed steps
+(torch.cuda.max_memory_allocated, optimizer states included) and MFU (`metrics.flops_per_token`: 6 x non-embedding
+parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
+under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
+random tokens. Each case runs in its own try block: a failure (a missing
+preset, an absent library, out of memory) is listed in the table and the next case runs.
+
+    python benchmarks/bench_train.py                                   # every case, both shapes, eager and compiled
+    python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager --steps 5
+    python benchmarks/bench_train.py --quick                           # CPU, tiny sizes, seconds: a smoke check
+
+Markdown table on stdout, JSON as the last line (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
+from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
+from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+
+# The --quick run: the presets' residuals and layer kinds, CPU-sized widths and depth.
+QUICK_LAYERS = 4
+QUICK_SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    kda_num_heads=2,
+    kda_head_dim=32,
+    mla_num_heads=2,
+    mla_kv_lora_rank=32,
+    mla_qk_nope_head_dim=16,
+    mla_qk_shared_head_dim=16,
+    mla_v_head_dim=32,
+)
+
+
+# ------------------------------------------------------------------------------------------------------------ cases
+@dataclasses.dataclass
+class Case:
+    """A model to train: `build()` -> (model, loss(model, ids), FLOPs per token at seq_len)."""
+
+    name: str
+    description: str
+    build: Callable[[], tuple[nn.Module, Callable, Callable[[int], float]]]
+
+
+def _ours(preset: str, sizes: dict, **overrides) -> Callable:
+    def build():
+        config = HybridConfig.from_preset(preset, **{**sizes, **overrides})
+        if sizes:  # --quick: the last layers of the pattern (the k3 pattern ends with both kinds)
+            config = dataclasses.replace(config, layer_types=config.layer_types[-QUICK_LAYERS:])
+        model = HybridLM(config)
+        loss = lambda m, ids: m(ids, labels=ids, return_logits=False).loss
+        return model, loss, lambda T: flops_per_token(model, T)
+
+    return build
+
+
+class _FlopsProxy(nn.Module):
+    """Another library's model seen by `metrics.flops_per_token`: its parameters, and a HybridConfig whose mixing term
+    is the same (softmax attention = MLA layers with d_qk = d_v = head_dim and no shared key; KDA layers as ours)."""
+
+    def __init__(self, inner: nn.Module, config: HybridConfig):
+        super().__init__()
+        self.inner = inner
+        self.config = config
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.inner.parameters())
+
+
+def _reference_sizes(sizes: dict) -> dict:
+    """Width, depth, heads, FFN and vocabulary of k3-scaled (with the --quick widths when given)."""
+    c = HybridConfig.from_preset("k3-scaled", **sizes)
+    return dict(
+        vocab=c.vocab_size,
+        hidden=c.hidden_size,
+        layers=min(c.num_layers, QUICK_LAYERS) if sizes else c.num_layers,
+        heads=c.kda_num_heads,
+        head_dim=c.kda_head_dim,
+        ffn=c.intermediate_size,
+        conv=c.kda_conv_size,
+    )
+
+
+def _llama(sizes: dict) -> Callable:
+    def build():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        s = _reference_sizes(sizes)
+        config = LlamaConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            intermediate_size=s["ffn"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["heads"],
+            head_dim=s["head_dim"],
+            max_position_embeddings=1 << 16,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+        model = LlamaForCausalLM(config)
+        proxy_config = HybridConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            intermediate_size=s["ffn"],
+            layer_types=("mla",) * s["layers"],
+            mla_num_heads=s["heads"],
+            mla_qk_nope_head_dim=s["head_dim"],
+            mla_qk_shared_head_dim=0,
+            mla_v_head_dim=s["head_dim"],
+        )
+        proxy = _FlopsProxy(model, proxy_config)
+        loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
+        return model, loss, lambda T: flops_per_token(proxy, T)
+
+    return build
+
+
+def _fla_kda(sizes: dict) -> Callable:
+    def build():
+        try:
+            from fla.models import KDAConfig, KDAForCausalLM
+        except ImportError as exc:
+            raise RuntimeError(f'FLA is not installed (pip install "hybrid-attention[fla]"): {exc}') from exc
+
+        s = _reference_sizes(sizes)
+        config = KDAConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            intermediate_size=s["ffn"],
+            num_hidden_layers=s["layers"],
+            num_heads=s["heads"],
+            head_dim=s["head_dim"],
+            conv_size=s["conv"],
+            max_position_embeddings=1 << 16,
+            tie_word_embeddings=False,
+            safe_gate=True,
+            lower_bound=-5.0,
+        )
+        model = KDAForCausalLM(config)
+        proxy_config = HybridConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            intermediate_size=s["ffn"],
+            layer_types=("kda",) * s["layers"],
+            kda_num_heads=s["heads"],
+            kda_head_dim=s["head_dim"],
+        )
+        proxy = _FlopsProxy(model, proxy_config)
+        loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
+        return model, loss, lambda T: flops_per_token(proxy, T)
+
+    return build
+
+
+def make_cases(sizes: dict) -> dict[str, Case]:
+    num_layers = HybridConfig.from_preset("k3-scaled").num_layers  # the "ours-kda" pattern, before --quick cuts it
+    cases = [
+        Case("ours-full", "k3-scaled, Full AttnRes", _ours("k3-scaled", sizes)),
+        Case("ours-block", "k3-scaled-block, Block AttnRes", _ours("k3-scaled-block", sizes)),
+        Case("ours-standard", "k3-scaled, standard residual", _ours("k3-scaled", sizes, residual="standard")),
+        Case("ours-all-mla", "k3-scaled-all-mla, standard", _ours("k3-scaled-all-mla", sizes, residual="standard")),
+        Case(
+            "ours-kda",
+            f"{num_layers} KDA layers, standard",
+            _ours("k3-scaled", sizes, residual="standard", layer_types=("kda",) * num_layers),
+        ),
+        Case("llama-sdpa", "transformers LlamaForCausalLM, SDPA", _llama(sizes)),
+        Case("fla-kda", "FLA KDAForCausalLM, safe gate", _fla_kda(sizes)),
+    ]
+    return {c.name: c for c in cases}
+
+
+# ---------------------------------------------------------------------------------------------------------- running
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return peak_flops(name)
+
+
+def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torch.device) -> dict:
+    """One case at one shape and mode: warm-up steps, then `args.steps` timed steps."""
+    torch.manual_seed(0)
+    model, loss_fn, flops = case.build()
+    bf16_params = case.name in args.bf16_params
+    model = model.to(device, dtype=torch.bfloat16 if bf16_params else None).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    # dynamic=False: one graph per shape, not a dynamic-shape graph after the second shape.
+    runner = torch.compile(model, dynamic=False) if mode == "compile" else model
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params):
+            loss = loss_fn(runner, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(args.warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    tokens_per_s = batch * seq_len / step_s
+    fpt = flops(seq_len)
+    peak = _peak_flops(device)
+    return dict(
+        precision="bf16 params" if bf16_params else "fp32 params, bf16 autocast",
+        step_ms=step_s * 1e3,
+        tokens_per_s=tokens_per_s,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        flops_per_token=fpt,
+        mfu=fpt * tokens_per_s / peak if peak else None,
+        loss=float(loss),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| case | model | B x T | mode | precision | step ms | tokens/s | peak GiB | MFU | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        status = "ok" if r["error"] is None else f"failed: {r['error']}"
+        print(
+            f"| {r['case']} | {r['description']} | {r['batch']} x {r['seq_len']} | {r['mode']} | "
+            f"{r.get('precision', '-')} | "
+            f"{_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+            f"{_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('mfu'), '.1%')} | {status} |"
+        )
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            b, t = item.lower().split("x")
+            shapes.append((int(b), int(t)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes: expected BxT[,BxT...] such as 8x2048, got {item!r}") from None
+    return shapes
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
+    p.add_argument("--shapes", type=parse_shapes, default=None, help="BxT list (default 8x2048,1x16384)")
+    p.add_argument("--modes", default=None, help="comma-separated: eager, compile (default both; --quick: eager)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
+    p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
+    p.add_argument("--out", default=None, help="also write the JSON line here")
+    args = p.parse_args(argv)
+
+    if args.quick:
+        device, sizes = torch.device("cpu"), QUICK_SIZES
+        shapes = args.shapes or [(2, 32)]
+        args.modes = args.modes or "eager"  # inductor's CPU compile alone takes minutes
+        given = " ".join(sys.argv if argv is None else argv)
+        args.steps = args.steps if "--steps" in given else 2
+        args.warmup = args.warmup if "--warmup" in given else 1
+    else:
+        if not torch.cuda.is_available():
+            p.error("needs a CUDA device (or --quick for the CPU smoke check)")
+        device, sizes = torch.device("cuda"), {}
+        shapes = args.shapes or [(8, 2048), (1, 16384)]
+    cases = make_cases(sizes)
+    names = list(cases) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; expected some of {list(cases)}")
+    args.bf16_params = {n.strip() for n in args.bf16_params.split(",") if n.strip()}
+    unknown = sorted(args.bf16_params - set(cases))
+    if unknown:
+        p.error(f"--bf16-params: unknown {unknown}; expected some of {list(cases)}")
+    modes = [m.strip() for m in (args.modes or "eager,compile").split(",")]
+    if any(m not in ("eager", "compile") for m in modes):
+        p.error(f"--modes: expected eager and/or compile, got {args.modes!r}")
+
+    rows = []
+    for batch, seq_len in shapes:
+        for mode in modes:
+            for name in names:
+                case = cases[name]
+                row = dict(case=name, description=case.description, batch=batch, seq_len=seq_len, mode=mode)
+                log(f"{name} {batch}x{seq_len} {mode} ...")
+                try:
+                    row.update(run_case(case, batch, seq_len, mode, args, device), error=None)
+                except Exception as exc:  # listed in the table; the next case runs
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                    log(traceback.format_exc(limit=3))
+                    del exc
+                _free(device)
+                log(f"  {row}")
+                rows.append(row)
+
+    optimizer = "fused AdamW" if device.type == "cuda" else "AdamW"
+    print(f"## training step, {optimizer}, random tokens, median of {args.steps} steps after {args.warmup}\n")
+    print_table(rows)
+    env = env_info(sys.argv) if device.type == "cuda" else dict(device="cpu", torch=torch.__version__)
+    result = dict(env=env, optimizer=optimizer, steps=args.steps, warmup=args.warmup, results=rows)
+    emit_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
