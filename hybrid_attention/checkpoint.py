@@ -462,6 +462,10 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
     directory = latest_checkpoint(run_dir)
     if directory is None:
         raise ValueError(f"{run_dir}: the run has not saved a checkpoint yet")
+    if not (directory / WEIGHTS).is_file() and (directory / ".metadata").is_file():  # dist_checkpoint's DCP shards
+        raise ValueError(
+            f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
+        )
     model = HybridLM(model_config)
     load_weights(directory, model)
     return model.to(device).eval(), config, tokenizer

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     t.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), help="chunk_kda backend (default auto)")
+    t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
+                   "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip
+    t.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="torchrun: recompute each mixer and MLP in the backward (less memory)")  # fmt: skip
+    t.add_argument("--dist-timeout", type=positive_float, help="torchrun: seconds a rank waits for the others (600)")
     t.set_defaults(func=_train)
 
     g = sub.add_parser("generate", help="stream text from a trained run")
@@ -123,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
     i.set_defaults(func=_info)
 
-    x = sub.add_parser("export", help="write a trained run for other libraries (--hf: a transformers model directory)")
+    x = sub.add_parser("export", help="gather a torchrun run's sharded checkpoint into model.safetensors; --hf: "
+                       "also write a transformers model directory")  # fmt: skip
     x.add_argument("--ckpt", required=True, help="run directory written by `train`")
-    x.add_argument("--hf", required=True, metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
+    x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
     return parser
 
@@ -360,6 +366,12 @@ def _info(args) -> int:
 
 
 def _export(args) -> int:
+    from hybrid_attention import dist_checkpoint
+
+    if args.hf is None or dist_checkpoint.needs_export(args.ckpt):  # a torchrun run's DCP shards, gathered
+        print(f"wrote {dist_checkpoint.export(args.ckpt)}; `generate`, `eval` and `info` read it on one device")
+    if args.hf is None:
+        return 0
     try:
         from hybrid_attention.hf.export import export_run
     except ImportError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import checkpoint as ckpt
+from hybrid_attention import dist_checkpoint, distributed
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
 from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device
 from hybrid_attention.interrupts import StopRequests
@@ -78,6 +80,10 @@ class TrainConfig:
     kda_backend: str | None = None  # None: the model config's ("auto")
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
+    # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
+    fsdp_reshard_after_forward: bool = False
+    activation_checkpointing: bool = False
+    dist_timeout: float = 600.0  # seconds
 
     @classmethod
     def create(cls, saved: dict | None = None, **given) -> TrainConfig:
@@ -142,12 +148,15 @@ class TrainConfig:
             raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
 
 
 _WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
+_WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 # Settings every run has stored since the format began (a config.json without one is damaged, not old).
@@ -161,8 +170,11 @@ class TrainingDiverged(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------- training
-def prepare(config: TrainConfig, *, resume: bool):
-    """Everything a run needs, checked, before anything is written. Returns a dict of the pieces."""
+def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | None = None):
+    """Everything a run needs, checked, before anything is written. Returns a dict of the pieces.
+
+    With a sharded `par` (torchrun), the model is sharded with FSDP2 before its optimizers are built."""
+    par = par or distributed.Parallel.single()
     run_dir = Path(config.out)
     saved = None
     if resume:
@@ -171,7 +183,7 @@ def prepare(config: TrainConfig, *, resume: bool):
         raise ValueError(f"--out {run_dir} is a file, not a directory")
     elif ckpt.holds_run(run_dir):
         raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
-    device = resolve_device(config.device)
+    device = par.device if par.sharded else resolve_device(config.device)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
@@ -204,11 +216,15 @@ def prepare(config: TrainConfig, *, resume: bool):
         check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / ckpt.CONFIG))
     torch.manual_seed(config.seed)
     model = HybridLM(model_config).to(device)
-    optimizers = build_optimizers(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    build = build_optimizers
+    if par.sharded:
+        distributed.shard_for_training(model, par, config, tokenizer, train_tokens)
+        build = distributed.build_optimizers
+    optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
     step = 0
     if saved is not None:
-        step = ckpt.restore_training(run_dir, model, optimizers, schedulers)
+        step = dist_checkpoint.restore_training(run_dir, par, model, optimizers, schedulers)
         if config.stop_after is not None and step < config.steps and config.stop_after <= step:
             raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
@@ -221,38 +237,52 @@ def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
 
     The summary's "stopped_by" names the signal (e.g. "SIGINT") that stopped the job after saving, else None;
     "already_complete" is True when a resume found the run finished and changed nothing.
+
+    Started by torchrun (`distributed.launched()`), the job is one of several processes training one FSDP2-sharded
+    model: every rank returns the summary; rank 0 alone holds the lock, prints and writes the run's plain files.
     """
+    if not distributed.launched():
+        return _job(config, resume, echo, distributed.Parallel.single())
+    par = distributed.Parallel.from_env(config.device, config.dist_timeout)
+    summary = par.run(lambda: _job(config, resume, echo if par.is_main else lambda *a, **k: None, par))
+    par.close()
+    return summary
+
+
+def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> dict:
     run_dir = Path(config.out)
-    lock = RunLock(run_dir).acquire() if run_dir.is_dir() else None  # before reading a checkpoint it may be writing
+    lock = None
+    if par.is_main and run_dir.is_dir():
+        lock = RunLock(run_dir).acquire()  # before reading a checkpoint it may be writing
     try:
         with flush_denormals():
-            p = prepare(config, resume=resume)
+            p = prepare(config, resume=resume, par=par)
             if resume and p["step"] >= config.steps:
                 echo(f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do")
                 return {"run_dir": str(run_dir), "step": p["step"], "steps": config.steps, "already_complete": True}
-            if lock is None:
+            p["rows"] = ckpt.read_log(run_dir, up_to_step=p["step"]) if resume else []  # drop rows after the ckpt
+            par.barrier()  # every rank has read the run directory before rank 0 writes to it
+            if par.is_main and lock is None:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 lock = RunLock(run_dir).acquire()
                 if ckpt.holds_run(run_dir):  # another job took the directory while this one was preparing
                     raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it")
             with StopRequests() as stop:
-                return _train(config, p, resume, echo, stop)
+                return _train(config, p, resume, echo, stop, par)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests) -> dict:
+def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests, par: distributed.Parallel) -> dict:
     from tqdm import tqdm
 
     run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
-    optimizers, schedulers = p["optimizers"], p["schedulers"]
-    # ---- from here on, the run directory is written
-    if resume:
-        rows = ckpt.read_log(run_dir, up_to_step=start)  # drop lines logged after the checkpoint
+    optimizers, schedulers, rows, main = p["optimizers"], p["schedulers"], p["rows"], par.is_main
+    # ---- from here on, the run directory is written (by rank 0; the other ranks write checkpoint shards only)
+    if main and resume:
         ckpt.write_log(run_dir, rows)
-    else:
-        rows = []
+    elif main:
         if tokenizer.kind == "bpe":
             ckpt.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
         ckpt.save_config(
@@ -271,7 +301,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
     unigram_bpb = unigram * val_tokens.numel() / math.log(2) / int(tokenizer.byte_lengths()[val_tokens.long()].sum())
     byte_lengths = tokenizer.byte_lengths().to(device)
     train_tokens, val_tokens = train_tokens.to(device), val_tokens.to(device)
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum  # global: over all ranks
     n_train, n_val = p["corpus"].num_bytes
     echo(
         f"data: {p['corpus'].source}: {n_train:,} train / {n_val:,} validation bytes; "
@@ -285,6 +315,11 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         f"model: {config.preset}, {model.num_parameters():,} parameters, {device}, dtype {config.dtype}; "
         f"run directory {run_dir}" + (f"; resuming at step {start}" if start else "")
     )
+    if par.sharded:
+        echo(
+            f"distributed: {par.world_size} processes, FSDP2 on {device.type}; --batch-size {config.batch_size} "
+            f"sequences per step in all, {config.batch_size // par.world_size} per process"
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     end = config.stop_after or config.steps
@@ -292,21 +327,26 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
-    timed_tokens, timed_s, last_val, step, saved_step, memory_shown = 0, 0.0, None, start, start, False
+    timed_tokens, timed_s, last_val, step, saved_step, stopped_by = 0, 0.0, None, start, start, None
+    memory_shown = False
     bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
-    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
+               disable=not main)  # fmt: skip
+    eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
+    save = lambda step: dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)  # noqa: E731
     model.train()
     tick, interval_tokens = time.perf_counter(), 0
     for step in range(start + 1, end + 1):
         loss_sum = torch.zeros((), device=device)
         for micro in range(config.grad_accum):
             x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
+            x = par.local_rows(x)  # this rank's share of the global batch
             with autocast():
                 loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         lr = schedulers[-1].get_last_lr()[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = distributed.full(torch.nn.utils.clip_grad_norm_(params, clip))  # the same on every rank
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
         for opt in optimizers:
@@ -317,9 +357,12 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
             opt.zero_grad(set_to_none=True)
         interval_tokens += tokens_per_step
         bar.update(1)
-        stopping = step == end or time.perf_counter() >= deadline
+        # All ranks stop together: past the deadline, or a stop signal on any rank (the highest number wins).
+        late, signum = par.maxima(time.perf_counter() >= deadline, signal.Signals[stop.signal] if stop.signal else 0)
+        stopped_by = signal.Signals(int(signum)).name if signum else None
+        stopping = step == end or bool(late)
         do_eval = is_validation_step(step, config.steps, config.eval_every) or stopping
-        if not (do_eval or stop.signal or step % config.log_every == 0):
+        if not (do_eval or stopped_by or step % config.log_every == 0):
             continue
         if int(bad_step):
             raise TrainingDiverged(
@@ -329,9 +372,9 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
                 + f"; start a new run with a lower --lr (this one has {config.lr:g})"
             )
         if not (do_eval or step % config.log_every == 0):  # a stop request between log steps: save and stop
-            ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+            save(step)
             break
-        loss_value = float(loss_sum)  # synchronises, so the interval time below is real
+        loss_value = float(par.mean(loss_sum))  # synchronises, so the interval time below is real
         elapsed = time.perf_counter() - tick
         row = {
             "step": step,
@@ -344,23 +387,25 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         if rows and rows[-1]["step"] > start:  # a process's first interval holds compilation and warm-up
             timed_tokens, timed_s = timed_tokens + interval_tokens, timed_s + elapsed
         if do_eval:
-            last_val = evaluate(step_fn, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
+            last_val = evaluate(eval_model, val_tokens, byte_lengths, autocast=autocast, **eval_kw)
             row["val_loss"], row["val_bpb"] = last_val
-            row["train_eval_loss"] = evaluate(step_fn, train_tokens, byte_lengths, autocast=autocast, **eval_kw)[0]
+            row["train_eval_loss"] = evaluate(eval_model, train_tokens, byte_lengths, autocast=autocast, **eval_kw)[0]
         rows.append(row)
-        ckpt.append_log(run_dir, row)
+        if main:
+            ckpt.append_log(run_dir, row)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         if do_eval:
             bar.write(validation_line(step, row["train_eval_loss"], *last_val, unigram))
             if not memory_shown and (memory := peak_memory(device)):  # does the batch fit: known after one step
                 bar.write(memory_line(torch.cuda.get_device_name(device), memory))
                 memory_shown = True
-            plot_losses(run_dir, rows)
+            if main:
+                plot_losses(run_dir, rows)
         # Step 1 validates early; a checkpoint of it is not worth the write.
-        if (do_eval and (step > 1 or stopping)) or stop.signal:
-            ckpt.save_training(run_dir, model, optimizers, schedulers, step)
+        if (do_eval and (step > 1 or stopping)) or stopped_by:
+            save(step)
             saved_step = step
-        if stopping or stop.signal:
+        if stopping or stopped_by:
             break
         tick, interval_tokens = time.perf_counter(), 0
     bar.close()
@@ -372,7 +417,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         "run_dir": str(run_dir),
         "step": step,
         "steps": config.steps,
-        "stopped_by": stop.signal,
+        "stopped_by": stopped_by,
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,
@@ -382,11 +427,14 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests)
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
+        # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
+        "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "memory": peak_memory(device),  # allocated, reserved and the card's total bytes; None off CUDA
         "device": device_name,
         "torch": torch.__version__,
+        "world_size": par.world_size,
     }
-    ckpt.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
+    if main:
+        ckpt.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
