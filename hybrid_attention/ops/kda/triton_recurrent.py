@@ -1,7 +1,7 @@
 """Fused recurrent KDA step for decoding: a few tokens per sequence from a float32 state, updated in place.
 
 Per (V tile, sequence, head) one program holds the [K, BV] slice of the state in registers and applies the
-recurrence of docs/math.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
+recurrence of MATH.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
 o_t = scale S^T q_t), then writes the slice back. Decoding is bound by moving the state (read + write), so
 everything else (gate, L2 norm) is fused in and the state is touched exactly once per call.
 Under torch.compile it runs as the custom op `hybrid_attention::kda_recurrent_step` (mutating `state`); eager calls
@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybrid_attention.ops.kda.common import resolve_scale
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
@@ -70,7 +69,9 @@ def _step_kernel(
 
 
 def value_tile(V: int) -> int:
-    """State columns per program: up to 64 (fewer, longer programs measured faster than 32 at every batch size)."""
+    """State columns per program: up to 64. On an H200 at H=16, K=V=128 (kernel alone, 4 warps) 64 columns beat 32 at
+    every batch measured: B=256 143.5 against 155.7 us, B=64 41.6 against 43.7, B=16 15.6 against 16.4, B=1 6.8
+    against 6.9 (benchmarks/RESULTS.md)."""
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
@@ -166,8 +167,8 @@ def fused_recurrent_kda_step(
         lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=K, name=name, device=state.device,
                         allowed=FUSED_FORMS)  # fmt: skip
         A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-    scale = resolve_scale(scale, K, name=name)
-    # The custom op's dispatch costs tens of microseconds of host time per call, as long as the whole step at small
-    # batches, so eager calls launch the kernel directly; traced calls need the op.
+    scale = K**-0.5 if scale is None else float(scale)
+    # The custom op's dispatch costs tens of microseconds of host time per call (79 us on a CI CPU), as long as the
+    # whole step at small batches, so eager calls launch the kernel directly; traced calls need the op.
     step = _step_op if torch.compiler.is_compiling() else _launch_step
     return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm))
