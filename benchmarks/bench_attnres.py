@@ -13,7 +13,7 @@ Parts (select with --parts):
 Timing: `triton.testing.do_bench` medians; gradients through `torch.autograd.grad` (no accumulation). Every case
 runs in try/except (failures are listed, the run goes on).
 
-    python benchmarks/bench_attnres.py --out $OUT/bench_attnres.json            # both parts, both shapes
+    python benchmarks/bench_attnres.py --out bench_attnres.json            # both parts, both shapes
     python benchmarks/bench_attnres.py --quick                                   # B x T = 8 x 2048 only
 
 Prints a table, then one JSON line.

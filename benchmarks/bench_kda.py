@@ -1,7 +1,7 @@
 """Benchmark: our Triton KDA kernels against FLA 0.6.0 and causal SDPA on one GPU, bf16, side by side in one run.
 
 Parts (select with --parts):
-  op      chunk op at the ANCHORS.md shapes [B, T, H, D]: ours (`chunk_kda_triton`, gate and q/k l2norm fused),
+  op      chunk op at the shapes OP_SHAPES [B, T, H, D]: ours (`chunk_kda_triton`, gate and q/k l2norm fused),
           FLA `chunk_kda` in its fastest path (safe_gate=True, lower_bound=-5, use_gate_in_kernel=True,
           use_qk_l2norm_in_kernel=True, A_log, dt_bias: the same configuration) and causal SDPA (flash).
           Modes: fwd (inference, no autograd), fwd+bwd (inputs require grad, o.backward(do)), fwd-train (the
@@ -15,10 +15,10 @@ Timing: `triton.testing.do_bench` medians (warm-up 25 ms, 100 ms of repetitions)
 Every case runs in try/except (failures are listed, the run goes on), the JSON is rewritten to --out after every
 case, and no new case starts once --budget seconds have passed, so a run cut short still leaves its numbers.
 
-    python benchmarks/bench_kda.py --quick --out $OUT/bench_kda.json      # anchor shape, decode, layer (< 10 min)
-    python benchmarks/bench_kda.py --out $OUT/bench_kda.json              # everything
+    python benchmarks/bench_kda.py --quick --out bench_kda.json      # standard shape, decode, layer (< 10 min)
+    python benchmarks/bench_kda.py --out bench_kda.json              # everything
 
-Prints a table, then one JSON line. Targets (issue 4) are checked at the end.
+Prints a table, then one JSON line; the benchmark's thresholds (parity with FLA, decode bandwidth) come last.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from bench_common import env_info, log
 
 OP_SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128), (32, 1024, 16, 128), (8, 4096, 32, 64)]
 DECODE_BATCHES = [1, 64, 256]
-FLA_ANCHOR_MS = {"fwd": 1.68, "fwd+bwd": 7.80}  # ANCHORS.md, FLA's in-kernel-gate path at 8 x 4096 x 16 x 128
 
 
 def bench(fn, grads=None) -> float:
@@ -97,7 +96,7 @@ def time_modes(fn, inputs, modes, grad_idx, params=()):
 class Run:
     def __init__(self, args, argv):
         self.args, self.t0 = args, time.time()
-        self.result = dict(env=env_info(argv), op=[], decode=[], layer=[], failures=[], skipped=[], targets={})
+        self.result = dict(env=env_info(argv), op=[], decode=[], layer=[], failures=[], skipped=[], thresholds={})
 
     def time_left(self) -> bool:
         return time.time() - self.t0 < self.args.budget
@@ -252,19 +251,16 @@ def print_tables(result) -> None:
                 print(" -", line)
 
 
-def check_targets(result) -> None:
-    t = result["targets"]
-    anchor = next((r for r in result["op"] if r["shape"] == [8, 4096, 16, 128]), None)
-    if anchor and isinstance(anchor.get("ours"), dict):
+def check_thresholds(result) -> None:
+    t = result["thresholds"]
+    standard = next((r for r in result["op"] if r["shape"] == [8, 4096, 16, 128]), None)
+    if standard and isinstance(standard.get("ours"), dict):
         for mode in ("fwd", "fwd+bwd"):
-            ours, fla = anchor["ours"].get(mode), anchor.get("fla", {}).get(mode)
+            ours, fla = standard["ours"].get(mode), standard.get("fla", {}).get(mode)
             if ours:
-                t[f"anchor {mode} ms"] = ours
-                t[f"anchor {mode} goal 2x FLA's anchor ({FLA_ANCHOR_MS[mode] / 2:.2f} ms)"] = (
-                    ours <= FLA_ANCHOR_MS[mode] / 2
-                )
+                t[f"8x4096x16x128 {mode} ms"] = ours
             if ours and fla:
-                t[f"anchor {mode} FLA/ours (>= 1 is parity)"] = fla / ours
+                t[f"8x4096x16x128 {mode} FLA/ours (>= 1 is parity)"] = fla / ours
     for row in result["op"]:
         for mode in ("fwd", "fwd+bwd"):
             ours, fla = row.get("ours", {}).get(mode), row.get("fla", {}).get(mode)
@@ -273,14 +269,14 @@ def check_targets(result) -> None:
     big = next((r for r in result["decode"] if r["batch"] == 256 and "ours" in r), None)
     if big:
         t["decode B=256 >= 3.5 TB/s"] = big["ours"]["GBps"] >= 3500
-    print("\n## Targets")
+    print("\n## Thresholds")
     for k, v in t.items():
         print(f" - {k}: {v}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="anchor shape only, modes fwd and fwd+bwd, decode, layer")
+    p.add_argument("--quick", action="store_true", help="standard shape only, modes fwd and fwd+bwd, decode, layer")
     p.add_argument("--parts", default="op,decode,layer", help="comma list of op, decode, layer")
     p.add_argument("--impls", default="ours,fla,sdpa", help="comma list of ours, fla, sdpa")
     p.add_argument("--shapes", default=None, help="indices into the op shapes, e.g. 0,4 (default: all; --quick: 0)")
@@ -309,7 +305,7 @@ def main(argv=None) -> None:
         run.case("layer", "B8 T4096 hidden 2048", lambda: layer_case(impls, modes))
     run.result["elapsed_s"] = time.time() - run.t0
     print_tables(run.result)
-    check_targets(run.result)
+    check_thresholds(run.result)
     run.save()
     print(json.dumps(run.result))
 

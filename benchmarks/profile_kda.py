@@ -1,9 +1,9 @@
 """Where the time of our Triton KDA op goes, kernel by kernel (torch.profiler, CUDA time), on one GPU.
 
-    python benchmarks/profile_kda.py [--shape 8,4096,16,128] [--iters 10] [--out $OUT/profile_kda.json]
+    python benchmarks/profile_kda.py [--shape 8,4096,16,128] [--iters 10] [--out profile_kda.json]
     python benchmarks/profile_kda.py --layer [--impls ours,fla] [--shape 8,4096,16,128]
 
-Runs the anchor configuration of bench_kda.py (bf16, gate and q/k l2norm in the kernels) for forward (inference),
+Runs the standard configuration of bench_kda.py (bf16, gate and q/k l2norm in the kernels) for forward (inference),
 and forward + backward, and prints the mean time of every kernel per call, so a regression or a slow stage shows
 by name. With --layer it profiles the whole KimiDeltaAttention layer (hidden = H * D, as bench_kda.py's layer case)
 instead of the op, ours and / or FLA's, so the time around the op (projections, conv, norm) shows kernel by kernel.

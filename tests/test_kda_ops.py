@@ -1,4 +1,4 @@
-"""KDA ops: chunkwise (torch) against the recurrent ground truth, the recurrence against the seed's matrix form,
+"""KDA ops: chunkwise (torch) against the recurrent ground truth, the recurrence against the report's matrix form,
 varlen, gradcheck, numerical safety of the gate range, causality, dtypes and input validation."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_default_scale_and_no_final_state():
         assert (o_other - o_default).abs().max() > 1e-3  # the scale is actually used
 
 
-def seed_matrix_form(q, k, v, g, beta, s0, scale):
+def report_matrix_form(q, k, v, g, beta, s0, scale):
     """float64 S_t = (I - b k k^T) Diag(exp g) S_{t-1} + b k v^T, o_t = scale S_t^T q_t, with explicit matrices."""
     B, T, Hh, Kk = q.shape
     o = torch.zeros(B, T, Hh, v.shape[-1], dtype=torch.float64)
@@ -100,11 +100,11 @@ def seed_matrix_form(q, k, v, g, beta, s0, scale):
     return o, S_out
 
 
-def test_recurrent_matches_seed_matrix_form():
+def test_recurrent_matches_report_matrix_form():
     torch.manual_seed(3)
     q, k, v, g, beta, s0 = make_inputs(2, 23, h=2, k_dim=6, v_dim=5, dtype=torch.float64)
     o, S = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, scale=0.7)
-    ref_o, ref_S = seed_matrix_form(q, k, v, g, beta, s0, 0.7)
+    ref_o, ref_S = report_matrix_form(q, k, v, g, beta, s0, 0.7)
     assert_close("o", o, ref_o, 1e-12)
     assert_close("S", S, ref_S, 1e-12)
 

@@ -1,6 +1,6 @@
 """Input checks and small helpers shared by every KDA backend (torch reference, Triton, FLA).
 
-Shapes follow FLA (DESIGN.md, "Public API"):
+Shapes follow FLA's `chunk_kda`:
 
     q, k  [B, T, H, K]      v  [B, T, H, V]      g  [B, T, H, K] (natural-log decay, <= 0)
     beta  [B, T, H]         initial_state  [N, H, K, V]      cu_seqlens  [N + 1] (int)

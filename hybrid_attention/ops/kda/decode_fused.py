@@ -2,7 +2,7 @@
 gate + beta) and the gated output norm (with the gate's up projection). Inference only, used by
 `KimiDeltaAttention` when it decodes one token on CUDA.
 
-Per head, for the token's projections (DESIGN.md "Layers", MATH.md "KDA recurrence"):
+Per head, for the token's projections (the KDA layer of `layers/kda.py`; docs/math.md, "KDA recurrence"):
 
     q, k, v = SiLU(conv_step(W_q x)), SiLU(conv_step(W_k x)), SiLU(conv_step(W_v x))   conv tails updated in place
     q, k    = q / ||q||, k / ||k||                     (float32, eps 1e-6 inside the root)

@@ -1,7 +1,7 @@
 """Reference Kimi Delta Attention in plain PyTorch: the recurrence (ground truth) and the chunkwise form.
 
 This file is the spec the Triton kernels are tested against; each line maps to an equation in
-shared/design/MATH.md ("KDA recurrence" and "Chunkwise form"). Per head, with S of shape [K, V]:
+docs/math.md ("KDA recurrence" and "Chunkwise form"). Per head, with S of shape [K, V]:
 
     S_t = Diag(exp(g_t)) S_{t-1}                     decay each key channel
     S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T         delta rule on the decayed state
@@ -74,7 +74,7 @@ def chunk_kda_torch(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA in chunks of `chunk_size` tokens (MATH.md, "Chunkwise form"); same arguments and results as
+    """KDA in chunks of `chunk_size` tokens (docs/math.md, "Chunkwise form"); same arguments and results as
     `recurrent_kda`. Any T works (the last chunk is zero-padded internally); chunk_size is 16, 32 or 64.
     Differentiable by plain autograd. Memory grows as T * chunk_size * K per head (the pairwise decays):
     this is the readable reference, not the fast path."""
@@ -145,7 +145,7 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
     """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> o [B, T, H, V], S.
 
     The chunk-local quantities (A, T, U, W) are computed for all chunks at once; only the state is
-    carried from chunk to chunk (D, O, S_C), as in MATH.md.
+    carried from chunk to chunk (D, O, S_C), as in docs/math.md.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -172,7 +172,7 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
     # (Q~ K^^T masked to i <= t), the intra-chunk attention of the output; decay is already 0 above the diagonal.
     QK = torch.einsum("...tc,...tic,...ic->...ti", q, decay, k)
 
-    # Tm = T = (I + Diag(beta) A)^{-1} of MATH.md: unit lower triangular, by a differentiable triangular solve.
+    # Tm = T = (I + Diag(beta) A)^{-1} of docs/math.md: unit lower triangular, by a differentiable triangular solve.
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     Tm = torch.linalg.solve_triangular(eye + beta.unsqueeze(-1) * A, eye, upper=False, unitriangular=True)
     U = Tm @ (beta.unsqueeze(-1) * v)  # U = T Diag(beta) V   [B, H, NT, C, V]

@@ -83,7 +83,7 @@ def _state_bwd_kernel(
         store_state(dh0, n * H + h, dS, soffs, smask, K, V)
 
 
-@autotune([{"BV": 32}, {"BV": 64}], [(4, 3), (4, 2)], ["V"])  # 0.34 ms vs 0.40 with one stage (H200, anchor)
+@autotune([{"BV": 32}, {"BV": 64}], [(4, 3), (4, 2)], ["V"])  # pipelined loads: one stage leaves the loads exposed
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _score_grad_kernel(
     do, vnew, dvnew, v, beta, tm, akk,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk

@@ -2,7 +2,7 @@
 function that runs the stages.
 
 One program per (V tile, sequence, head) walks the sequence's chunks in order, keeping the [K, BV] state S in
-float32 registers (MATH.md, "Chunkwise form", with the prep outputs of triton_prep.py):
+float32 registers (docs/math.md, "Chunkwise form", with the prep outputs of triton_prep.py):
 
     D = U - W S          O = qg S + Aqk D          S <- Diag(2^Gam) S + kg^T D
 
@@ -44,11 +44,8 @@ from hybrid_attention.ops.kda.triton_utils import (
 )
 
 
-# At the anchor shape on an H200 (inference / training): BV 64, 4 warps, 1 stage 0.32 / 0.43 ms; BV 128, 8 warps,
-# 2 stages 0.37 / 0.46; BV 32, 4 warps, 1 stage 0.55 / 0.70. With few (sequence, head) pairs the pass is as long as
-# one program's walk: at B=1, T=64K, H=16 (16 pairs) BV 16 with 2 stages takes 2.89 / 3.26 ms, BV 32 one stage
-# 3.70 / 4.20, BV 64 one stage 3.99 / 4.94; three stages (loads two chunks ahead) were added later and are what the
-# tuner picks there (BV 16, 4 warps: the whole forward 4.78 -> 4.19 ms, RESULTS.md 2026-11-30 fourth session).
+# Wide V tiles with few stages suit many (sequence, head) pairs; with few pairs the pass is as long as one program's
+# walk, and narrow tiles with deeper pipelining (loads two chunks ahead) win.
 # WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
 @autotune(
     [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}, {"BV": 16}, {"BV": 16}],
@@ -124,9 +121,8 @@ def _output_kernel(
 
 def split_output(pairs: int) -> bool:
     """Whether the forward computes O in the separate output pass: HA_KDA_SPLIT_OUTPUT=1 always, 0 never, "auto"
-    (the default) for at most 32 (sequence, head) pairs, where the walk is long and its programs few. On an H200 at
-    B=2, T=16K, H=16 (32 pairs) it took the forward from 2.096 to 2.043 ms, the training forward from 2.198 to 2.062
-    (benchmarks/RESULTS.md, 2026-11-30 second session); with many pairs the walk's programs already fill the GPU."""
+    (the default) for at most 32 (sequence, head) pairs, where the walk is long and its programs few; with many pairs
+    the walk's programs already fill the GPU."""
     mode = os.environ.get("HA_KDA_SPLIT_OUTPUT", "auto")
     if mode not in ("0", "1", "auto"):
         raise ValueError(f"HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto, got {mode!r}")

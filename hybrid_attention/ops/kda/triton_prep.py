@@ -1,6 +1,6 @@
 """KDA forward, stage 1 of 2: the chunk-local "prep" kernel (one program per chunk and head, all in parallel).
 
-For a chunk of 64 tokens (MATH.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
+For a chunk of 64 tokens (docs/math.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
 
     Akk[t, i] = sum_c k_tc k_ic 2^(G_tc - G_ic) (i < t)   Aqk[t, i] = scale * sum_c q_tc k_ic 2^(G_tc - G_ic) (i <= t)
     T = (I + Diag(beta) Akk)^{-1}       W = T Diag(beta) (k * 2^G)       U = T Diag(beta) v
@@ -68,9 +68,8 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
     store_tile(ptr, x, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
 
 
-# Two pipeline stages (loads of the next K tile issued before this one's dots): 1.42 ms vs 1.59 ms with one at
-# the anchor shape on an H200; 8 warps measured slower still. Two warps win at K = V = 64 (forward 1.60 ms vs
-# 1.78 ms with four at 8 x 4096 x 32 x 64) and lose at 128 (2.73 ms vs 1.54 ms at the anchor), so both are tuned.
+# Two pipeline stages issue the next K tile's loads before this one's dots; two warps win at K = V = 64 and lose at
+# 128, so both warp counts are tuned.
 @autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "L2NORM", "SAVE"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
@@ -316,7 +315,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     V = v.shape[-1]
     IO, ADT, PREC, EMU = dtypes
     BKA = min(32, max(16, triton.next_power_of_2(K)))
-    # Whole [64, 128] tiles for W, U, qg, kg: 1.30 ms vs 1.41 with 64 at the anchor shape on an H200.
+    # Whole [64, 128] tiles for W, U, qg, kg: fewer, larger dots.
     BKW = min(128, max(16, triton.next_power_of_2(K)))
     BV = min(128, max(16, triton.next_power_of_2(V)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()

@@ -1,7 +1,7 @@
 """Fused recurrent KDA step for decoding: a few tokens per sequence from a float32 state, updated in place.
 
 Per (V tile, sequence, head) one program holds the [K, BV] slice of the state in registers and applies the
-recurrence of MATH.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
+recurrence of docs/math.md token by token (S <- Diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T;
 o_t = scale S^T q_t), then writes the slice back. Decoding is bound by moving the state (read + write), so
 everything else (gate, L2 norm) is fused in and the state is touched exactly once per call.
 Under torch.compile it runs as the custom op `hybrid_attention::kda_recurrent_step` (mutating `state`); eager calls
@@ -69,9 +69,7 @@ def _step_kernel(
 
 
 def value_tile(V: int) -> int:
-    """State columns per program: up to 64. On an H200 at H=16, K=V=128 (kernel alone, 4 warps) 64 columns beat 32 at
-    every batch measured: B=256 143.5 against 155.7 us, B=64 41.6 against 43.7, B=16 15.6 against 16.4, B=1 6.8
-    against 6.9 (benchmarks/RESULTS.md)."""
+    """State columns per program: up to 64 (at K = V = 128, 64 columns beat 32 at every batch size measured)."""
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
