@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (tiny: 250, larger presets: 300)")
-    t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default 8)")
+    t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch, all ranks together (default 8)")
     t.add_argument("--seq-len", type=positive_int, help="tokens per sequence (tiny: 128, larger: 2048)")
     t.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step (tiny: 1, larger: 2)")
     t.add_argument("--lr", type=positive_float, help="peak learning rate (tiny: 3e-3, larger: 1e-3)")
