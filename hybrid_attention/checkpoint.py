@@ -136,8 +136,8 @@ def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None
     if current is not None and current.name == name:
         raise ValueError(f"{final} is already the run's latest checkpoint")
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         write(tmp)
         for path in sorted(tmp.rglob("*")):
             if path.is_file():
@@ -147,9 +147,15 @@ def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None
         if final.exists():  # renamed into place but never committed: a stop came before the pointer moved
             shutil.rmtree(final)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not isinstance(e, (OSError, RuntimeError, SafetensorError)):  # torch.save reports a full disk as such
+            raise
+        kept = f"its checkpoint {current.name}" if current is not None else "no checkpoint yet"
+        detail = " ".join(str(e).split())[:200]
+        raise OSError(
+            f"could not write the checkpoint of step {step} in {root} ({detail}); the run keeps {kept}"
+        ) from e
     _fsync(root, directory=True)
     atomic_write_text(root / LATEST, name + "\n")  # the commit point
     remove_stale(run_dir)
@@ -206,7 +212,7 @@ def _type_error(value, hint) -> str | None:
         item = typing.get_args(hint)[0]
         ok = isinstance(value, list) and all(_type_error(v, item) is None for v in value)
         return None if ok else "expected a list of strings"
-    raise TypeError(f"no JSON check for the type {hint}")
+    return None  # a type without a JSON rule here: the dataclass's own checks apply
 
 
 def check_fields(values: dict, cls, where: str, *, required: tuple[str, ...] = ()) -> None:

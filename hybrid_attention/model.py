@@ -227,6 +227,8 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module):
+    check_token_ids: bool = False  # True: check token ids on every device, at one host sync per forward
+
     def __init__(self, config: HybridConfig):
         super().__init__()
         self.config = config
@@ -254,7 +256,10 @@ class HybridLM(nn.Module):
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
 
-        With `cache`, the tokens are appended after the ones already in it and the cache is updated in place.
+        The loss is the mean over the labelled positions, and 0 (with zero gradients) when there are none (T = 1, or
+        every label -100). With `cache`, the tokens are appended after the ones already in it and the cache is
+        updated in place. Token ids are checked against the vocabulary when they are on the CPU (no device sync),
+        and on every device when `check_token_ids` is set (one sync per call).
         """
         self._check_inputs(input_ids, labels, cache)
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -283,7 +288,9 @@ class HybridLM(nn.Module):
             # Cross-entropy in float32 at least (float64 models keep float64).
             shifted = logits[:, :-1].flatten(0, 1)
             shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
-            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
+            targets = labels[:, 1:].flatten()
+            total = F.cross_entropy(shifted, targets, ignore_index=-100, reduction="sum")
+            loss = total / (targets != -100).sum().clamp(min=1)  # the mean; 0 when nothing is labelled
         return ModelOutput(logits=logits, loss=loss)
 
     def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:
@@ -329,6 +336,11 @@ class HybridLM(nn.Module):
             )
         if input_ids.shape[1] == 0:
             raise ValueError("HybridLM: input_ids is empty (T = 0); expected at least one token")
+        # An id out of range is an IndexError on the CPU, a device-side assert (CUDA unusable afterwards) on a GPU.
+        if (input_ids.device.type == "cpu" or self.check_token_ids) and not torch.compiler.is_compiling():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"HybridLM: labels shape {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
         if cache is not None:
@@ -345,6 +357,8 @@ class HybridLM(nn.Module):
     # ------------------------------------------------------------------------------------------- cache, generation
     def make_cache(self, batch_size: int, max_seq_len: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (batch_size, max_seq_len)):
+            raise ValueError(f"make_cache: batch_size={batch_size!r}, max_seq_len={max_seq_len!r}; expected integers")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
         layers = []
