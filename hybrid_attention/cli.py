@@ -186,7 +186,8 @@ def _train(args) -> int:
         s = train(config, resume=args.resume)
     except KeyboardInterrupt:
         try:
-            kept = f"its checkpoint of step {checkpoint.checkpoint_step(config.out)}"
+            step = checkpoint.checkpoint_step(config.out)
+            kept = f"its checkpoint of step {step}" if step else "no checkpoint yet"
         except (ValueError, OSError):
             kept = "its last complete checkpoint"
         print(f"\naborted: {config.out} keeps {kept}; continue with `{resume_command}`", file=sys.stderr)
