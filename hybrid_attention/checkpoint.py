@@ -17,10 +17,11 @@ one. Only after the commit are older step directories and leftovers of interrupt
 generate, eval) follow `latest`. Run directories of the older flat layout (model.safetensors and train_state.pt at
 the top) are still read, and a resumed one is moved to this layout by its next save.
 
-The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`, so a sharded
-(distributed) checkpoint commits the same way, and `latest_checkpoint` finds what to read. Other files are written
-atomically one by one (`atomic_write`: a temporary file, fsync, os.replace, fsync of the directory). Every file gets
-the permissions open() gives a new file (0666 less the umask).
+The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`; a sharded
+(distributed) checkpoint calls its halves, `begin_checkpoint` and `commit_checkpoint`, on one process around the
+writes of all of them, and `latest_checkpoint` finds what to read. Other files are written atomically one by one
+(`atomic_write`: a temporary file, fsync, os.replace, fsync of the directory). Every file gets the permissions
+open() gives a new file (0666 less the umask).
 """
 
 from __future__ import annotations
@@ -124,36 +125,57 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Commit a checkpoint for `step`: `write(directory)` fills a fresh temporary directory, which is fsynced,
-    renamed to checkpoints/step_N and named in checkpoints/latest; then older checkpoints and leftovers are removed.
-    Returns the checkpoint's directory."""
+def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """A fresh, empty temporary directory for the checkpoint of `step` (checkpoints/step_N.tmp: one name every
+    process of a distributed job can compute). A leftover of an interrupted save of the same step is removed."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    current = latest_checkpoint(run_dir)
+    if current is not None and current.name == step_dir_name(step):
+        raise ValueError(f"{current} is already the run's latest checkpoint")
+    tmp = root / f"{step_dir_name(step)}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """Make the filled temporary directory of `step` the run's latest checkpoint: fsync its files, rename it to
+    checkpoints/step_N, replace checkpoints/latest (the commit point), remove what that makes obsolete."""
+    root = Path(run_dir) / CHECKPOINTS
     name = step_dir_name(step)
     final, tmp = root / name, root / f"{name}.tmp"
-    current = latest_checkpoint(run_dir)
-    if current is not None and current.name == name:
-        raise ValueError(f"{final} is already the run's latest checkpoint")
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
-    tmp.mkdir()
-    try:
-        write(tmp)
-        for path in sorted(tmp.rglob("*")):
-            if path.is_file():
-                _default_permissions(path)
-                _fsync(path)
-        _fsync(tmp, directory=True)
-        if final.exists():  # renamed into place but never committed: a stop came before the pointer moved
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            _default_permissions(path)
+            _fsync(path)
+    _fsync(tmp, directory=True)
+    if final.exists():  # renamed into place but never committed: a stop came before the pointer moved
+        shutil.rmtree(final)
+    os.rename(tmp, final)
     _fsync(root, directory=True)
-    atomic_write_text(root / LATEST, name + "\n")  # the commit point
+    atomic_write_text(root / LATEST, name + "\n")
     remove_stale(run_dir)
     return final
+
+
+def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """`begin_checkpoint`, `write(directory)` to fill it, `commit_checkpoint`; returns the checkpoint's directory.
+    A failed write removes the temporary directory and raises OSError naming the checkpoint the run keeps."""
+    current = latest_checkpoint(run_dir)
+    tmp = begin_checkpoint(run_dir, step)
+    try:
+        write(tmp)
+        return commit_checkpoint(run_dir, step)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError, SafetensorError)):  # torch.save reports a full disk as such
+            raise
+        kept = f"its checkpoint {latest_checkpoint(run_dir).name}" if current is not None else "no checkpoint yet"
+        detail = " ".join(str(e).split())[:200]
+        raise OSError(
+            f"could not write the checkpoint of step {step} in {tmp.parent} ({detail}); the run keeps {kept}"
+        ) from e
 
 
 def remove_stale(run_dir: str | Path) -> None:
@@ -206,7 +228,7 @@ def _type_error(value, hint) -> str | None:
         item = typing.get_args(hint)[0]
         ok = isinstance(value, list) and all(_type_error(v, item) is None for v in value)
         return None if ok else "expected a list of strings"
-    raise TypeError(f"no JSON check for the type {hint}")
+    return None  # a type without a JSON rule here: the dataclass's own checks apply
 
 
 def check_fields(values: dict, cls, where: str, *, required: tuple[str, ...] = ()) -> None:

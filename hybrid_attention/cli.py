@@ -43,6 +43,7 @@ def _number(kind, low, *, inclusive=True, high=None):
 
 positive_int = _number(int, 1)
 non_negative_int = _number(int, 0)
+seed_int = _number(int, 0, high=2**63 - 1)  # what torch.manual_seed takes
 positive_float = _number(float, 0.0, inclusive=False)
 non_negative_float = _number(float, 0.0)
 
@@ -51,8 +52,12 @@ def _data_spec(text: str) -> str:
     """Local paths are stored absolute, so a resumed run finds its data from any directory."""
     if not text:
         raise argparse.ArgumentTypeError("expected a path or hf:NAME, got an empty string")
-    named = text.startswith("hf:") or text in ("builtin", "python-env")
-    return text if named else str(Path(text).expanduser().resolve())
+    if text.startswith("hf:") or text in ("builtin", "python-env"):
+        return text
+    path = Path(text).expanduser().resolve()
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise argparse.ArgumentTypeError(f"{text} is neither a regular file nor a directory")
+    return str(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-max-bytes", type=positive_int, help="text cap (builtin, hf: 4e6; python-env: 2.56e8)")
     t.add_argument("--tokenizer", choices=("byte", "bpe"), help="byte (default) or a BPE trained on the train split")
     t.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
-    t.add_argument("--seed", type=non_negative_int, help="seed of the initialisation and the batches (default 0)")
+    t.add_argument("--seed", type=seed_int, help="seed of the initialisation and the batches (default 0)")
     t.add_argument("--out", help="run directory (default runs/PRESET)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=_number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
-    g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA")
     g.set_defaults(func=_generate)
@@ -115,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", type=_data_spec, help="evaluate on this data's validation split (default: the run's)")
     e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
-    e.add_argument("--seq-len", type=positive_int, help="default: the run's")
+    e.add_argument("--seq-len", type=_number(int, 2), help="default: the run's (at least 2: one prediction)")
     e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -154,11 +159,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hybrid-attention {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
-    except RuntimeError as err:
-        if "out of memory" not in str(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
+    except (RuntimeError, MemoryError) as err:
+        if not _out_of_memory(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
             raise
-        print(f"hybrid-attention {args.command}: error: out of memory; try a smaller --batch-size", file=sys.stderr)
+        detail = " ".join(str(err).split())[:160]
+        print(f"hybrid-attention {args.command}: error: out of memory ({detail}); {_MEMORY_ADVICE[args.command]}",
+              file=sys.stderr)  # fmt: skip
         return 1
+
+
+_MEMORY_ADVICE = {
+    "train": "try a smaller --batch-size or --seq-len (--grad-accum keeps the tokens per step)",
+    "generate": "try a smaller --max-new-tokens or a shorter prompt",
+    "eval": "try a smaller --batch-size or --seq-len",
+    "info": "",
+}
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError."""
+    text = str(err)
+    return isinstance(err, MemoryError) or any(
+        s in text for s in ("out of memory", "can't allocate memory", "not enough memory")
+    )
 
 
 def _train(args) -> int:
@@ -183,7 +206,8 @@ def _train(args) -> int:
         s = train(config, resume=args.resume)
     except KeyboardInterrupt:
         try:
-            kept = f"its checkpoint of step {checkpoint.checkpoint_step(config.out)}"
+            step = checkpoint.checkpoint_step(config.out)
+            kept = f"its checkpoint of step {step}" if step else "no checkpoint yet"
         except (ValueError, OSError):
             kept = "its last complete checkpoint"
         print(f"\naborted: {config.out} keeps {kept}; continue with `{resume_command}`", file=sys.stderr)
@@ -248,7 +272,15 @@ def _generate(args) -> int:
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise ValueError("no prompt: pass --prompt TEXT or pipe text on stdin")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the prompt on stdin is not UTF-8 (byte {data[e.start]:#04x} at {e.start})") from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable bytes in argv arrive as lone surrogates
+        raise ValueError(f"--prompt is not UTF-8 text (a byte that is not UTF-8 at character {e.start})") from None
     if not prompt:
         raise ValueError("the prompt is empty; generation needs at least one token to start from")
     device, dtype = _device_and_dtype(args)
@@ -290,17 +322,18 @@ def _eval(args) -> int:
     from hybrid_attention.data import load_corpus
     from hybrid_attention.device import autocast_for
     from hybrid_attention.metrics import evaluate
+    from hybrid_attention.train import TrainConfig
 
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device)
-    run = config["train"]
+    run = TrainConfig.create(config["train"], out=str(args.ckpt))  # the saved settings, checked
     if args.data is None:
-        data, max_bytes = run.get("data"), args.data_max_bytes or run.get("data_max_bytes")
+        data, max_bytes = run.data, args.data_max_bytes or run.data_max_bytes
     else:
         data, max_bytes = args.data, args.data_max_bytes
     corpus = load_corpus(data, max_bytes=max_bytes)
     tokens = tokenizer.encode_documents(corpus.val).to(device)
-    batch_size, seq_len = args.batch_size or run["batch_size"], args.seq_len or run["seq_len"]
+    batch_size, seq_len = args.batch_size or run.batch_size, args.seq_len or run.seq_len
     if tokens.numel() < seq_len:
         raise ValueError(f"the validation split of {corpus.source} has {tokens.numel()} tokens, fewer than {seq_len}")
     windows = tokens.numel() // seq_len

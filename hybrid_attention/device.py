@@ -18,7 +18,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
-    """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere."""
+    """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere. bfloat16 on the CPU is refused: on
+    processors without bf16 instructions oneDNN runs the KDA short convolutions through a slow reference path."""
+    if name == "bfloat16" and device.type == "cpu":
+        raise ValueError(
+            "--dtype bfloat16 is for CUDA devices; on the CPU use --dtype float32 (the default there): bf16 "
+            "convolutions can take a very slow fallback path on processors without bf16 instructions"
+        )
     return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 

@@ -14,6 +14,8 @@ Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus), in that or
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -31,10 +33,15 @@ def sample_next_token(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """logits [B, vocab] -> token ids [B]. temperature 0 picks the argmax."""
+    """logits [B, vocab] -> token ids [B]. temperature 0 picks the argmax.
+
+    The logits are shifted by their maximum before the division (in float64), so any positive temperature, however
+    small, gives finite probabilities: the most likely token keeps logit 0, the others go to -inf as T -> 0.
+    """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -120,15 +127,24 @@ def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | Non
     return prompts
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; expected an integer >= 0")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature={temperature}; expected >= 0 (0 = greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"generate: top_k={top_k}; expected None or >= 1")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"generate: top_p={top_p}; expected None or in (0, 1]")
+    # Below the smallest normal float64 the division above would meet a flushed (zero) denormal.
+    if not _is_number(temperature) or not (temperature == 0 or temperature >= sys.float_info.min):
+        raise ValueError(f"generate: temperature={temperature!r}; expected 0 (greedy) or a finite number >= 2.2e-308")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"generate: top_k={top_k!r}; expected None or an integer >= 1")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p={top_p!r}; expected None or a number in (0, 1]")
 
 
 def _decode_step(model, cache, cuda_graph: bool | None, pack_projections: bool) -> DecodeStep:

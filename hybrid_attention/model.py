@@ -255,6 +255,8 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module):
+    check_token_ids: bool = False  # True: check token ids on every device, at one host sync per forward
+
     def __init__(self, config: HybridConfig):
         super().__init__()
         self.config = config
@@ -290,8 +292,10 @@ class HybridLM(nn.Module):
         The loss comes from the hidden states by `ops.cross_entropy.linear_cross_entropy` (the head applied over
         token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
         None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
-        [B, T, vocab] logits. With `cache`, the tokens are appended after the ones already in it and the cache is
-        updated in place.
+        [B, T, vocab] logits. The loss is the mean over the labelled positions, and 0 (with zero gradients) when
+        there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the ones already in
+        it and the cache is updated in place. Token ids are checked against the vocabulary when they are on the CPU
+        (no device sync), and on every device when `check_token_ids` is set (one sync per call).
         """
         self._check_inputs(input_ids, labels, cache)
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -325,8 +329,10 @@ class HybridLM(nn.Module):
         if labels is not None:
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
             # slicing h keeps h_out a view (no [B, T - 1, D] copy).
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
-            loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # (B * T)
+            loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
+            # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
+            loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
         logits = self.lm_head(h_out) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
@@ -383,6 +389,11 @@ class HybridLM(nn.Module):
             )
         if input_ids.shape[1] == 0:
             raise ValueError("HybridLM: input_ids is empty (T = 0); expected at least one token")
+        # An id out of range is an IndexError on the CPU, a device-side assert (CUDA unusable afterwards) on a GPU.
+        if (input_ids.device.type == "cpu" or self.check_token_ids) and not torch.compiler.is_compiling():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"HybridLM: labels shape {tuple(labels.shape)} != input_ids {tuple(input_ids.shape)}")
         if cache is not None:
@@ -399,6 +410,8 @@ class HybridLM(nn.Module):
     # ------------------------------------------------------------------------------------------------------- cache
     def make_cache(self, batch_size: int, max_seq_len: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (batch_size, max_seq_len)):
+            raise ValueError(f"make_cache: batch_size={batch_size!r}, max_seq_len={max_seq_len!r}; expected integers")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
         layers = []

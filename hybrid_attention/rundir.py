@@ -28,8 +28,10 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        import fcntl
-
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: the directory stays unlocked
+            return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -157,7 +157,12 @@ def tokenizer_from_dict(meta: dict, run_dir: str | Path) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        tok = BPETokenizer.load(Path(run_dir) / meta.get("file", BPE_FILE))
+        name = meta.get("file", BPE_FILE)
+        root = Path(run_dir).resolve()
+        path = (root / name).resolve() if isinstance(name, str) else None
+        if path is None or not path.is_relative_to(root):  # config.json is read from disk: it names no outside file
+            raise ValueError(f"config.json: tokenizer file {name!r} must be a file inside the run directory {run_dir}")
+        tok = BPETokenizer.load(path)
         if tok.vocab_size != meta.get("vocab_size", tok.vocab_size):
             raise ValueError(
                 f"tokenizer: {run_dir}/{BPE_FILE} has {tok.vocab_size} tokens but config.json says {meta['vocab_size']}"

@@ -16,6 +16,7 @@ refuses data whose tokens differ from the ones the run started with (`rundir.dat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import torch
 from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import dist_checkpoint, distributed
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
-from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device
+from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.interrupts import StopRequests
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
@@ -184,6 +185,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     elif ckpt.holds_run(run_dir):
         raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
     device = par.device if par.sharded else resolve_device(config.device)
+    resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
@@ -267,14 +269,17 @@ def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> 
                 lock = RunLock(run_dir).acquire()
                 if ckpt.holds_run(run_dir):  # another job took the directory while this one was preparing
                     raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it")
-            with StopRequests() as stop:
-                return _train(config, p, resume, echo, stop, par)
+            with contextlib.ExitStack() as job:  # closed before an error reaches the caller: the progress bar too
+                return _train(config, p, resume, echo, job.enter_context(StopRequests()), job, par)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests, par: distributed.Parallel) -> dict:
+def _train(
+    config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests, job: contextlib.ExitStack,
+    par: distributed.Parallel,
+) -> dict:  # fmt: skip
     from tqdm import tqdm
 
     run_dir, device, model, tokenizer, start = p["run_dir"], p["device"], p["model"], p["tokenizer"], p["step"]
@@ -332,6 +337,7 @@ def _train(config: TrainConfig, p: dict, resume: bool, echo, stop: StopRequests,
     bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
                disable=not main)  # fmt: skip
+    job.callback(bar.close)
     eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
     save = lambda step: dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)  # noqa: E731
     model.train()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_attention import cli
+from hybrid_attention import checkpoint, cli
 from hybrid_attention.checkpoint import load_run
 from hybrid_attention.generate import generate
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
@@ -86,6 +86,11 @@ BAD_TRAIN = [
     (["--stop-after", "9", "--steps", "5"], "--stop-after must be between 1 and --steps (5)"),
     (["--resume"], "no such run directory"),
     (["--seq-len", "100000"], "fewer than --seq-len 100000"),
+    (["--out", ""], "--out must name a run directory, got an empty string"),
+    (["--seed", str(2**70)], "argument --seed: expected a value >= 0 and <= 9223372036854775807"),
+    (["--tokenizer", "bpe", "--vocab-size", "1000000000"], "--vocab-size must be at most 1,048,576"),
+    (["--data", "/dev/null"], "/dev/null is neither a regular file nor a directory"),
+    (["--device", "cpu", "--dtype", "bfloat16"], "--dtype bfloat16 is for CUDA devices; on the CPU use"),
 ]
 
 
@@ -151,12 +156,39 @@ def test_mismatched_checkpoint_is_refused(run_dir, tmp_path, capsys):
         (["eval", "--ckpt", "{tmp}"], "config.json is missing"),
         (["eval", "--ckpt", "{run}", "--data", "{tmp}/nothing"], "no such file or directory"),
         (["info", "--preset", "tiny", "--ckpt", "{run}"], "not allowed with argument --preset"),
+        (["eval", "--ckpt", "{run}", "--seq-len", "1"], "argument --seq-len: expected a value >= 2, got 1"),
+        (["generate", "--ckpt", "{run}", "--prompt", "x", "--max-new-tokens", str(10**12)], "try a smaller --max-new"),
+        (["generate", "--ckpt", "{run}", "--prompt", "ab\udcff"], "--prompt is not UTF-8 text"),
+        (["generate", "--ckpt", "{run}", "--prompt", "x", "--seed", str(2**64)], "argument --seed: expected a value"),
+        (["generate", "--ckpt", "{run}", "--prompt", "x", "--device", "cpu", "--dtype", "bfloat16"], "is for CUDA"),
     ],
 )
 def test_bad_generate_eval_info_input(run_dir, tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path, run=run_dir) for a in argv]
     code, _, err = run_cli(argv, capsys)
     assert code != 0 and err.count("\n") == 1 and "Traceback" not in err and message in err, err
+
+
+def test_out_of_memory_is_one_line_and_leaves_the_directory_reusable(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli(["train", "--out", out, *FAST, "--batch-size", 10**12], capsys)
+    error = err.split("\n")[-2]  # the line after the progress bar
+    assert code == 1 and "Traceback" not in err, err
+    assert error.startswith("hybrid-attention train: error: out of memory (") and "try a smaller --batch-size" in error
+    assert not checkpoint.holds_run(out)  # a plain re-run may use the directory
+
+
+def test_non_utf8_prompt_on_stdin_is_one_line(run_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
+    code, _, err = run_cli(["generate", "--ckpt", run_dir], capsys)
+    assert code == 1 and err.count("\n") == 1 and "the prompt on stdin is not UTF-8 (byte 0xff at 3)" in err, err
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token(run_dir, capsys):
+    argv = ["generate", "--ckpt", run_dir, "--prompt", "def ", "--max-new-tokens", 6, "--temperature"]
+    code, tiny, err = run_cli([*argv, "1e-45"], capsys)
+    assert code == 0, err
+    assert tiny == run_cli([*argv, "0"], capsys)[1]
 
 
 def test_generate_streams_the_same_tokens_as_model_generate(run_dir, capsys):
@@ -272,3 +304,59 @@ def test_bpe_run_trains_saves_and_reloads_its_tokenizer(tmp_path, capsys):
     assert code == 0 and bpb < loss / math.log(2) / 1.2  # several bytes per BPE token
     code, out, err = run_cli(["generate", "--ckpt", run, "--prompt", "import os", "--max-new-tokens", 6], capsys)
     assert code == 0 and out.startswith("import os") and "6 tokens in" in err
+
+
+# ------------------------------------------------------------------------- the same mistakes through the Python API
+def _tiny_model():
+    torch.manual_seed(0)
+    return HybridLM(HybridConfig.from_preset("tiny"))
+
+
+def test_loss_without_labelled_positions_is_zero_not_nan():
+    model = _tiny_model()
+    ids = torch.randint(0, 256, (2, 9))
+    for labels, input_ids in ((torch.full_like(ids, -100), ids), (ids[:, :1], ids[:, :1])):  # all ignored; T = 1
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        assert loss.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    logits = model(ids).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    assert torch.allclose(model(ids, labels=labels).loss, reference, rtol=1e-6, atol=0)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+    model = _tiny_model()
+    for bad, seen in ((256, "[0, 256]"), (-1, "[-1, 5]")):
+        ids = torch.tensor([[5, bad, 0]])
+        with pytest.raises(ValueError, match=re.escape(f"token ids must be in [0, 256), got {seen}")):
+            model(ids)
+    assert HybridLM.check_token_ids is False  # on GPUs the check costs a sync per call, so it is opt-in there
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(temperature=1e-320), "temperature=1e-320"),
+        (dict(top_k=2.5), "top_k=2.5; expected None or an integer >= 1"),
+        (dict(top_p=float("nan")), "top_p=nan"),
+        (dict(max_new_tokens=True), "max_new_tokens=True"),
+    ],
+)
+def test_bad_generate_arguments_are_clear_errors(kwargs, message):
+    model = _tiny_model()
+    args = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.generate(torch.tensor([[1, 2]]), **args)
+    with pytest.raises(ValueError, match=r"make_cache: batch_size=1.5, max_seq_len=8; expected integers"):
+        model.make_cache(1.5, 8)
+
+
+def test_a_tiny_temperature_is_the_argmax():
+    from hybrid_attention.generate import sample_next_token
+
+    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)) * 5
+    for temperature in (1e-45, 1e-300):
+        assert torch.equal(sample_next_token(logits, temperature), logits.argmax(-1))
