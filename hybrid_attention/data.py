@@ -22,6 +22,7 @@ sees exactly the data it would have seen.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import sysconfig
@@ -116,6 +117,8 @@ def _builtin_corpus(max_bytes: int, val_fraction: float) -> Corpus:
 def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corpus:
     if not path.exists():
         raise ValueError(f"--data {path}: no such file or directory")
+    if not (path.is_file() or path.is_dir()):
+        raise ValueError(f"--data {path}: neither a regular file nor a directory (a device, pipe or socket)")
     if path.is_file():
         docs = [(path.name, _read_text(path, strict=True))]
         if max_bytes is not None:
@@ -221,8 +224,15 @@ def _hf_corpus(spec: str, max_bytes: int, val_fraction: float) -> Corpus:
         raise ValueError(
             f"--data {spec} needs the optional `datasets` package: pip install 'hybrid-attention[hf]'"
         ) from None
+    # Never run a dataset's own loading script: say so where this datasets version still takes the flag (from
+    # 4.0 on, scripts are not supported at all and the keyword is gone).
+    safe = (
+        {"trust_remote_code": False}
+        if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters
+        else {}
+    )
     try:
-        loaded = datasets.load_dataset(*parts)
+        loaded = datasets.load_dataset(*parts, **safe)
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, its own errors)
         raise ValueError(f"--data {spec}: datasets could not load it: {type(e).__name__}: {e}") from None
     splits = list(loaded.keys())

@@ -130,6 +130,30 @@ def test_hf_data_reads_text_column_through_datasets(monkeypatch):
     assert 0 < len(capped.train) < 50 and sum(capped.num_bytes) <= 400 + 2 * len(rows("train", 1)[0]["text"])
 
 
+def test_hf_data_never_runs_a_loading_script(monkeypatch):
+    """Where datasets still takes `trust_remote_code`, it is passed as False; where the keyword is gone (datasets 4,
+    which runs no scripts), nothing is added that it would reject."""
+    calls = []
+
+    def with_flag(*args, trust_remote_code=None):
+        calls.append(("flag", args, trust_remote_code))
+        return {"train": [{"text": "a b c\n" * 40}]}
+
+    def without_flag(*args):
+        calls.append(("no flag", args))
+        return {"train": [{"text": "a b c\n" * 40}]}
+
+    for fn in (with_flag, without_flag):
+        monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fn))
+        load_corpus("hf:someone/corpus")
+    assert calls == [("flag", ("someone/corpus",), False), ("no flag", ("someone/corpus",))]
+
+
+def test_data_that_is_neither_file_nor_directory_is_named_so():
+    with pytest.raises(ValueError, match="/dev/null: neither a regular file nor a directory"):
+        load_corpus("/dev/null")
+
+
 def test_hf_data_without_validation_split_is_split_by_row_hash(monkeypatch):
     fake = types.SimpleNamespace(load_dataset=lambda *a: {"train": [{"body": f"doc {i}\n"} for i in range(400)]})
     monkeypatch.setitem(sys.modules, "datasets", fake)
