@@ -12,11 +12,12 @@ pre-norm decoder: embedding -> blocks [mixer, MLP] -> final norm -> LM head. The
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
 
-`config.attnres_backend` picks how AttnRes runs: "auto" takes the fused differentiable Triton ops on CUDA (each
-AttnRes fused with the RMSNorm that reads it, sources never stacked, Block AttnRes in its two-phase form; see
-`layers.attnres.attn_res_stream`) and the readable list path elsewhere; "triton" forces the fused ops (CPU under
-the Triton interpreter); "torch" forces the list path. Full AttnRes without autograd takes the inference path
-(one preallocated sources buffer, `ops.attnres.fused.attn_res_norm`).
+`config.attnres_backend` picks how AttnRes runs (the vocabulary of `hybrid_attention.backends`): "auto" takes the
+fused differentiable Triton ops on CUDA (each AttnRes fused with the RMSNorm that reads it, sources never stacked,
+Block AttnRes in its two-phase form; see `layers.attnres.attn_res_stream`) and the readable list path elsewhere or
+inside `backends.use_reference()`; "triton" forces the fused ops (CPU under the Triton interpreter); "torch" forces
+the list path. Full AttnRes without autograd takes the inference path (one preallocated sources buffer,
+`ops.attnres.fused.attn_res_norm`: its Triton kernel where the rule picks it, unless the backend is "torch").
 
 With zero pseudo-queries (their init) AttnRes averages its sources, and because every sublayer and the head start with
 a scale-invariant RMSNorm, an AttnRes model computes the same function as the standard one with the same weights. The
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.backends import BACKENDS, use_triton
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
@@ -46,8 +48,8 @@ from hybrid_attention.ops.kda.gate import GATE_FORMS
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
-KDA_BACKENDS = ("auto", "torch", "triton", "fla")
-ATTNRES_BACKENDS = ("auto", "torch", "triton")
+KDA_BACKENDS = (*BACKENDS, "fla")
+ATTNRES_BACKENDS = BACKENDS
 
 
 def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
@@ -103,7 +105,7 @@ class HybridConfig:
     intermediate_size: int = 192
     residual: str = "attnres"
     attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
-    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the list path)
+    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the references)
     norm_eps: float = 1e-6
     # KDA mixer
     kda_num_heads: int = 2
@@ -348,6 +350,7 @@ class HybridLM(nn.Module):
                 norm_weight=norm.weight,
                 norm_eps=norm.eps,
                 latest=latest,
+                backend="torch" if self.config.attnres_backend == "torch" else "auto",
             )
             if g is None:
                 return x
@@ -361,7 +364,7 @@ class HybridLM(nn.Module):
                 f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "
                 f"of a supported dtype; got {embedding.dtype} on {embedding.device}; use 'auto' or 'torch'"
             )
-        return backend == "triton" or (backend == "auto" and embedding.is_cuda and fused_train_supported(embedding))
+        return backend == "triton" or (backend == "auto" and use_triton(embedding) and fused_train_supported(embedding))
 
     def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
         # The readable list path: sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and,

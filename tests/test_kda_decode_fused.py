@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hybrid_attention.layers.kda as kda
+from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from tests.helpers import assert_close
 
@@ -67,9 +68,14 @@ def test_fused_step_equals_eager_step(head_dim, conv_size, dtype, monkeypatch):
 
 
 def test_the_layer_takes_the_fused_path_on_cuda_only():
+    """On CUDA, without autograd and outside `use_reference()`; never for float64 or a conv of one tap."""
     x = torch.randn(1, 1, 24, device=DEV)
-    assert kda._fused_decode_ok(x, 4) == torch.cuda.is_available()
-    assert not kda._fused_decode_ok(x.double(), 4) and not kda._fused_decode_ok(x, 1)
+    with torch.no_grad():
+        assert kda._fused_decode_ok(x, 4) == torch.cuda.is_available()
+        assert not kda._fused_decode_ok(x.double(), 4) and not kda._fused_decode_ok(x, 1)
+        with use_reference():
+            assert not kda._fused_decode_ok(x, 4)
+    assert not kda._fused_decode_ok(x, 4), "the fused kernels have no backward"
 
 
 def test_fused_step_with_packed_projections(monkeypatch):

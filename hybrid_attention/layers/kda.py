@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid_attention.backends import use_triton
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import project
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
 from hybrid_attention.ops.kda.gate import check_gate_form, check_lower_bound, head_as_channels
 from hybrid_attention.ops.numerics import compute_dtype
-from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 @dataclass
@@ -48,8 +48,9 @@ class KDACache:
 
 
 def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
-    """The fused one-token decode kernels run on CUDA with Triton, 16/32-bit floats and a conv of size >= 2."""
-    return conv_size >= 2 and triton_runs_on(x, cpu_interpreter=False)
+    """The fused one-token decode kernels (no backward) take x: the rule of `hybrid_attention.backends` with no
+    gradient needed, and a conv of size >= 2."""
+    return conv_size >= 2 and use_triton(x, needs_backward=torch.is_grad_enabled())
 
 
 class KimiDeltaAttention(nn.Module):
@@ -174,7 +175,7 @@ class KimiDeltaAttention(nn.Module):
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size) and not torch.is_grad_enabled():
+        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size):
             return self._decode_fused(x, cache)
         conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
 

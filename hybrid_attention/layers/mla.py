@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.backends import needs_grad, resolve, use_triton
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import decode_act_mul, project
 from hybrid_attention.ops.mla.decode import mla_decode
-from hybrid_attention.ops.triton_support import triton_runs_on
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -103,8 +103,9 @@ class MLACache:
 
 
 def _fused_append_ok(x: torch.Tensor) -> bool:
-    """The fused one-token cache append (`ops.mla.append`) runs on CUDA with Triton and 16/32-bit floats."""
-    return triton_runs_on(x, cpu_interpreter=False)
+    """The fused one-token cache append (`ops.mla.append`, no backward) takes x: the rule of
+    `hybrid_attention.backends` with no gradient needed."""
+    return use_triton(x, needs_backward=torch.is_grad_enabled())
 
 
 class GatedMLA(nn.Module):
@@ -222,10 +223,11 @@ class GatedMLA(nn.Module):
         """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), rows
         [B, max_len, d_c + d_s] of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
 
-        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (the Triton
-        flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); queries go in blocks
-        so that a long chunk never materialises more than about `_TORCH_SCORE_BUDGET` scores, and each block sees
-        only the keys up to its last query (bottom-right causal, exact)."""
+        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (its "auto":
+        the Triton flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); on the
+        PyTorch path queries go in blocks so that a long chunk never materialises more than about
+        `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right causal,
+        exact)."""
         B, T, H, _ = q.shape
         d_n, d_c, d_v = self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
         q_n, q_s = q.split([d_n, self.qk_shared_head_dim], dim=-1)
@@ -234,8 +236,8 @@ class GatedMLA(nn.Module):
         q_lat = torch.einsum("bthn,hnc->bthc", q_n, w_uk)  # (B, T, H, d_c): W_UK,h^T q_n,h
         # The kernel takes one dtype: queries follow the cache (the cache is what is large).
         q_abs = torch.cat([q_lat, q_s], dim=-1).to(rows.dtype)  # (B, T, H, d_c + d_s)
-        backend = "auto" if q.is_cuda else "torch"  # "auto" = Triton on CUDA unless a gradient is needed
-        if q.is_cuda:
+        backend = resolve("auto", q_abs, name="GatedMLA", needs_backward=needs_grad(q_abs, rows))
+        if backend == "triton":
             block = T  # the kernel keeps only the output: one launch covers the whole chunk
         else:
             block = max(1, _TORCH_SCORE_BUDGET // (B * H * rows.shape[1]))
@@ -270,7 +272,7 @@ class GatedMLA(nn.Module):
         q_in, kv, k_shared, *gate = project(self, x, self.packed_linears())
         g_in = gate[0] if gate else None
         q = self._query(q_in)  # (B, T, H, d_n + d_s)
-        if cache is not None and T == 1 and _fused_append_ok(x) and not torch.is_grad_enabled():
+        if cache is not None and T == 1 and _fused_append_ok(x):
             # Decoding on CUDA: norm + row + write + length advance in one kernel (same values as the eager append).
             from hybrid_attention.ops.mla.append import append_latent_row
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.ops.triton_support import triton_available, triton_runs_on
+from hybrid_attention.backends import fast_paths_enabled, use_triton
+from hybrid_attention.ops.triton_support import triton_available
 
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
@@ -40,7 +41,9 @@ def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
     mode = os.environ.get("HA_DECODE_GEMV", "auto")
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"HA_DECODE_GEMV must be auto, torch or triton, got {mode!r}")
-    return mode == "triton" or (mode == "auto" and (x is None or x.is_cuda))
+    if mode != "auto":
+        return mode == "triton"
+    return fast_paths_enabled() if x is None else use_triton(x)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,11 +61,16 @@ def decode_act_mul(module: nn.Module, a: torch.Tensor, b: torch.Tensor, act: str
     the same rounding as the eager ops) while a decode step has installed its packed weights on `module` and the
     tensors are on CUDA, else the two eager ops."""
     decoding = getattr(module, "packed_projection", None) is not None
-    if decoding and a.dtype == b.dtype and triton_runs_on(a, cpu_interpreter=False):
+    if decoding and _act_mul_ok(a, b):
         from hybrid_attention.ops.act_mul import act_mul  # imports triton
 
         return act_mul(a, b, act)
     return _ACTS[act](a) * b
+
+
+def _act_mul_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`ops.act_mul` (no backward) takes a and b: one dtype, and the rule of `hybrid_attention.backends`."""
+    return a.dtype == b.dtype and use_triton(a, needs_backward=torch.is_grad_enabled())
 
 
 class PackedLinear:

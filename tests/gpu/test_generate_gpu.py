@@ -190,9 +190,9 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         fused = torch.stack([model(ids[:, t : t + 1], cache=fused_cache).logits[:, 0] for t in range(45, 50)], 1)
         monkeypatch.setattr(kda, "_fused_decode_ok", lambda x, conv_size: False)
         monkeypatch.setattr(mla, "_fused_append_ok", lambda x: False)
-        monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **k, backend="torch"))
+        monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **{**k, "backend": "torch"}))
         for module in (conv, norm):  # the eager layer's own conv and output norm, not their Triton kernels
-            monkeypatch.setattr(module, "triton_runs_on", lambda *a, **k: False)
+            monkeypatch.setattr(module, "use_triton", lambda *a, **k: False)
         eager = torch.stack([model(ids[:, t : t + 1], cache=eager_cache).logits[:, 0] for t in range(45, 50)], 1)
         cpu_ids = ids.cpu()
         ref = torch.stack([ref_model(cpu_ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
