@@ -35,12 +35,21 @@ class DecodeStep:
         warmup_steps: eager steps run before capture.
         pack_projections: run each layer's input projections as one product from packed weight copies (one more
             copy of those weights in memory; `layers.packed`). The parameters themselves are not touched.
+        gemv: the backend of the step's products with packed projections ("auto": the decode GEMV kernel of
+            `ops.gemv` on CUDA, "torch": F.linear, "triton": that kernel also on CPU under the interpreter).
 
     The logits returned by a graph replay live in a static buffer that the next call overwrites.
     """
 
     def __init__(
-        self, model, cache: HybridCache, *, cuda_graph: bool, warmup_steps: int = 2, pack_projections: bool = True
+        self,
+        model,
+        cache: HybridCache,
+        *,
+        cuda_graph: bool,
+        warmup_steps: int = 2,
+        pack_projections: bool = True,
+        gemv: str = "auto",
     ):
         if cache.seq_len != 0:
             raise ValueError(
@@ -59,7 +68,7 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None  # static output of the graph
         self.graph: torch.cuda.CUDAGraph | None = None
         # Kept alive here: a captured graph reads these copies.
-        self.packed = PackedProjections(model) if pack_projections else None
+        self.packed = PackedProjections(model, gemv) if pack_projections else None
         if cuda_graph:
             self._capture(max(1, min(warmup_steps, cache.max_seq_len)))
 

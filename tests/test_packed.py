@@ -108,7 +108,7 @@ def test_generate_with_and_without_packing(monkeypatch):
     model = tiny_model()
     built = []
     init = PackedProjections.__init__
-    monkeypatch.setattr(PackedProjections, "__init__", lambda self, m: built.append(1) or init(self, m))
+    monkeypatch.setattr(PackedProjections, "__init__", lambda self, *a: built.append(1) or init(self, *a))
     prompt = torch.randint(0, 256, (2, 6))
     packed = generate(model, prompt, 8, temperature=0)
     assert len(built) == 1

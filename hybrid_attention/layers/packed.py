@@ -7,8 +7,8 @@ the shared key and the gate; SwiGLU: gate and up) can be read as one concatenate
 launch, with the same products.
 
 On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
-linear layers while a step runs (HA_DECODE_GEMV: auto, the default; triton forces it, also on CPU under the
-interpreter; torch keeps cuBLAS).
+linear layers while a step runs (`gemv`, in the vocabulary of `hybrid_attention.backends`: "auto", the default,
+takes the kernel by the one rule; "triton" forces it, also on CPU under the interpreter; "torch" keeps cuBLAS).
 
 The parameters stay separate (the optimizer, Muon's per-matrix updates and checkpoints see them as they are). A
 `PackedProjections` holds concatenated copies, made once by `graphs.DecodeStep` (whose contract already is that the
@@ -20,7 +20,6 @@ in bf16); `DecodeStep(pack_projections=False)` skips them.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -28,27 +27,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import fast_paths_enabled, use_triton
+from hybrid_attention.backends import check_backend, use_triton
 from hybrid_attention.ops.triton_support import triton_available
 
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
-def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
-    """Whether decode-step products of `x` go to `ops.gemv`: HA_DECODE_GEMV=triton always (the interpreter on
-    CPU), "torch" never (F.linear), "auto" (the default) on CUDA, where it beats cuBLAS's batch-1 GEMVs. Without
-    `x`: whether it may, on some device."""
-    mode = os.environ.get("HA_DECODE_GEMV", "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"HA_DECODE_GEMV must be auto, torch or triton, got {mode!r}")
-    if mode != "auto":
-        return mode == "triton"
-    return fast_paths_enabled() if x is None else use_triton(x)
+def decode_gemv_enabled(x: torch.Tensor, gemv: str = "auto") -> bool:
+    """Whether decode-step products of `x` go to `ops.gemv`: gemv="triton" always (the interpreter on CPU),
+    "torch" never (F.linear), "auto" by the rule of `hybrid_attention.backends` (on CUDA, where it beats cuBLAS's
+    batch-1 GEMVs)."""
+    return gemv == "triton" or (gemv == "auto" and use_triton(x))
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the decode GEMV kernel (`ops.gemv`) when `decode_gemv_enabled(x)` and it takes these tensors."""
-    if decode_gemv_enabled(x) and triton_available():
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: str = "auto"
+) -> torch.Tensor:
+    """F.linear, or the decode GEMV kernel (`ops.gemv`) when `decode_gemv_enabled(x, gemv)` and it takes these
+    tensors."""
+    if decode_gemv_enabled(x, gemv) and triton_available():
         from hybrid_attention.ops.gemv import gemv, gemv_applies  # imports triton
 
         if gemv_applies(x, weight):
@@ -75,9 +72,10 @@ def _act_mul_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class PackedLinear:
     """`nn.Linear`s that read the same input, as one weight (and one bias, zeros where a layer has none):
-    x [..., in] -> their outputs, in order."""
+    x [..., in] -> their outputs, in order (products by `decode_linear` with this `gemv` backend)."""
 
-    def __init__(self, linears: Sequence[nn.Linear]):
+    def __init__(self, linears: Sequence[nn.Linear], gemv: str = "auto"):
+        check_backend(gemv, "PackedLinear: gemv")
         if not linears:
             raise ValueError("PackedLinear: needs at least one nn.Linear")
         if len({lin.in_features for lin in linears}) != 1:
@@ -88,9 +86,10 @@ class PackedLinear:
             zeros = lambda lin: lin.weight.new_zeros(lin.out_features)  # noqa: E731
             self.bias = torch.cat([zeros(lin) if lin.bias is None else lin.bias.detach() for lin in linears])
         self.sizes = [lin.out_features for lin in linears]
+        self.gemv = gemv
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return decode_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return decode_linear(x, self.weight, self.bias, self.gemv).split(self.sizes, dim=-1)
 
 
 def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
@@ -104,24 +103,27 @@ def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) ->
 
 class PackedProjections:
     """Packed copies of every layer's input projections in `model` (`module.packed_linears()` names them); the
-    model's other `nn.Linear`s (output projections, the low-rank up projections, the head) are `singles`."""
+    model's other `nn.Linear`s (output projections, the low-rank up projections, the head) are `singles`. gemv:
+    the backend of every product (see `decode_gemv_enabled`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, gemv: str = "auto"):
+        check_backend(gemv, "PackedProjections: gemv")
+        self.gemv = gemv
         self.by_module = {
-            m: PackedLinear(m.packed_linears()) for m in model.modules() if hasattr(type(m), "packed_linears")
+            m: PackedLinear(m.packed_linears(), gemv) for m in model.modules() if hasattr(type(m), "packed_linears")
         }
         packed = {id(lin) for m in self.by_module for lin in m.packed_linears()}
         self.singles = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in packed]
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture); with
-        the decode GEMV on (see `decode_gemv_enabled`) the singles run through it too (their own weights, no copies)."""
-        singles = self.singles if decode_gemv_enabled() else []
+        """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture); unless
+        gemv is "torch" the singles go through `decode_linear` too (their own weights, no copies)."""
+        singles = self.singles if self.gemv != "torch" else []
         for module, packed in self.by_module.items():
             module.packed_projection = packed
         for lin in singles:  # an instance attribute shadows nn.Linear.forward for this block only
-            lin.forward = functools.partial(_single_forward, lin)
+            lin.forward = functools.partial(_single_forward, lin, gemv=self.gemv)
         try:
             yield
         finally:
@@ -137,5 +139,5 @@ class PackedProjections:
         )
 
 
-def _single_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return decode_linear(x, lin.weight, lin.bias)
+def _single_forward(lin: nn.Linear, x: torch.Tensor, gemv: str) -> torch.Tensor:
+    return decode_linear(x, lin.weight, lin.bias, gemv)
