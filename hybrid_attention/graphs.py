@@ -6,7 +6,7 @@ CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). W
   tails, int32 lengths on the device) and the static token buffer of this class;
 - the step branches only on shapes, never on values: one-token MLA calls always take the absorbed path over the
   device lengths, KDA always takes its recurrent step, and nothing syncs with the host;
-- the host counters (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
+- the host counts (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
   device lengths.
 The projections of each layer that read the same input run as one matrix-vector product from packed copies of
 their weights (`layers.packed`), installed only while the step runs: at batch 1 the step is dozens of small GEMVs.
@@ -89,7 +89,7 @@ class DecodeStep:
                 self.logits = model(self.tokens, cache=cache).logits[:, -1]  # (B, vocab)
             self.graph = graph
         finally:
-            # Warm-up really ran; capture only recorded (but advanced the host counters once): start clean.
+            # Warm-up really ran; capture only recorded (but advanced the host counts once): start clean.
             torch.cuda.current_stream(self.tokens.device).synchronize()
             cache.reset()
 
@@ -114,10 +114,10 @@ class DecodeStep:
         return self.packed.installed() if self.packed is not None else contextlib.nullcontext()
 
     def replay(self) -> None:
-        """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counters."""
+        """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counts."""
         if self.graph is None:
             raise ValueError("DecodeStep.replay: no CUDA graph was captured (cuda_graph=False)")
         if self.cache.seq_len + 1 > self.cache.max_seq_len:
             raise ValueError(f"DecodeStep.replay: the cache is full (max_seq_len {self.cache.max_seq_len} tokens)")
         self.graph.replay()
-        self.cache.advance_host(1)
+        self.cache.advance(1, on_device=False)  # the graph advanced the device lengths

@@ -41,6 +41,7 @@ from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
@@ -296,6 +297,10 @@ class HybridLM(nn.Module):
         updated in place.
         """
         self._check_inputs(input_ids, labels, cache)
+        if cache is not None:
+            # The lengths count these tokens from here on (in place on the device, graph-safe): every MLA layer
+            # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
+            cache.advance(input_ids.shape[1])
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         h = self.embed(input_ids)
         residual = self.config.residual
@@ -321,8 +326,6 @@ class HybridLM(nn.Module):
             else:
                 h = self._block_attnres(h, sublayers)
             h_out = self.norm(h)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])  # device lengths (in place, graph-safe) and host counters
         loss = None
         if labels is not None:
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
@@ -404,13 +407,14 @@ class HybridLM(nn.Module):
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
+        seqlens = SeqLens(batch_size, max_seq_len, device=self.embed.weight.device)
         layers = []
         for layer in self.layers:
             if layer.layer_type == "kda":
                 layers.append(layer.mixer.empty_cache(batch_size))
             else:
-                layers.append(layer.mixer.empty_cache(batch_size, max_seq_len))
-        return HybridCache(layers=layers, batch_size=batch_size, max_seq_len=max_seq_len)
+                layers.append(layer.mixer.empty_cache(batch_size, max_seq_len, seqlens=seqlens))
+        return HybridCache(layers, seqlens)
 
     # ------------------------------------------------------------------------------------------------- accounting
     def num_parameters(self) -> int:

@@ -138,11 +138,16 @@ def test_each_layer_fast_path_follows_the_rule(kernels_raise, cpu_counts_as_cuda
     kda = KimiDeltaAttention(16, 2, head_dim=8)
     mla = GatedMLA(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_shared_head_dim=4, v_head_dim=8)
     lens = torch.full((2,), 3, dtype=torch.int32)
+
+    def one_token(cache):
+        cache.seqlens.advance(1)  # the caller counts the token it feeds
+        return cache
+
     calls = {
         "short conv": lambda: ShortConv(8)(x),
         "gated norm": lambda: GatedRMSNorm(8)(x, x),
         "KDA fused decode": lambda: kda(torch.randn(2, 1, 16), cache=kda.empty_cache(2)),
-        "MLA fused append": lambda: mla(torch.randn(2, 1, 16), cache=mla.empty_cache(2, 4)),
+        "MLA fused append": lambda: mla(torch.randn(2, 1, 16), cache=one_token(mla.empty_cache(2, 4))),
         "mla_decode": lambda: mla_decode(torch.randn(2, 1, 2, 12), torch.randn(2, 3, 12), lens, value_dim=8, scale=1.0),
         "attn_res_norm": lambda: attn_res_norm(torch.randn(3, 2, 8), torch.randn(8), torch.ones(8)),
     }

@@ -18,6 +18,7 @@ import torch
 
 from hybrid_attention.generate import generate, prefill
 from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.conftest import needs_cuda
 from tests.helpers import assert_as_accurate, assert_close
@@ -83,8 +84,7 @@ def test_graph_decoding_equals_eager_decoding(preset, dtype, B):
         assert_close(f"step {t} logits", g, e, TOL[dtype])
     assert caches[0].host_lengths == caches[1].host_lengths == [42] * B
     assert caches[0].lengths.tolist() == [42] * B
-    for layer in caches[0].mla_layers():
-        assert layer.lengths.tolist() == [42] * B and layer.length == 42
+    assert all(layer.seqlens is caches[0].seqlens for layer in caches[0].layers if isinstance(layer, MLACache))
 
 
 def test_graph_decoding_equals_full_recompute_float32():
@@ -163,8 +163,9 @@ def test_chunked_prefill_is_exact(dtype):
     ref_cache = ref_model.make_cache(1, 3001)
     ref = prefill(ref_model, ids.cpu(), ref_cache, chunk_size=4096)
     assert_as_accurate("last logits", b, ref, a)
-    for x, y, r in zip(whole.mla_layers(), chunked.mla_layers(), ref_cache.mla_layers(), strict=True):
-        assert_as_accurate("MLA rows", y.rows, r.rows, x.rows)
+    for x, y, r in zip(whole.layers, chunked.layers, ref_cache.layers, strict=True):
+        if isinstance(x, MLACache):
+            assert_as_accurate("MLA rows", y.rows, r.rows, x.rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -198,13 +199,13 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         ref = torch.stack([ref_model(cpu_ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
     assert_as_accurate("fused decode logits", fused, ref, eager)
     for f, e, r in zip(fused_cache.layers, eager_cache.layers, ref_cache.layers, strict=True):
-        if hasattr(f, "rows"):
+        if isinstance(f, MLACache):
             assert_as_accurate("MLA rows", f.rows[:, :50], r.rows[:, :50], e.rows[:, :50])
-            assert f.lengths.tolist() == e.lengths.tolist() == [50] * 4
         else:
             assert_as_accurate("KDA state", f.state, r.state, e.state)
             conv = lambda c: torch.cat([c.conv_q, c.conv_k, c.conv_v], 1)
             assert_as_accurate("KDA conv cache", conv(f), conv(r), conv(e))
+    assert fused_cache.lengths.tolist() == eager_cache.lengths.tolist() == [50] * 4
 
 
 def test_decode_step_capacity_and_counters():
