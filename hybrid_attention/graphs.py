@@ -9,15 +9,14 @@ CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). W
 - the host counts (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
   device lengths.
 The projections of each layer that read the same input run as one matrix-vector product from packed copies of
-their weights (`layers.packed`), installed only while the step runs: at batch 1 the step is dozens of small GEMVs.
+their weights (`layers.packed`), which the step hands to the model call (`decode=`): at batch 1 the step is dozens
+of small GEMVs.
 Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the empty cache,
 which is reset afterwards; that is why the step must be built before the prompt is prefilled. Sampling stays
 outside the graph (it needs the generator and is cheap).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -79,14 +78,14 @@ class DecodeStep:
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side), self._packed():
+            with torch.cuda.stream(side):
                 for _ in range(warmup_steps):
-                    model(self.tokens, cache=cache)
+                    model(self.tokens, cache=cache, decode=self.packed)
             current.wait_stream(side)
             cache.reset()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), self._packed():
-                self.logits = model(self.tokens, cache=cache).logits[:, -1]  # (B, vocab)
+            with torch.cuda.graph(graph):
+                self.logits = model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
             self.graph = graph
         finally:
             # Warm-up really ran; capture only recorded (but advanced the host counts once): start clean.
@@ -105,13 +104,9 @@ class DecodeStep:
             )
         self.tokens[:, 0].copy_(tokens)
         if self.graph is None:
-            with self._packed():
-                return self.model(self.tokens, cache=cache).logits[:, -1]
+            return self.model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]
         self.replay()
         return self.logits
-
-    def _packed(self):
-        return self.packed.installed() if self.packed is not None else contextlib.nullcontext()
 
     def replay(self) -> None:
         """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counts."""

@@ -41,6 +41,7 @@ from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.layers.packed import PackedProjections, linear
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
@@ -244,17 +245,19 @@ class DecoderLayer(nn.Module):
             self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
-    def normed_sublayers(self, cache) -> list[tuple[Any, RMSNorm, Any]]:
-        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h))."""
-        mixer = lambda x: self.mixer(x, cache=cache)
+    def normed_sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, RMSNorm, Any]]:
+        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h)). `decode`: a
+        decode step's packed projections, handed to the mixer and the MLP."""
+        mixer = lambda x: self.mixer(x, cache=cache, decode=decode)
+        mlp = lambda x: self.mlp(x, decode=decode)
         return [
             (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
-            (getattr(self, "mlp_res", None), self.mlp_norm, self.mlp),
+            (getattr(self, "mlp_res", None), self.mlp_norm, mlp),
         ]
 
-    def sublayers(self, cache) -> list[tuple[Any, Any]]:
+    def sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, Any]]:
         """[(attn_res or None, f)] for the two sublayers, f(h) = Sublayer(PreNorm(h))."""
-        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache)]
+        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache, decode)]
 
 
 class HybridLM(nn.Module):
@@ -287,6 +290,7 @@ class HybridLM(nn.Module):
         cache: HybridCache | None = None,
         *,
         return_logits: bool = True,
+        decode: PackedProjections | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
 
@@ -294,7 +298,8 @@ class HybridLM(nn.Module):
         token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
         None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
         [B, T, vocab] logits. With `cache`, the tokens are appended after the ones already in it and the cache is
-        updated in place.
+        updated in place. `decode`: a decode step's packed projections (`graphs.DecodeStep` passes them), with which
+        every layer and the head compute their products (layers/packed.py).
         """
         self._check_inputs(input_ids, labels, cache)
         if cache is not None:
@@ -305,16 +310,18 @@ class HybridLM(nn.Module):
         h = self.embed(input_ids)
         residual = self.config.residual
         if residual == "attnres" and not torch.is_grad_enabled():
-            h_out = self._attnres_inference(h, layer_caches)  # already through the output norm
+            h_out = self._attnres_inference(h, layer_caches, decode)  # already through the output norm
         elif residual != "standard" and self._fused_attnres(h):
-            steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+            steps = self._normed_sublayers(layer_caches, decode)
             steps.append((self.final_res, self.norm, None))
             if residual == "attnres":
                 h_out = attn_res_stream(h, steps)  # already through the output norm
             else:
                 h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
         else:
-            sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
+            sublayers = [
+                s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc, decode)
+            ]
             if residual == "standard":
                 for _, f in sublayers:
                     h = h + f(h)
@@ -332,15 +339,15 @@ class HybridLM(nn.Module):
             # slicing h keeps h_out a view (no [B, T - 1, D] copy).
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        logits = self.lm_head(h_out) if return_logits else None
+        logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
-    def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:
+    def _attnres_inference(self, embedding: torch.Tensor, layer_caches, decode=None) -> torch.Tensor:
         """Full AttnRes without autograd (inference, decoding): the same function as the list path, but the sources
         live in one preallocated [S, B, T, D] buffer (each written once, by the AttnRes that first reads it, never
         restacked) and every AttnRes is fused with the RMSNorm that reads it (`attn_res_norm`: one Triton kernel on
         CUDA). Returns FinalNorm(h_final)."""
-        steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+        steps = self._normed_sublayers(layer_caches, decode)
         steps.append((self.final_res, self.norm, None))
         sources = embedding.new_empty(len(steps), *embedding.shape)  # (S, B, T, D)
         latest = embedding  # the newest source, stored into its slot by the next AttnRes (no separate copy)
@@ -358,6 +365,11 @@ class HybridLM(nn.Module):
             if g is None:
                 return x
             latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
+
+    def _normed_sublayers(self, layer_caches, decode) -> list[tuple[Any, RMSNorm, Any]]:
+        """(attn_res, pre_norm, g) of every sublayer, in order (`DecoderLayer.normed_sublayers`)."""
+        pairs = zip(self.layers, layer_caches, strict=True)
+        return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode)]
 
     def _fused_attnres(self, embedding: torch.Tensor) -> bool:
         """Whether AttnRes runs through the fused differentiable ops (`config.attnres_backend`, see the module)."""

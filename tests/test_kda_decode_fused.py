@@ -3,7 +3,6 @@ eager step (outputs, conv tails, recurrent state) over several tokens, float32 a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -79,7 +78,7 @@ def test_the_layer_takes_the_fused_path_on_cuda_only():
 
 
 def test_fused_step_with_packed_projections(monkeypatch):
-    """The fused step reading its projections as slices of one packed product (what a decode step installs):
+    """The fused step reading its projections as slices of one packed product (what a decode step passes):
     the same outputs, tails and state as with separate projections (float32; the packed product may round its
     last bit differently)."""
     from hybrid_attention.layers.packed import PackedProjections
@@ -90,8 +89,7 @@ def test_fused_step_with_packed_projections(monkeypatch):
     outs = []
     with torch.no_grad():
         for cache, packed in zip(caches, (None, PackedProjections(layer)), strict=True):
-            with packed.installed() if packed is not None else contextlib.nullcontext():
-                outs.append(torch.cat([layer._decode_fused(x[:, t : t + 1], cache) for t in range(4)], 1))
+            outs.append(torch.cat([layer._decode_fused(x[:, t : t + 1], cache, packed) for t in range(4)], 1))
     assert_close("outputs", outs[1], outs[0], 1e-6)
     assert_close("state", caches[1].state, caches[0].state, 1e-6)
     for name in ("conv_q", "conv_k", "conv_v"):  # the tails hold projection outputs: one product's rounding

@@ -28,7 +28,7 @@ from torch import nn
 
 from hybrid_attention.backends import needs_grad, resolve, use_triton
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.layers.packed import decode_act_mul, project
+from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.mla.decode import mla_decode
 
@@ -198,9 +198,9 @@ class GatedMLA(nn.Module):
         q_in = self.q_proj if self.q_lora_rank is None else self.q_down
         return [q_in, self.kv_down, self.k_shared] + ([self.g_proj] if self.output_gate else [])
 
-    def _query(self, q_in: torch.Tensor) -> torch.Tensor:
+    def _query(self, q_in: torch.Tensor, decode: PackedProjections | None = None) -> torch.Tensor:
         """The query projection (q_proj x, or q_down x with a query LoRA) [B, T, *] -> q: [B, T, H, d_n + d_s]."""
-        q = q_in if self.q_lora_rank is None else self.q_up(self.q_norm(q_in))
+        q = q_in if self.q_lora_rank is None else linear(self.q_up, self.q_norm(q_in), decode)
         return q.view(*q_in.shape[:2], self.num_heads, self.qk_head_dim)
 
     def _latent_rows(self, kv: torch.Tensor, k_shared: torch.Tensor) -> torch.Tensor:
@@ -252,8 +252,11 @@ class GatedMLA(nn.Module):
         o_lat = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(q.dtype)  # (B, T, H, d_c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, d_v): W_UV,h o_lat,h
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
-        """x: [B, T, hidden] -> [B, T, hidden].
+    def forward(
+        self, x: torch.Tensor, cache: MLACache | None = None, *, decode: PackedProjections | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]. `decode`: a decode step's packed projections (layers/packed.py),
+        which then compute the products.
 
         With `cache` (whose lengths the caller has advanced by these T tokens), the new rows are written in place
         as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on an
@@ -271,9 +274,9 @@ class GatedMLA(nn.Module):
             # Validate before any write so a bad call leaves the cache untouched.
             cache._check_append(B, T, self.latent_dim)
 
-        q_in, kv, k_shared, *gate = project(self, x, self.packed_linears())
+        q_in, kv, k_shared, *gate = project(self, x, decode)
         g_in = gate[0] if gate else None
-        q = self._query(q_in)  # (B, T, H, d_n + d_s)
+        q = self._query(q_in, decode)  # (B, T, H, d_n + d_s)
         if cache is not None and T == 1 and _fused_append_ok(x):
             # Decoding on CUDA: norm + row + write in one kernel (same values as the eager append).
             from hybrid_attention.ops.mla.append import append_latent_row
@@ -281,7 +284,7 @@ class GatedMLA(nn.Module):
             lengths = cache.seqlens.lengths
             append_latent_row(kv, k_shared, self.kv_norm.weight, self.kv_norm.eps, cache.rows, lengths)
             o = self._absorbed_attention(q, cache.rows, lengths)
-            return self._output(g_in, o)
+            return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
             o = self._prefill_attention(q, new_rows)
@@ -292,16 +295,18 @@ class GatedMLA(nn.Module):
         else:
             cache.append(new_rows)
             o = self._absorbed_attention(q, cache.rows, cache.seqlens.lengths)
-        return self._output(g_in, o)
+        return self._output(g_in, o, decode)
 
-    def _output(self, g_in: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    def _output(
+        self, g_in: torch.Tensor | None, o: torch.Tensor, decode: PackedProjections | None = None
+    ) -> torch.Tensor:
         """The gate projection W_g x [B, T, H*d_v] (None without the output gate), per-head outputs o [B, T, H, d_v]
         -> W_o (sigmoid(W_g x) * concat_h o_h), or W_o concat_h o_h."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.v_head_dim)
         if g_in is None:
-            return self.o_proj(o)
-        return self.o_proj(decode_act_mul(self, g_in, o, "sigmoid"))  # (B, T, H*d_v) before W_o
+            return linear(self.o_proj, o, decode)
+        return linear(self.o_proj, act_mul(g_in, o, "sigmoid", decode), decode)  # (B, T, H*d_v) before W_o
 
     def extra_repr(self) -> str:
         return (

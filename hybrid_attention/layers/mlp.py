@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_attention.layers.packed import decode_act_mul, project
+from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 
 
 class SwiGLU(nn.Module):
@@ -15,10 +15,10 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden] -> [..., hidden]."""
-        gate, up = project(self, x, self.packed_linears())
-        return self.down_proj(decode_act_mul(self, gate, up, "silu"))
+    def forward(self, x: torch.Tensor, *, decode: PackedProjections | None = None) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]. `decode`: a decode step's packed projections (layers/packed.py)."""
+        gate, up = project(self, x, decode)
+        return linear(self.down_proj, act_mul(gate, up, "silu", decode), decode)
 
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
