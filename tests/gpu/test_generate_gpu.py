@@ -219,3 +219,25 @@ def test_decode_step_capacity_and_counters():
     assert cache.seq_len == 6 and cache.lengths.tolist() == [6, 6]
     with pytest.raises(ValueError, match="cache is full"):
         step(torch.zeros(2, dtype=torch.long, device="cuda"))
+
+
+def test_use_reference_launches_no_kernel(monkeypatch):
+    """Inside `backends.use_reference()` a CUDA forward, an eager decode step and a generation launch no Triton
+    kernel, and the forward equals the float64 model to float32 accuracy."""
+    from triton.runtime.jit import JITFunction
+
+    from hybrid_attention.backends import use_reference
+
+    model = make_model("tiny", torch.float32, seed=12)
+    ids = prompt(2, 9, model.config.vocab_size, seed=13)
+
+    def launch(self, *args, **kwargs):
+        raise AssertionError(f"a Triton kernel was launched inside use_reference(): {getattr(self, '__name__', self)}")
+
+    monkeypatch.setattr(JITFunction, "run", launch)
+    with use_reference(), torch.no_grad():
+        logits = model(ids).logits
+        DecodeStep(model, model.make_cache(2, 4), cuda_graph=False)(ids[:, 0])
+        generate(model, ids, 3, temperature=0, cuda_graph=False)
+        ref = float64_copy(model)(ids.cpu()).logits
+    assert_close("reference path vs float64", logits.cpu().double(), ref, 1e-4)
