@@ -55,8 +55,10 @@ def weight_bytes(model) -> int:
 @torch.no_grad()
 def fill_cache(cache, context: int) -> None:
     """Random latent rows (unit scale, like RMS-normalised c) and small random KDA states, lengths = context."""
+    from hybrid_attention.layers.mla import MLACache
+
     for layer in cache.layers:
-        if hasattr(layer, "rows"):
+        if isinstance(layer, MLACache):
             layer.rows.normal_()
         else:
             layer.state.normal_(0.0, 0.02)

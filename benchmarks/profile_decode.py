@@ -1,6 +1,7 @@
 """Where a CUDA-graph decode step (or a prefill) of k3-scaled spends its time: every kernel, grouped by name.
 
-    python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--no-pack] [--out f]
+    python benchmarks/profile_decode.py [--model hybrid|all-mla] [--batch 1] [--context 4096] [--no-pack]
+                                        [--gemv auto|torch] [--out f]
     python benchmarks/profile_decode.py --prefill [--model ...] [--context 4096] [--host 30]
 
 Replays the captured step (as bench_decode.py builds it) under torch.profiler and reads the kernels of the last
@@ -66,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
+    p.add_argument("--gemv", choices=("auto", "torch"), default="auto",
+                   help="the packed step's products: decode GEMV kernel (auto) or cuBLAS (torch)")  # fmt: skip
     p.add_argument("--prefill", action="store_true", help="profile one eager prefill of --context tokens instead")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also print the N Python functions with the most host time in one call (cProfile)")  # fmt: skip
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
 
         what = "prefill"
     else:
-        step = DecodeStep(model, cache, cuda_graph=True, pack_projections=not args.no_pack)
+        step = DecodeStep(model, cache, cuda_graph=True, pack_projections=not args.no_pack, gemv=args.gemv)
         fill_cache(cache, args.context)
         call, what = step.replay, "replay"
     for _ in range(3):  # warm-up: compilation, autotuning
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     step_ms, _ = median_event_ms(call, 5 if args.prefill else 20)
     log(f"{args.model} B={args.batch} context={args.context}: {step_ms:.3f} ms per {what}")
     result = dict(env=env_info(["benchmarks/profile_decode.py", *argv]), model=args.model, batch=args.batch)
-    result.update(packed_projections=not args.no_pack and not args.prefill, mode=what)
+    result.update(packed_projections=not args.no_pack and not args.prefill, gemv=args.gemv, mode=what)
     result.update(context=args.context, step_ms=step_ms, **summarise(profiled_kernels(call)))
     print(f"\n{result['kernels']} kernels, span {result['span_us']:.1f} us, kernel time {result['kernel_us']:.1f} us, "
           f"gaps {result['gap_us']:.1f} us ({what} {step_ms * 1e3:.1f} us)")  # fmt: skip

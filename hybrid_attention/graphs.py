@@ -6,18 +6,17 @@ CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). W
   tails, int32 lengths on the device) and the static token buffer of this class;
 - the step branches only on shapes, never on values: one-token MLA calls always take the absorbed path over the
   device lengths, KDA always takes its recurrent step, and nothing syncs with the host;
-- the host counters (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
+- the host counts (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
   device lengths.
 The projections of each layer that read the same input run as one matrix-vector product from packed copies of
-their weights (`layers.packed`), installed only while the step runs: at batch 1 the step is dozens of small GEMVs.
+their weights (`layers.packed`), which the step hands to the model call (`decode=`): at batch 1 the step is dozens
+of small GEMVs.
 Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the empty cache,
 which is reset afterwards; that is why the step must be built before the prompt is prefilled. Sampling stays
 outside the graph (it needs the generator and is cheap).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -35,12 +34,21 @@ class DecodeStep:
         warmup_steps: eager steps run before capture.
         pack_projections: run each layer's input projections as one product from packed weight copies (one more
             copy of those weights in memory; `layers.packed`). The parameters themselves are not touched.
+        gemv: the backend of the step's products with packed projections ("auto": the decode GEMV kernel of
+            `ops.gemv` on CUDA, "torch": F.linear, "triton": that kernel also on CPU under the interpreter).
 
     The logits returned by a graph replay live in a static buffer that the next call overwrites.
     """
 
     def __init__(
-        self, model, cache: HybridCache, *, cuda_graph: bool, warmup_steps: int = 2, pack_projections: bool = True
+        self,
+        model,
+        cache: HybridCache,
+        *,
+        cuda_graph: bool,
+        warmup_steps: int = 2,
+        pack_projections: bool = True,
+        gemv: str = "auto",
     ):
         if cache.seq_len != 0:
             raise ValueError(
@@ -59,7 +67,7 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None  # static output of the graph
         self.graph: torch.cuda.CUDAGraph | None = None
         # Kept alive here: a captured graph reads these copies.
-        self.packed = PackedProjections(model) if pack_projections else None
+        self.packed = PackedProjections(model, gemv) if pack_projections else None
         if cuda_graph:
             self._capture(max(1, min(warmup_steps, cache.max_seq_len)))
 
@@ -70,17 +78,17 @@ class DecodeStep:
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side), self._packed():
+            with torch.cuda.stream(side):
                 for _ in range(warmup_steps):
-                    model(self.tokens, cache=cache)
+                    model(self.tokens, cache=cache, decode=self.packed)
             current.wait_stream(side)
             cache.reset()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), self._packed():
-                self.logits = model(self.tokens, cache=cache).logits[:, -1]  # (B, vocab)
+            with torch.cuda.graph(graph):
+                self.logits = model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
             self.graph = graph
         finally:
-            # Warm-up really ran; capture only recorded (but advanced the host counters once): start clean.
+            # Warm-up really ran; capture only recorded (but advanced the host counts once): start clean.
             torch.cuda.current_stream(self.tokens.device).synchronize()
             cache.reset()
 
@@ -96,19 +104,15 @@ class DecodeStep:
             )
         self.tokens[:, 0].copy_(tokens)
         if self.graph is None:
-            with self._packed():
-                return self.model(self.tokens, cache=cache).logits[:, -1]
+            return self.model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]
         self.replay()
         return self.logits
 
-    def _packed(self):
-        return self.packed.installed() if self.packed is not None else contextlib.nullcontext()
-
     def replay(self) -> None:
-        """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counters."""
+        """Replay the captured step on whatever the token buffer holds (benchmarks); advances the host counts."""
         if self.graph is None:
             raise ValueError("DecodeStep.replay: no CUDA graph was captured (cuda_graph=False)")
         if self.cache.seq_len + 1 > self.cache.max_seq_len:
             raise ValueError(f"DecodeStep.replay: the cache is full (max_seq_len {self.cache.max_seq_len} tokens)")
         self.graph.replay()
-        self.cache.advance_host(1)
+        self.cache.advance(1, on_device=False)  # the graph advanced the device lengths

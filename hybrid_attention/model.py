@@ -12,11 +12,12 @@ pre-norm decoder: embedding -> blocks [mixer, MLP] -> final norm -> LM head. The
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
 
-`config.attnres_backend` picks how AttnRes runs: "auto" takes the fused differentiable Triton ops on CUDA (each
-AttnRes fused with the RMSNorm that reads it, sources never stacked, Block AttnRes in its two-phase form; see
-`layers.attnres.attn_res_stream`) and the readable list path elsewhere; "triton" forces the fused ops (CPU under
-the Triton interpreter); "torch" forces the list path. Full AttnRes without autograd takes the inference path
-(one preallocated sources buffer, `ops.attnres.fused.attn_res_norm`).
+`config.attnres_backend` picks how AttnRes runs (the vocabulary of `hybrid_attention.backends`): "auto" takes the
+fused differentiable Triton ops on CUDA (each AttnRes fused with the RMSNorm that reads it, sources never stacked,
+Block AttnRes in its two-phase form; see `layers.attnres.attn_res_stream`) and the readable list path elsewhere or
+inside `backends.use_reference()`; "triton" forces the fused ops (CPU under the Triton interpreter); "torch" forces
+the list path. Full AttnRes without autograd takes the inference path (one preallocated sources buffer,
+`ops.attnres.fused.attn_res_norm`: its Triton kernel where the rule picks it, unless the backend is "torch").
 
 With zero pseudo-queries (their init) AttnRes averages its sources, and because every sublayer and the head start with
 a scale-invariant RMSNorm, an AttnRes model computes the same function as the standard one with the same weights. The
@@ -33,12 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.backends import BACKENDS, use_triton
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.layers.packed import PackedProjections, linear
+from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
@@ -46,8 +50,8 @@ from hybrid_attention.ops.kda.gate import GATE_FORMS
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
-KDA_BACKENDS = ("auto", "torch", "triton", "fla")
-ATTNRES_BACKENDS = ("auto", "torch", "triton")
+KDA_BACKENDS = (*BACKENDS, "fla")
+ATTNRES_BACKENDS = BACKENDS
 
 
 def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
@@ -103,7 +107,7 @@ class HybridConfig:
     intermediate_size: int = 192
     residual: str = "attnres"
     attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
-    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the list path)
+    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the references)
     norm_eps: float = 1e-6
     # KDA mixer
     kda_num_heads: int = 2
@@ -241,17 +245,19 @@ class DecoderLayer(nn.Module):
             self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
-    def normed_sublayers(self, cache) -> list[tuple[Any, RMSNorm, Any]]:
-        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h))."""
-        mixer = lambda x: self.mixer(x, cache=cache)
+    def normed_sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, RMSNorm, Any]]:
+        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h)). `decode`: a
+        decode step's packed projections, handed to the mixer and the MLP."""
+        mixer = lambda x: self.mixer(x, cache=cache, decode=decode)
+        mlp = lambda x: self.mlp(x, decode=decode)
         return [
             (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
-            (getattr(self, "mlp_res", None), self.mlp_norm, self.mlp),
+            (getattr(self, "mlp_res", None), self.mlp_norm, mlp),
         ]
 
-    def sublayers(self, cache) -> list[tuple[Any, Any]]:
+    def sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, Any]]:
         """[(attn_res or None, f)] for the two sublayers, f(h) = Sublayer(PreNorm(h))."""
-        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache)]
+        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache, decode)]
 
 
 class HybridLM(nn.Module):
@@ -286,6 +292,7 @@ class HybridLM(nn.Module):
         cache: HybridCache | None = None,
         *,
         return_logits: bool = True,
+        decode: PackedProjections | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
 
@@ -295,23 +302,31 @@ class HybridLM(nn.Module):
         [B, T, vocab] logits. The loss is the mean over the labelled positions, and 0 (with zero gradients) when
         there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the ones already in
         it and the cache is updated in place. Token ids are checked against the vocabulary when they are on the CPU
-        (no device sync), and on every device when `check_token_ids` is set (one sync per call).
+        (no device sync), and on every device when `check_token_ids` is set (one sync per call). `decode`: a decode
+        step's packed projections (`graphs.DecodeStep` passes them), with which every layer and the head compute
+        their products (layers/packed.py).
         """
         self._check_inputs(input_ids, labels, cache)
+        if cache is not None:
+            # The lengths count these tokens from here on (in place on the device, graph-safe): every MLA layer
+            # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
+            cache.advance(input_ids.shape[1])
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         h = self.embed(input_ids)
         residual = self.config.residual
         if residual == "attnres" and not torch.is_grad_enabled():
-            h_out = self._attnres_inference(h, layer_caches)  # already through the output norm
+            h_out = self._attnres_inference(h, layer_caches, decode)  # already through the output norm
         elif residual != "standard" and self._fused_attnres(h):
-            steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+            steps = self._normed_sublayers(layer_caches, decode)
             steps.append((self.final_res, self.norm, None))
             if residual == "attnres":
                 h_out = attn_res_stream(h, steps)  # already through the output norm
             else:
                 h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
         else:
-            sublayers = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc)]
+            sublayers = [
+                s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc, decode)
+            ]
             if residual == "standard":
                 for _, f in sublayers:
                     h = h + f(h)
@@ -323,8 +338,6 @@ class HybridLM(nn.Module):
             else:
                 h = self._block_attnres(h, sublayers)
             h_out = self.norm(h)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])  # device lengths (in place, graph-safe) and host counters
         loss = None
         if labels is not None:
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
@@ -333,15 +346,15 @@ class HybridLM(nn.Module):
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
             # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
-        logits = self.lm_head(h_out) if return_logits else None
+        logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
-    def _attnres_inference(self, embedding: torch.Tensor, layer_caches) -> torch.Tensor:
+    def _attnres_inference(self, embedding: torch.Tensor, layer_caches, decode=None) -> torch.Tensor:
         """Full AttnRes without autograd (inference, decoding): the same function as the list path, but the sources
         live in one preallocated [S, B, T, D] buffer (each written once, by the AttnRes that first reads it, never
         restacked) and every AttnRes is fused with the RMSNorm that reads it (`attn_res_norm`: one Triton kernel on
         CUDA). Returns FinalNorm(h_final)."""
-        steps = [s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.normed_sublayers(lc)]
+        steps = self._normed_sublayers(layer_caches, decode)
         steps.append((self.final_res, self.norm, None))
         sources = embedding.new_empty(len(steps), *embedding.shape)  # (S, B, T, D)
         latest = embedding  # the newest source, stored into its slot by the next AttnRes (no separate copy)
@@ -354,10 +367,16 @@ class HybridLM(nn.Module):
                 norm_weight=norm.weight,
                 norm_eps=norm.eps,
                 latest=latest,
+                backend="torch" if self.config.attnres_backend == "torch" else "auto",
             )
             if g is None:
                 return x
             latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
+
+    def _normed_sublayers(self, layer_caches, decode) -> list[tuple[Any, RMSNorm, Any]]:
+        """(attn_res, pre_norm, g) of every sublayer, in order (`DecoderLayer.normed_sublayers`)."""
+        pairs = zip(self.layers, layer_caches, strict=True)
+        return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode)]
 
     def _fused_attnres(self, embedding: torch.Tensor) -> bool:
         """Whether AttnRes runs through the fused differentiable ops (`config.attnres_backend`, see the module)."""
@@ -367,7 +386,7 @@ class HybridLM(nn.Module):
                 f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "
                 f"of a supported dtype; got {embedding.dtype} on {embedding.device}; use 'auto' or 'torch'"
             )
-        return backend == "triton" or (backend == "auto" and embedding.is_cuda and fused_train_supported(embedding))
+        return backend == "triton" or (backend == "auto" and use_triton(embedding) and fused_train_supported(embedding))
 
     def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
         # The readable list path: sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and,
@@ -414,13 +433,14 @@ class HybridLM(nn.Module):
             raise ValueError(f"make_cache: batch_size={batch_size!r}, max_seq_len={max_seq_len!r}; expected integers")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
+        seqlens = SeqLens(batch_size, max_seq_len, device=self.embed.weight.device)
         layers = []
         for layer in self.layers:
             if layer.layer_type == "kda":
                 layers.append(layer.mixer.empty_cache(batch_size))
             else:
-                layers.append(layer.mixer.empty_cache(batch_size, max_seq_len))
-        return HybridCache(layers=layers, batch_size=batch_size, max_seq_len=max_seq_len)
+                layers.append(layer.mixer.empty_cache(batch_size, max_seq_len, seqlens=seqlens))
+        return HybridCache(layers, seqlens)
 
     # ------------------------------------------------------------------------------------------------- accounting
     def num_parameters(self) -> int:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_attention.cache import HybridCache
+from hybrid_attention.layers.kda import KDACache
 from hybrid_attention.layers.mla import MLACache
+from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.helpers import assert_close, poisoned_like
 
@@ -52,8 +55,13 @@ def test_lengths_advance_on_device_and_host():
         model(torch.randint(0, 256, (2, 7)), cache=cache)
         model(torch.randint(0, 256, (2, 1)), cache=cache)
     assert cache.seq_len == 8 and cache.host_lengths == [8, 8] and cache.lengths.tolist() == [8, 8]
-    for layer in cache.mla_layers():
-        assert layer.length == 8 and layer.lengths.tolist() == [8, 8]
+    mla = [layer for layer in cache.layers if isinstance(layer, MLACache)]
+    assert mla and all(layer.seqlens is cache.seqlens for layer in mla), "one record, shared by every MLA layer"
+    cache.advance(2, on_device=False)  # what DecodeStep does after a graph replay advanced the device lengths
+    assert cache.host_lengths == [10, 10] and cache.lengths.tolist() == [8, 8]
+    with pytest.raises(ValueError, match="capacity is 20 tokens, but 11 more after the 10"):
+        cache.advance(11)
+    assert cache.host_lengths == [10, 10] and cache.lengths.tolist() == [8, 8], "a rejected advance changes nothing"
 
 
 def test_set_lengths_reset_and_errors():
@@ -61,11 +69,10 @@ def test_set_lengths_reset_and_errors():
     cache = model.make_cache(3, 10)
     with torch.no_grad():
         model(torch.randint(0, 256, (3, 4)), cache=cache)
-    kda = [layer for layer in cache.layers if not hasattr(layer, "rows")]
+    kda = [layer for layer in cache.layers if isinstance(layer, KDACache)]
     assert all(layer.state.abs().sum() > 0 for layer in kda)
     cache.set_lengths([4, 2, 0])
     assert cache.host_lengths == [4, 2, 0] and cache.seq_len == 4 and cache.lengths.tolist() == [4, 2, 0]
-    assert all(layer.lengths.tolist() == [4, 2, 0] and layer.length == 4 for layer in cache.mla_layers())
     cache.reset()
     assert cache.seq_len == 0 and cache.lengths.tolist() == [0, 0, 0]
     assert all(t.abs().sum() == 0 for layer in kda for t in (layer.state, layer.conv_q, layer.conv_k, layer.conv_v))
@@ -109,24 +116,31 @@ def test_load_sequence_places_a_prefilled_prompt_in_its_row():
 
 
 def test_mla_cache_appends_at_each_sequence_length():
+    """The rows of a call go to the last positions the (already advanced) lengths count, per sequence."""
     rows = poisoned_like(torch.empty(3, 8, 5, dtype=torch.float64))
-    cache = MLACache(rows=rows, length=0, lengths=torch.tensor([0, 3, 1], dtype=torch.int32))
-    cache.length = 3  # host counter: the longest sequence
+    cache = MLACache(rows=rows)
+    cache.seqlens.set([0, 3, 1])
+    cache.seqlens.advance(2)
     new = torch.randn(3, 2, 5, dtype=torch.float64)
     cache.append(new)
-    assert cache.lengths.tolist() == [2, 5, 3] and cache.length == 5
+    assert cache.seqlens.lengths.tolist() == [2, 5, 3] and cache.seqlens.host == [2, 5, 3]
     for b, start in enumerate([0, 3, 1]):
         assert torch.equal(rows[b, start : start + 2], new[b])
         untouched = torch.cat([rows[b, :start], rows[b, start + 2 :]])
         assert torch.isnan(untouched).all(), f"sequence {b}: a row outside [{start}, {start + 2}) was written"
-    with pytest.raises(ValueError, match=r"capacity is 8 tokens.*needs 9"):
-        cache.append(torch.randn(3, 4, 5, dtype=torch.float64))
-    assert cache.lengths.tolist() == [2, 5, 3], "a rejected append must leave the lengths untouched"
-    with pytest.raises(ValueError, match="lengths must be int32"):
-        MLACache(rows=rows, lengths=torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="lengths must be int32"):
-        MLACache(rows=rows, lengths=torch.zeros(2, dtype=torch.int32))
-    assert MLACache(rows=rows, length=4).lengths.tolist() == [4, 4, 4]
+    with pytest.raises(ValueError, match="a sequence counts only 2; advance cache.seqlens"):
+        cache.append(torch.randn(3, 3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"capacity is 8 tokens, but 4 more after the 5 already cached need 9"):
+        cache.seqlens.advance(4)
+    assert cache.seqlens.lengths.tolist() == [2, 5, 3], "a rejected advance must leave the lengths untouched"
+    with pytest.raises(ValueError, match="seqlens must count B=3 sequences"):
+        MLACache(rows=rows, seqlens=SeqLens(2, 8))
+    with pytest.raises(ValueError, match="seqlens must count B=3 sequences of at most 8"):
+        MLACache(rows=rows, seqlens=SeqLens(3, 9))
+    with pytest.raises(ValueError, match="counts its tokens with another SeqLens"):
+        HybridCache([cache], SeqLens(3, 8))
+    with pytest.raises(ValueError, match="expected KDACache or MLACache"):
+        HybridCache([rows], SeqLens(3, 8))
 
 
 def test_nbytes_counts_data_not_bookkeeping():

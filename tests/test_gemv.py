@@ -1,5 +1,5 @@
 """The decode GEMV kernel (`ops.gemv`, Triton interpreter on CPU) against F.linear, and a whole decode step that
-routes its projections through it (HA_DECODE_GEMV=triton) against the default step."""
+routes its projections through it (`DecodeStep(gemv="triton")`) against one on F.linear."""
 
 import pytest
 import torch
@@ -67,6 +67,7 @@ def test_gemv_rejects_what_it_cannot_take():
 
 
 def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
+    """Every product of every step goes to the kernel with gemv="triton", none with gemv="torch"; same logits."""
     from hybrid_attention.graphs import DecodeStep
     from hybrid_attention.model import HybridConfig, HybridLM
 
@@ -84,8 +85,7 @@ def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
     logits = {}
     for mode in ("torch", "triton"):
         monkeypatch.setattr(gemv_mod, "gemv", lambda *a, mode=mode: calls[mode].append(1) or real(*a))
-        monkeypatch.setenv("HA_DECODE_GEMV", mode)
-        step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=False)
+        step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=False, gemv=mode)
         logits[mode] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1)
     # Every projection of every step: per layer the packed inputs, and the singles (KDA: f_up, g_up, o_proj; MLA:
     # o_proj, and q_up when q is low-rank; MLP: down), plus the head. MLA's k_up and v_up enter the absorbed attention
@@ -99,19 +99,5 @@ def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
     assert not calls["torch"] and len(calls["triton"]) == ids.shape[1] * (2 * len(model.layers) + singles)
     assert_close("decode step with the Triton GEMV", logits["triton"], logits["torch"], 1e-5)
     assert not any("forward" in vars(m) for m in model.modules())  # the singles' overrides are gone
-    monkeypatch.setenv("HA_DECODE_GEMV", "cublas")
-    with pytest.raises(ValueError, match="HA_DECODE_GEMV must be auto, torch or triton"):
-        step(ids[:, 0])
-
-
-@pytest.mark.parametrize("mode, on_cpu", [(None, False), ("auto", False), ("triton", True), ("torch", False)])
-def test_decode_gemv_choice(monkeypatch, mode, on_cpu):
-    """Unset means auto: the GEMV kernel on CUDA only; triton forces it (the interpreter on CPU)."""
-    from hybrid_attention.layers.packed import decode_gemv_enabled
-
-    if mode is None:
-        monkeypatch.delenv("HA_DECODE_GEMV", raising=False)
-    else:
-        monkeypatch.setenv("HA_DECODE_GEMV", mode)
-    assert decode_gemv_enabled(torch.zeros(1, 4)) is on_cpu
-    assert decode_gemv_enabled() is (mode != "torch")
+    with pytest.raises(ValueError, match="gemv: backend must be one of"):
+        DecodeStep(model, model.make_cache(2, 8), cuda_graph=False, gemv="cublas")

@@ -3,13 +3,13 @@ eager step (outputs, conv tails, recurrent state) over several tokens, float32 a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
 import hybrid_attention.layers.kda as kda
+from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from tests.helpers import assert_close
 
@@ -67,13 +67,18 @@ def test_fused_step_equals_eager_step(head_dim, conv_size, dtype, monkeypatch):
 
 
 def test_the_layer_takes_the_fused_path_on_cuda_only():
+    """On CUDA, without autograd and outside `use_reference()`; never for float64 or a conv of one tap."""
     x = torch.randn(1, 1, 24, device=DEV)
-    assert kda._fused_decode_ok(x, 4) == torch.cuda.is_available()
-    assert not kda._fused_decode_ok(x.double(), 4) and not kda._fused_decode_ok(x, 1)
+    with torch.no_grad():
+        assert kda._fused_decode_ok(x, 4) == torch.cuda.is_available()
+        assert not kda._fused_decode_ok(x.double(), 4) and not kda._fused_decode_ok(x, 1)
+        with use_reference():
+            assert not kda._fused_decode_ok(x, 4)
+    assert not kda._fused_decode_ok(x, 4), "the fused kernels have no backward"
 
 
 def test_fused_step_with_packed_projections(monkeypatch):
-    """The fused step reading its projections as slices of one packed product (what a decode step installs):
+    """The fused step reading its projections as slices of one packed product (what a decode step passes):
     the same outputs, tails and state as with separate projections (float32; the packed product may round its
     last bit differently)."""
     from hybrid_attention.layers.packed import PackedProjections
@@ -84,8 +89,7 @@ def test_fused_step_with_packed_projections(monkeypatch):
     outs = []
     with torch.no_grad():
         for cache, packed in zip(caches, (None, PackedProjections(layer)), strict=True):
-            with packed.installed() if packed is not None else contextlib.nullcontext():
-                outs.append(torch.cat([layer._decode_fused(x[:, t : t + 1], cache) for t in range(4)], 1))
+            outs.append(torch.cat([layer._decode_fused(x[:, t : t + 1], cache, packed) for t in range(4)], 1))
     assert_close("outputs", outs[1], outs[0], 1e-6)
     assert_close("state", caches[1].state, caches[0].state, 1e-6)
     for name in ("conv_q", "conv_k", "conv_v"):  # the tails hold projection outputs: one product's rounding

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.layers import conv
+from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.ops.gated_norm import gated_rms_norm
@@ -97,7 +97,7 @@ def test_gated_norm_rejects_mismatched_gate():
 
 
 @pytest.mark.parametrize("W", [4, 1])
-def test_short_conv_layer_with_cache_matches_eager(W, monkeypatch):
+def test_short_conv_layer_with_cache_matches_eager(W):
     """ShortConv's Triton path with a cache (prefill in pieces, what the layer runs on CUDA) against its eager
     conv1d path: outputs per piece and the cache after each, from a non-zero left context."""
     torch.manual_seed(W)
@@ -105,8 +105,7 @@ def test_short_conv_layer_with_cache_matches_eager(W, monkeypatch):
     x = torch.randn(2, 37, 24, device=DEV)
     fused_cache = torch.randn(2, 24, W - 1, device=DEV)
     eager_cache = fused_cache.clone()
-    monkeypatch.setattr(conv, "triton_runs_on", lambda *a, **k: False)  # layer(...) takes the eager path
-    with torch.no_grad():
+    with torch.no_grad(), use_reference():  # layer(...) takes the eager path
         for piece in (x[:, :1], x[:, 1:20], x[:, 20:]):
             y = layer._fused(piece, fused_cache)
             assert_close(f"piece of {piece.shape[1]}", y, layer(piece, eager_cache), TOL)

@@ -69,6 +69,12 @@ def reference_forward(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
     return (torch.sigmoid(x @ layer.g_proj.weight.T) * o) @ layer.o_proj.weight.T
 
 
+def feed(layer: GatedMLA, x: torch.Tensor, cache: MLACache) -> torch.Tensor:
+    """The layer on x [B, T, hidden] with `cache`, whose lengths the caller advances by T first."""
+    cache.seqlens.advance(x.shape[1])
+    return layer(x, cache=cache)
+
+
 def decode_in_chunks(layer: GatedMLA, x: torch.Tensor, chunks: list[int], *, cache_dtype=None) -> torch.Tensor:
     """Run x through the layer chunk by chunk with one cache whose unused rows are NaN."""
     assert sum(chunks) == x.shape[1]
@@ -76,9 +82,9 @@ def decode_in_chunks(layer: GatedMLA, x: torch.Tensor, chunks: list[int], *, cac
     cache.rows.copy_(poisoned_like(cache.rows))  # a row read before it is written poisons the output
     outs, start = [], 0
     for n in chunks:
-        outs.append(layer(x[:, start : start + n], cache=cache))
+        outs.append(feed(layer, x[:, start : start + n], cache))
         start += n
-        assert cache.length == start
+        assert cache.seqlens.host == [start] * x.shape[0]
     return torch.cat(outs, dim=1), cache
 
 
@@ -90,8 +96,8 @@ def test_prefill_matches_per_head_reference(q_lora_rank, T):
     ref = reference_forward(layer, x)
     assert_close("prefill, no cache", layer(x), ref, 1e-12)
     cache = layer.empty_cache(2, T + 2)
-    assert_close("prefill, empty cache", layer(x, cache=cache), ref, 1e-12)
-    assert cache.length == T
+    assert_close("prefill, empty cache", feed(layer, x, cache), ref, 1e-12)
+    assert cache.seqlens.longest == T
     assert_close("cache rows", cache.rows[:, :T], reference_rows(layer, x), 1e-12)
 
 
@@ -188,14 +194,14 @@ def test_absorbed_path_never_builds_per_head_kv():
     with torch.no_grad():
         full = layer(x)
         cache = layer.empty_cache(2, 16)
-        layer(x[:, :5], cache=cache)
+        feed(layer, x[:, :5], cache)
 
         def forbidden(*args, **kwargs):
             raise AssertionError("per-head keys or values were built on the absorbed path")
 
         layer.k_up.forward = forbidden
         layer.v_up.forward = forbidden
-        outs = [layer(x[:, 5:6], cache=cache), layer(x[:, 6:10], cache=cache), layer(x[:, 10:], cache=cache)]
+        outs = [feed(layer, x[:, 5:6], cache), feed(layer, x[:, 6:10], cache), feed(layer, x[:, 10:], cache)]
     assert_close("absorbed vs full", torch.cat(outs, dim=1), full[:, 5:], 1e-10)
     d_latent = SIZES["kv_lora_rank"] + SIZES["qk_shared_head_dim"]
     assert cache.rows.shape == (2, 16, d_latent)
@@ -210,12 +216,13 @@ def test_no_position_leak():
     x = torch.randn(2, 10, SIZES["hidden_size"], dtype=torch.float64)
     with torch.no_grad():
         cache = layer.empty_cache(2, 10)
-        layer(x[:, :9], cache=cache)
-        permuted = MLACache(rows=cache.rows.clone(), length=cache.length)
+        feed(layer, x[:, :9], cache)
+        permuted = MLACache(rows=cache.rows.clone())
+        permuted.seqlens.set(cache.seqlens.host)
         perm = torch.randperm(9)
         permuted.rows[:, :9] = cache.rows[:, perm]
-        out = layer(x[:, 9:], cache=cache)
-        out_perm = layer(x[:, 9:], cache=permuted)
+        out = feed(layer, x[:, 9:], cache)
+        out_perm = feed(layer, x[:, 9:], permuted)
     assert_close("permuted cache", out_perm, out, 1e-13)
 
 
@@ -304,10 +311,12 @@ def test_bad_inputs():
         layer(x[:, :0])
 
     cache = layer.empty_cache(2, 7)
-    layer(x, cache=cache)
-    with pytest.raises(ValueError, match=r"capacity is 7 tokens.*needs 8"):
-        layer(x[:, :3], cache=cache)
-    assert cache.length == 5, "a rejected call must leave the cache untouched"
+    feed(layer, x, cache)
+    with pytest.raises(ValueError, match=r"capacity is 7 tokens.*need 8"):
+        feed(layer, x[:, :3], cache)
+    assert cache.seqlens.host == [5, 5], "a rejected call must leave the cache untouched"
+    with pytest.raises(ValueError, match="counts only 0; advance cache.seqlens"):
+        layer(x, cache=layer.empty_cache(2, 7))  # tokens the lengths do not count
     with pytest.raises(ValueError, match=r"batch size 3 .* batch size 2"):
         layer(torch.randn(3, 1, D, dtype=torch.float64), cache=cache)
     other = GatedMLA(**{**SIZES, "kv_lora_rank": 12}).double()
@@ -339,16 +348,15 @@ def test_sequences_of_different_lengths_decode_together():
         cache.rows.copy_(poisoned_like(cache.rows))
         for b, (x, n) in enumerate(zip(xs, lens, strict=True)):  # prefill each sequence alone into its row
             single = layer.empty_cache(1, n)
-            layer(x[:, :n], cache=single)
+            feed(layer, x[:, :n], single)
             cache.rows[b, :n] = single.rows[0]
-        cache.lengths.copy_(torch.tensor(lens, dtype=torch.int32))
-        cache.length = max(lens)
+        cache.seqlens.set(lens)
         outs = []
         for start, size in [(0, 1), (1, 3), (4, 1)]:
             step = torch.cat([x[:, n + start : n + start + size] for x, n in zip(xs, lens, strict=True)])
-            outs.append(layer(step, cache=cache))
+            outs.append(feed(layer, step, cache))
     out = torch.cat(outs, dim=1)
-    assert cache.lengths.tolist() == [n + extra for n in lens] and cache.length == max(lens) + extra
+    assert cache.seqlens.lengths.tolist() == cache.seqlens.host == [n + extra for n in lens]
     for b, (full, n) in enumerate(zip(fulls, lens, strict=True)):
         assert_close(f"sequence {b}", out[b : b + 1], full[:, n:], 1e-10)
 
@@ -382,7 +390,7 @@ def test_one_token_on_an_empty_cache_takes_the_absorbed_path():
     with torch.no_grad():
         cache = layer.empty_cache(2, 4)
         layer._prefill_attention = None  # the decompressed path must not run
-        out = layer(x, cache=cache)
+        out = feed(layer, x, cache)
         del layer._prefill_attention
         assert_close("first token", out, layer(x), 1e-12)
 
@@ -412,13 +420,12 @@ def test_fused_one_token_append_equals_eager(d_s, dtype, monkeypatch):
         monkeypatch.setattr(mla, "_fused_append_ok", lambda x, fused=fused: fused)
         cache = layer.empty_cache(3, 9)
         cache.rows.copy_(start_rows)
-        cache.lengths.copy_(lens)
-        cache.length = 5
+        cache.seqlens.set(lens.tolist())
         with torch.no_grad():
-            outs[fused] = torch.cat([layer(x[:, t : t + 1], cache=cache) for t in range(4)], dim=1)
+            outs[fused] = torch.cat([feed(layer, x[:, t : t + 1], cache) for t in range(4)], dim=1)
         caches[fused] = cache
     f, e = caches[True], caches[False]
-    assert f.lengths.tolist() == e.lengths.tolist() == [6, 4, 9] and f.length == e.length == 9
+    assert f.seqlens.lengths.tolist() == e.seqlens.lengths.tolist() == [6, 4, 9] == f.seqlens.host
     for b, n in enumerate([6, 4, 9]):
         assert torch.equal(f.rows[b, n:], start_rows[b, n:]), f"sequence {b}: a row past its length was written"
     tol = 1e-5 if dtype == torch.float32 else 1e-3

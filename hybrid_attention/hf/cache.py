@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hybrid_attention.cache import HybridCache
+from hybrid_attention.layers.mla import MLACache
 
 
 def _unsupported(what: str):
@@ -115,9 +116,9 @@ def _grown(model, cache: HybridCache, max_seq_len: int) -> HybridCache:
     """A copy of `cache` with room for `max_seq_len` tokens per sequence."""
     bigger = model.make_cache(cache.batch_size, max_seq_len)
     for new, old in zip(bigger.layers, cache.layers, strict=True):
-        if hasattr(old, "rows"):  # MLA: the latent rows written so far
+        if isinstance(old, MLACache):  # the latent rows written so far
             new.rows[:, : old.rows.shape[1]].copy_(old.rows)
-        else:  # KDA: the recurrent state and the conv tails
+        else:  # KDACache: the recurrent state and the conv tails
             for f in dataclasses.fields(old):
                 getattr(new, f.name).copy_(getattr(old, f.name))
     bigger.set_lengths(cache.host_lengths)

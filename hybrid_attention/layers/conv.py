@@ -2,8 +2,8 @@
 
 The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
 On CUDA the fused Triton kernels of `ops.short_conv` run instead of conv1d (float32 inside, no transposes), with or
-without a cache, for kernels of up to 4 taps (theirs); the eager path below is their reference, runs longer kernels,
-and the one-token `step` stays in PyTorch.
+without a cache, for kernels of up to 4 taps (theirs; the rule of `hybrid_attention.backends`); the eager path below
+is their reference, runs longer kernels, and the one-token `step` stays in PyTorch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.ops.triton_support import triton_runs_on
+from hybrid_attention.backends import use_triton
 
 
 def _fused_taps() -> int:
@@ -47,7 +47,7 @@ class ShortConv(nn.Module):
             raise ValueError(f"ShortConv: expected {self.channels} channels, got input of shape {tuple(x.shape)}")
         if cache is not None and cache.shape != (B, C, self.kernel_size - 1):
             raise ValueError(f"ShortConv: cache shape {tuple(cache.shape)} != expected {(B, C, self.kernel_size - 1)}")
-        if triton_runs_on(x, cpu_interpreter=False) and self.kernel_size <= _fused_taps():
+        if use_triton(x) and self.kernel_size <= _fused_taps():
             return self._fused(x, cache)
         xt = x.transpose(1, 2)  # (B, C, T)
         left = xt.new_zeros(B, C, self.kernel_size - 1) if cache is None else cache.to(x.dtype)

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid_attention.backends import use_triton
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
-from hybrid_attention.layers.packed import project
+from hybrid_attention.layers.packed import PackedProjections, linear, project
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
 from hybrid_attention.ops.kda.gate import check_gate_form, check_lower_bound, head_as_channels
 from hybrid_attention.ops.numerics import compute_dtype
-from hybrid_attention.ops.triton_support import triton_runs_on
 
 
 @dataclass
@@ -48,8 +48,9 @@ class KDACache:
 
 
 def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
-    """The fused one-token decode kernels run on CUDA with Triton, 16/32-bit floats and a conv of size >= 2."""
-    return conv_size >= 2 and triton_runs_on(x, cpu_interpreter=False)
+    """The fused one-token decode kernels (no backward) take x: the rule of `hybrid_attention.backends` with no
+    gradient needed, and a conv of size >= 2."""
+    return conv_size >= 2 and use_triton(x, needs_backward=torch.is_grad_enabled())
 
 
 class KimiDeltaAttention(nn.Module):
@@ -159,11 +160,14 @@ class KimiDeltaAttention(nn.Module):
                 f"got {cache.state.dtype}"
             )
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KDACache | None = None, *, decode: PackedProjections | None = None
+    ) -> torch.Tensor:
         """x: [B, T, hidden_size] -> [B, T, hidden_size].
 
         With `cache`, the conv tails are the left context and the cached state is the initial state;
-        both are updated in place to include these T tokens (T >= 1, any T).
+        both are updated in place to include these T tokens (T >= 1, any T). `decode`: a decode step's packed
+        projections (layers/packed.py), which then compute the products.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[1] == 0:
             raise ValueError(
@@ -174,16 +178,16 @@ class KimiDeltaAttention(nn.Module):
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size) and not torch.is_grad_enabled():
-            return self._decode_fused(x, cache)
+        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size):
+            return self._decode_fused(x, cache, decode)
         conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
 
-        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, self.packed_linears())
+        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, decode)
         q = self.q_conv(q_in, conv_q).view(B, T, H, D)
         k = self.k_conv(k_in, conv_k).view(B, T, H, D)
         v = self.v_conv(v_in, conv_v).view(B, T, H, D)
         beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
-        z, gate_args = self._gate_logits(self.f_up(f_in).view(B, T, H, -1))
+        z, gate_args = self._gate_logits(linear(self.f_up, f_in, decode).view(B, T, H, -1))
 
         if cache is not None and T <= 16 and not torch.is_grad_enabled():  # a few tokens: the recurrence itself
             q, k = l2_normalize(q), l2_normalize(k)
@@ -201,8 +205,8 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             cache.state.copy_(state.detach())
 
-        gate = self.g_up(g_in).view(B, T, H, D)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * D))
+        gate = linear(self.g_up, g_in, decode).view(B, T, H, D)
+        return linear(self.o_proj, self.o_norm(o, gate).reshape(B, T, H * D), decode)
 
     def _gate_logits(self, z: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """z [B, T, H, K] (or [B, T, H, 1] for "head") -> (per-channel logits [B, T, H, K], the gate arguments of
@@ -217,7 +221,7 @@ class KimiDeltaAttention(nn.Module):
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
         return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_down, self.g_down]
 
-    def _decode_fused(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
+    def _decode_fused(self, x: torch.Tensor, cache: KDACache, decode: PackedProjections | None = None) -> torch.Tensor:
         """One-token decode on CUDA: the same computation as the eager path, with the decay up projection, conv + SiLU
         + L2 norm + gate + beta in one Triton kernel and the gate up projection + gated output norm in another
         (`ops.kda.decode_fused`); the recurrence is the fused Triton step (`ops.kda.triton_recurrent`, state updated
@@ -226,7 +230,7 @@ class KimiDeltaAttention(nn.Module):
         from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
         from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
-        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, self.packed_linears())
+        q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, decode)
         f_up, gate, dt_bias, lower_bound = self.f_up.weight, self.gate, self.dt_bias, self.lower_bound
         if gate == "head":  # rows of the per-head logits repeated over K: the per-channel softplus gate
             f_up = f_up.repeat_interleave(self.head_dim, 0)
@@ -250,7 +254,7 @@ class KimiDeltaAttention(nn.Module):
         y = kda_gated_output_norm(
             o, g_in, self.g_up.weight, self.g_up.bias, self.o_norm.weight, self.o_norm.eps, dtype=x.dtype
         )
-        return self.o_proj(y)
+        return linear(self.o_proj, y, decode)
 
     def extra_repr(self) -> str:
         return (

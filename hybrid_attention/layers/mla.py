@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.backends import needs_grad, resolve, use_triton
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.layers.packed import decode_act_mul, project
+from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
+from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.mla.decode import mla_decode
-from hybrid_attention.ops.triton_support import triton_runs_on
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -42,24 +43,25 @@ class MLACache:
 
     rows: `[B, max_seq_len, d_c + d_s]`, preallocated; only `rows[b, :lengths[b]]` is meaningful, the rest may hold
         anything (NaN included) and is never read.
-    length: host-side counter, the longest sequence's filled length (capacity checks without a device sync).
-    lengths: int32 `[B]` on the rows' device, tokens filled per sequence (zeros, or `length`, when not given).
-        Appends go to `rows[b, lengths[b] + t]` and attention reads `lengths` on the device, so a decode step
-        needs no host sync and stays valid inside a CUDA graph while the lengths advance.
+    seqlens: the tokens cached per sequence (`SeqLens`: int32 lengths on the rows' device and host counts), shared
+        by every MLA layer of a model's cache (None: a record of its own). The caller advances it by the T tokens
+        of a call before the call (`HybridLM.forward` does), so the layer writes rows at `lengths[b] - T + t` and
+        attends up to `lengths[b]`, on the device: a decode step needs no host sync and stays valid inside a CUDA
+        graph while the lengths advance.
     """
 
     rows: torch.Tensor
-    length: int = 0
-    lengths: torch.Tensor | None = None
+    seqlens: SeqLens | None = None
 
     def __post_init__(self):
-        B = self.rows.shape[0]
-        if self.lengths is None:
-            self.lengths = torch.full((B,), self.length, dtype=torch.int32, device=self.rows.device)
-        if self.lengths.shape != (B,) or self.lengths.dtype != torch.int32 or self.lengths.device != self.rows.device:
+        B, N = self.rows.shape[:2]
+        if self.seqlens is None:
+            self.seqlens = SeqLens(B, N, device=self.rows.device)
+        s = self.seqlens
+        if s.batch_size != B or s.max_seq_len > N or s.device != self.rows.device:
             raise ValueError(
-                f"MLACache: lengths must be int32 [B={B}] on {self.rows.device}, got {self.lengths.dtype} "
-                f"{tuple(self.lengths.shape)} on {self.lengths.device}"
+                f"MLACache: seqlens must count B={B} sequences of at most {N} tokens on {self.rows.device}, got "
+                f"{s.batch_size} of at most {s.max_seq_len} on {s.device}"
             )
 
     @property
@@ -76,17 +78,13 @@ class MLACache:
         return self.rows.shape[-1] * self.rows.element_size()
 
     def append(self, new_rows: torch.Tensor) -> None:
-        """Write `new_rows` [B, T, d_c + d_s] at positions `lengths[b] + t` and advance the lengths by T.
-
-        The positions are computed on the device (a scatter), so sequences of different lengths append in one call
-        and nothing syncs with the host; capacity is checked against the host counter `length`.
-        """
+        """Write `new_rows` [B, T, d_c + d_s] at positions `lengths[b] - T + t`: the last T tokens the (already
+        advanced) lengths count. The positions are computed on the device (a scatter), so sequences of different
+        lengths append in one call and nothing syncs with the host."""
         B, T, width = new_rows.shape
         self._check_append(B, T, width)
-        pos = self.lengths.long()[:, None] + torch.arange(T, device=self.rows.device)  # (B, T)
+        pos = self.seqlens.lengths.long()[:, None] - T + torch.arange(T, device=self.rows.device)  # (B, T)
         self.rows.scatter_(1, pos[:, :, None].expand(B, T, width), new_rows.to(self.rows.dtype))
-        self.lengths += T
-        self.length += T
 
     def _check_append(self, batch_size: int, num_tokens: int, width: int) -> None:
         if batch_size != self.batch_size:
@@ -95,16 +93,17 @@ class MLACache:
             )
         if width != self.rows.shape[-1]:
             raise ValueError(f"MLACache: row width {width} does not match the cache's row width {self.rows.shape[-1]}")
-        if self.length + num_tokens > self.max_seq_len:
+        if self.seqlens.shortest < num_tokens:
             raise ValueError(
-                f"MLACache: capacity is {self.max_seq_len} tokens, but appending {num_tokens} to the {self.length} "
-                f"already cached needs {self.length + num_tokens}"
+                f"MLACache: {num_tokens} new tokens, but a sequence counts only {self.seqlens.shortest}; advance "
+                f"cache.seqlens by the new tokens before the call (HybridLM.forward does)"
             )
 
 
 def _fused_append_ok(x: torch.Tensor) -> bool:
-    """The fused one-token cache append (`ops.mla.append`) runs on CUDA with Triton and 16/32-bit floats."""
-    return triton_runs_on(x, cpu_interpreter=False)
+    """The fused one-token cache append (`ops.mla.append`, no backward) takes x: the rule of
+    `hybrid_attention.backends` with no gradient needed."""
+    return use_triton(x, needs_backward=torch.is_grad_enabled())
 
 
 class GatedMLA(nn.Module):
@@ -180,24 +179,28 @@ class GatedMLA(nn.Module):
         """Width of one cache row, d_c + d_s."""
         return self.kv_lora_rank + self.qk_shared_head_dim
 
-    def empty_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> MLACache:
-        """A cache for `batch_size` sequences of up to `max_seq_len` tokens (rows zeroed, length 0)."""
+    def empty_cache(
+        self, batch_size: int, max_seq_len: int, device=None, dtype=None, seqlens: SeqLens | None = None
+    ) -> MLACache:
+        """A cache for `batch_size` sequences of up to `max_seq_len` tokens (rows zeroed), counted by `seqlens`
+        (None: a new record of its own, at length 0)."""
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(
                 f"GatedMLA.empty_cache: batch_size and max_seq_len must be >= 1, got {batch_size} and {max_seq_len}"
             )
         device = device if device is not None else self.kv_down.weight.device
         dtype = dtype if dtype is not None else self.kv_down.weight.dtype
-        return MLACache(rows=torch.zeros(batch_size, max_seq_len, self.latent_dim, device=device, dtype=dtype))
+        rows = torch.zeros(batch_size, max_seq_len, self.latent_dim, device=device, dtype=dtype)
+        return MLACache(rows=rows, seqlens=seqlens)
 
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""
         q_in = self.q_proj if self.q_lora_rank is None else self.q_down
         return [q_in, self.kv_down, self.k_shared] + ([self.g_proj] if self.output_gate else [])
 
-    def _query(self, q_in: torch.Tensor) -> torch.Tensor:
+    def _query(self, q_in: torch.Tensor, decode: PackedProjections | None = None) -> torch.Tensor:
         """The query projection (q_proj x, or q_down x with a query LoRA) [B, T, *] -> q: [B, T, H, d_n + d_s]."""
-        q = q_in if self.q_lora_rank is None else self.q_up(self.q_norm(q_in))
+        q = q_in if self.q_lora_rank is None else linear(self.q_up, self.q_norm(q_in), decode)
         return q.view(*q_in.shape[:2], self.num_heads, self.qk_head_dim)
 
     def _latent_rows(self, kv: torch.Tensor, k_shared: torch.Tensor) -> torch.Tensor:
@@ -222,10 +225,11 @@ class GatedMLA(nn.Module):
         """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), rows
         [B, max_len, d_c + d_s] of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
 
-        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (the Triton
-        flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); queries go in blocks
-        so that a long chunk never materialises more than about `_TORCH_SCORE_BUDGET` scores, and each block sees
-        only the keys up to its last query (bottom-right causal, exact)."""
+        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (its "auto":
+        the Triton flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); on the
+        PyTorch path queries go in blocks so that a long chunk never materialises more than about
+        `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right causal,
+        exact)."""
         B, T, H, _ = q.shape
         d_n, d_c, d_v = self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
         q_n, q_s = q.split([d_n, self.qk_shared_head_dim], dim=-1)
@@ -234,8 +238,8 @@ class GatedMLA(nn.Module):
         q_lat = torch.einsum("bthn,hnc->bthc", q_n, w_uk)  # (B, T, H, d_c): W_UK,h^T q_n,h
         # The kernel takes one dtype: queries follow the cache (the cache is what is large).
         q_abs = torch.cat([q_lat, q_s], dim=-1).to(rows.dtype)  # (B, T, H, d_c + d_s)
-        backend = "auto" if q.is_cuda else "torch"  # "auto" = Triton on CUDA unless a gradient is needed
-        if q.is_cuda:
+        backend = resolve("auto", q_abs, name="GatedMLA", needs_backward=needs_grad(q_abs, rows))
+        if backend == "triton":
             block = T  # the kernel keeps only the output: one launch covers the whole chunk
         else:
             block = max(1, _TORCH_SCORE_BUDGET // (B * H * rows.shape[1]))
@@ -248,15 +252,18 @@ class GatedMLA(nn.Module):
         o_lat = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(q.dtype)  # (B, T, H, d_c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, d_v): W_UV,h o_lat,h
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
-        """x: [B, T, hidden] -> [B, T, hidden].
+    def forward(
+        self, x: torch.Tensor, cache: MLACache | None = None, *, decode: PackedProjections | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]. `decode`: a decode step's packed projections (layers/packed.py),
+        which then compute the products.
 
-        With `cache`, the new rows are appended in place at each sequence's length (cache.lengths grows by T) and
-        the queries attend to everything cached so far. A multi-token call on an empty cache takes the decompressed
-        prefill path; anything else (one-token decoding, chunked prefill on a non-empty cache, sequences of
-        different lengths) takes the absorbed path with a bottom-right causal mask over each sequence's length.
-        One-token calls always take the absorbed path, so a captured decode step does not depend on the host
-        counter `cache.length`.
+        With `cache` (whose lengths the caller has advanced by these T tokens), the new rows are written in place
+        as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on an
+        empty cache takes the decompressed prefill path; anything else (one-token decoding, chunked prefill on a
+        non-empty cache, sequences of different lengths) takes the absorbed path with a bottom-right causal mask
+        over each sequence's length. One-token calls always take the absorbed path, so a captured decode step does
+        not depend on the host counts.
         """
         if x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"GatedMLA: expected x of shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
@@ -267,37 +274,39 @@ class GatedMLA(nn.Module):
             # Validate before any write so a bad call leaves the cache untouched.
             cache._check_append(B, T, self.latent_dim)
 
-        q_in, kv, k_shared, *gate = project(self, x, self.packed_linears())
+        q_in, kv, k_shared, *gate = project(self, x, decode)
         g_in = gate[0] if gate else None
-        q = self._query(q_in)  # (B, T, H, d_n + d_s)
-        if cache is not None and T == 1 and _fused_append_ok(x) and not torch.is_grad_enabled():
-            # Decoding on CUDA: norm + row + write + length advance in one kernel (same values as the eager append).
+        q = self._query(q_in, decode)  # (B, T, H, d_n + d_s)
+        if cache is not None and T == 1 and _fused_append_ok(x):
+            # Decoding on CUDA: norm + row + write in one kernel (same values as the eager append).
             from hybrid_attention.ops.mla.append import append_latent_row
 
-            append_latent_row(kv, k_shared, self.kv_norm.weight, self.kv_norm.eps, cache.rows, cache.lengths)
-            cache.length += 1
-            o = self._absorbed_attention(q, cache.rows, cache.lengths)
-            return self._output(g_in, o)
+            lengths = cache.seqlens.lengths
+            append_latent_row(kv, k_shared, self.kv_norm.weight, self.kv_norm.eps, cache.rows, lengths)
+            o = self._absorbed_attention(q, cache.rows, lengths)
+            return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
             o = self._prefill_attention(q, new_rows)
-        elif cache.length == 0 and T > 1:
+        elif cache.seqlens.longest == T and T > 1:  # every sequence starts empty
             cache.append(new_rows)
             # Read the rows back from the cache so prefill and decode see the same (possibly rounded) values.
             o = self._prefill_attention(q, cache.rows[:, :T].to(q.dtype))
         else:
             cache.append(new_rows)
-            o = self._absorbed_attention(q, cache.rows, cache.lengths)
-        return self._output(g_in, o)
+            o = self._absorbed_attention(q, cache.rows, cache.seqlens.lengths)
+        return self._output(g_in, o, decode)
 
-    def _output(self, g_in: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    def _output(
+        self, g_in: torch.Tensor | None, o: torch.Tensor, decode: PackedProjections | None = None
+    ) -> torch.Tensor:
         """The gate projection W_g x [B, T, H*d_v] (None without the output gate), per-head outputs o [B, T, H, d_v]
         -> W_o (sigmoid(W_g x) * concat_h o_h), or W_o concat_h o_h."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, self.num_heads * self.v_head_dim)
         if g_in is None:
-            return self.o_proj(o)
-        return self.o_proj(decode_act_mul(self, g_in, o, "sigmoid"))  # (B, T, H*d_v) before W_o
+            return linear(self.o_proj, o, decode)
+        return linear(self.o_proj, act_mul(g_in, o, "sigmoid", decode), decode)  # (B, T, H*d_v) before W_o
 
     def extra_repr(self) -> str:
         return (

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.layers.packed import decode_act_mul, project
+from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.ops.numerics import compute_dtype
 
 
@@ -39,12 +39,12 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden] -> [..., hidden]."""
-        gate, up = project(self, x, self.packed_linears())
+    def forward(self, x: torch.Tensor, *, decode: PackedProjections | None = None) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]. `decode`: a decode step's packed projections (layers/packed.py)."""
+        gate, up = project(self, x, decode)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_SiLUMul.apply(gate, up))
-        return self.down_proj(decode_act_mul(self, gate, up, "silu"))
+        return linear(self.down_proj, act_mul(gate, up, "silu", decode), decode)
 
     def packed_linears(self) -> list[nn.Linear]:
         """The bias-free projections of x, in the order `forward` unpacks them (see layers/packed.py)."""

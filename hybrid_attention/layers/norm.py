@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid_attention.backends import use_triton
 from hybrid_attention.ops.numerics import compute_dtype, rms_norm
-from hybrid_attention.ops.triton_support import triton_runs_on
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
 
@@ -63,11 +63,12 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(RMSNorm):
     """`RMSNorm(x) * sigmoid(gate)`: the KDA output norm, applied per head (dim = head_dim). On CUDA it runs as one
-    Triton kernel each way (`ops.gated_norm`, the same roundings); the eager code here is its reference."""
+    Triton kernel each way (`ops.gated_norm`, the same roundings; the rule of `hybrid_attention.backends`); the eager
+    code here is its reference."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x.dtype."""
-        if gate.shape == x.shape and triton_runs_on(x, cpu_interpreter=False):
+        if gate.shape == x.shape and use_triton(x):
             from hybrid_attention.ops.gated_norm import gated_rms_norm
 
             return gated_rms_norm(x, gate, self.weight, self.eps)

@@ -7,45 +7,46 @@ the shared key and the gate; SwiGLU: gate and up) can be read as one concatenate
 launch, with the same products.
 
 On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
-linear layers while a step runs (HA_DECODE_GEMV: auto, the default; triton forces it, also on CPU under the
-interpreter; torch keeps cuBLAS).
+linear maps in a decode step (`gemv`, in the vocabulary of `hybrid_attention.backends`: "auto", the default, takes
+the kernel by the one rule; "triton" forces it, also on CPU under the interpreter; "torch" keeps cuBLAS), and
+act(a) * b runs as one kernel (`ops.act_mul`).
 
 The parameters stay separate (the optimizer, Muon's per-matrix updates and checkpoints see them as they are). A
 `PackedProjections` holds concatenated copies, made once by `graphs.DecodeStep` (whose contract already is that the
-weights do not change while it is used), and installs them on the layers only for the duration of a step: a plain
-`model(...)` call never sees them. The copies cost the packed weights' memory once more (for k3-scaled about 0.23 GB
-in bf16); `DecodeStep(pack_projections=False)` skips them.
+weights do not change while it is used), which passes it explicitly: `model(tokens, cache=cache, decode=packed)`
+hands it to every layer, whose products then go through `project`, `linear` and `act_mul` below; without it
+(`decode=None`, every other call) those are the plain modules and eager ops. Nothing is installed on the modules.
+The copies cost the packed weights' memory once more (for k3-scaled about 0.23 GB in bf16);
+`DecodeStep(pack_projections=False)` skips them, and the decode kernels with them.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.ops.triton_support import triton_available, triton_runs_on
+from hybrid_attention.backends import check_backend, use_triton
+from hybrid_attention.ops.triton_support import triton_available
 
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
-def decode_gemv_enabled(x: torch.Tensor | None = None) -> bool:
-    """Whether decode-step products of `x` go to `ops.gemv`: HA_DECODE_GEMV=triton always (the interpreter on
-    CPU), "torch" never (F.linear), "auto" (the default) on CUDA, where it beats cuBLAS's batch-1 GEMVs. Without
-    `x`: whether it may, on some device."""
-    mode = os.environ.get("HA_DECODE_GEMV", "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"HA_DECODE_GEMV must be auto, torch or triton, got {mode!r}")
-    return mode == "triton" or (mode == "auto" and (x is None or x.is_cuda))
+def decode_gemv_enabled(x: torch.Tensor, gemv: str = "auto") -> bool:
+    """Whether decode-step products of `x` go to `ops.gemv`: gemv="triton" always (the interpreter on CPU),
+    "torch" never (F.linear), "auto" by the rule of `hybrid_attention.backends` (on CUDA, where it beats cuBLAS's
+    batch-1 GEMVs)."""
+    return gemv == "triton" or (gemv == "auto" and use_triton(x))
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the decode GEMV kernel (`ops.gemv`) when `decode_gemv_enabled(x)` and it takes these tensors."""
-    if decode_gemv_enabled(x) and triton_available():
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: str = "auto"
+) -> torch.Tensor:
+    """F.linear, or the decode GEMV kernel (`ops.gemv`) when `decode_gemv_enabled(x, gemv)` and it takes these
+    tensors."""
+    if decode_gemv_enabled(x, gemv) and triton_available():
         from hybrid_attention.ops.gemv import gemv, gemv_applies  # imports triton
 
         if gemv_applies(x, weight):
@@ -53,23 +54,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def decode_act_mul(module: nn.Module, a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
-    """act(a) * b (SwiGLU's SiLU(gate) * up, Gated MLA's sigmoid(gate) * o): in one Triton kernel (`ops.act_mul`,
-    the same rounding as the eager ops) while a decode step has installed its packed weights on `module` and the
-    tensors are on CUDA, else the two eager ops."""
-    decoding = getattr(module, "packed_projection", None) is not None
-    if decoding and a.dtype == b.dtype and triton_runs_on(a, cpu_interpreter=False):
-        from hybrid_attention.ops.act_mul import act_mul  # imports triton
-
-        return act_mul(a, b, act)
-    return _ACTS[act](a) * b
+def _act_mul_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`ops.act_mul` (no backward) takes a and b: one dtype, and the rule of `hybrid_attention.backends`."""
+    return a.dtype == b.dtype and use_triton(a, needs_backward=torch.is_grad_enabled())
 
 
 class PackedLinear:
     """`nn.Linear`s that read the same input, as one weight (and one bias, zeros where a layer has none):
-    x [..., in] -> their outputs, in order."""
+    x [..., in] -> their outputs, in order (products by `decode_linear` with this `gemv` backend)."""
 
-    def __init__(self, linears: Sequence[nn.Linear]):
+    def __init__(self, linears: Sequence[nn.Linear], gemv: str = "auto"):
+        check_backend(gemv, "PackedLinear: gemv")
         if not linears:
             raise ValueError("PackedLinear: needs at least one nn.Linear")
         if len({lin.in_features for lin in linears}) != 1:
@@ -80,51 +75,35 @@ class PackedLinear:
             zeros = lambda lin: lin.weight.new_zeros(lin.out_features)  # noqa: E731
             self.bias = torch.cat([zeros(lin) if lin.bias is None else lin.bias.detach() for lin in linears])
         self.sizes = [lin.out_features for lin in linears]
+        self.gemv = gemv
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return decode_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-
-
-def project(module: nn.Module, x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
-    """The outputs of `linears` (in this order) on x: from the module's `PackedLinear` if a decode step installed
-    one, else one call each."""
-    packed = getattr(module, "packed_projection", None)
-    if packed is not None:
-        return packed(x)
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
-        # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
-        x = x.to(torch.get_autocast_dtype(device))
-    return tuple(lin(x) for lin in linears)
+        return decode_linear(x, self.weight, self.bias, self.gemv).split(self.sizes, dim=-1)
 
 
 class PackedProjections:
-    """Packed copies of every layer's input projections in `model` (`module.packed_linears()` names them); the
-    model's other `nn.Linear`s (output projections, the low-rank up projections, the head) are `singles`."""
+    """What a decode step computes its products with: packed copies of every layer's input projections in `model`
+    (`module.packed_linears()` names them, in the order the layer unpacks them), every other linear map by
+    `decode_linear` on its own weight, and act(a) * b fused. gemv: the backend of every product (see
+    `decode_gemv_enabled`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, gemv: str = "auto"):
+        check_backend(gemv, "PackedProjections: gemv")
+        self.gemv = gemv
         self.by_module = {
-            m: PackedLinear(m.packed_linears()) for m in model.modules() if hasattr(type(m), "packed_linears")
+            m: PackedLinear(m.packed_linears(), gemv) for m in model.modules() if hasattr(type(m), "packed_linears")
         }
-        packed = {id(lin) for m in self.by_module for lin in m.packed_linears()}
-        self.singles = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in packed]
 
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        """Let the layers use the packed weights inside the block (a model call, or a CUDA-graph capture); with
-        the decode GEMV on (see `decode_gemv_enabled`) the singles run through it too (their own weights, no copies)."""
-        singles = self.singles if decode_gemv_enabled() else []
-        for module, packed in self.by_module.items():
-            module.packed_projection = packed
-        for lin in singles:  # an instance attribute shadows nn.Linear.forward for this block only
-            lin.forward = functools.partial(_single_forward, lin)
-        try:
-            yield
-        finally:
-            for module in self.by_module:
-                module.packed_projection = None
-            for lin in singles:
-                del lin.forward
+    def inputs(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of `module.packed_linears()` on x, from one product over their packed weights."""
+        packed = self.by_module.get(module)
+        if packed is None:
+            raise ValueError(f"PackedProjections: no packed weights for this {type(module).__name__} (another model's)")
+        return packed(x)
+
+    def linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) by `decode_linear` (the GEMV kernel where `gemv` takes it), from the parameters themselves."""
+        return decode_linear(x, lin.weight, lin.bias, self.gemv)
 
     def nbytes(self) -> int:
         """Bytes of the packed copies (weights and biases)."""
@@ -133,5 +112,28 @@ class PackedProjections:
         )
 
 
-def _single_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return decode_linear(x, lin.weight, lin.bias)
+def project(module: nn.Module, x: torch.Tensor, decode: PackedProjections | None) -> tuple[torch.Tensor, ...]:
+    """The outputs of `module.packed_linears()` (in that order) on x: one call each, or one packed product in a
+    decode step."""
+    if decode is not None:
+        return decode.inputs(module, x)
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
+        # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
+        x = x.to(torch.get_autocast_dtype(device))
+    return tuple(lin(x) for lin in module.packed_linears())
+
+
+def linear(lin: nn.Linear, x: torch.Tensor, decode: PackedProjections | None) -> torch.Tensor:
+    """lin(x); in a decode step through `decode_linear`."""
+    return lin(x) if decode is None else decode.linear(lin, x)
+
+
+def act_mul(a: torch.Tensor, b: torch.Tensor, act: str, decode: PackedProjections | None) -> torch.Tensor:
+    """act(a) * b (SwiGLU's SiLU(gate) * up, Gated MLA's sigmoid(gate) * o): in a decode step, in one Triton kernel
+    (`ops.act_mul`, the same rounding as the eager ops) where `_act_mul_ok` says so; else the two eager ops."""
+    if decode is not None and _act_mul_ok(a, b):
+        from hybrid_attention.ops.act_mul import act_mul as fused  # imports triton
+
+        return fused(a, b, act)
+    return _ACTS[act](a) * b

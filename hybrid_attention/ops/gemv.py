@@ -6,9 +6,9 @@ reads every weight once for a handful of rows, so the product is a pure weight s
 program owns BN output features for all rows and walks the K dimension with pipelined loads, and BN is small enough
 that the grid covers the GPU. The rows are padded to 16 for the tensor-core dot (the padding costs no bandwidth).
 
-On by default on CUDA (`HA_DECODE_GEMV`, read at call time by `layers.packed.decode_gemv_enabled`), where a
-batch-1 step takes fewer kernels and less time than with cuBLAS. `DecodeStep` routes its projections here
-(`layers/packed.py`); over MAX_ROWS rows they stay on cuBLAS.
+On by default on CUDA (`DecodeStep(gemv="auto")`, see `layers.packed.decode_gemv_enabled`), where a batch-1 step
+takes fewer kernels and less time than with cuBLAS. `DecodeStep` routes its projections here (`layers/packed.py`);
+over MAX_ROWS rows they stay on cuBLAS.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The decode GEMV kernel (`ops.gemv`) on a CUDA GPU at k3-scaled shapes against F.linear in float64, and a
-CUDA-graph decode step routed through it (HA_DECODE_GEMV=triton) against the default step. Run:
+CUDA-graph decode step routed through it (`DecodeStep(gemv="triton")`) against one on cuBLAS. Run:
 `python -m pytest -q tests/gpu/test_gemv_gpu.py`."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_gemv_as_accurate_as_cublas(M, N, K):
     assert_as_accurate(f"gemv M={M} N={N} K={K}", gemv(x, w), ref, F.linear(x, w), floor=2**-8)
 
 
-def test_graph_decode_through_the_gemv(monkeypatch):
+def test_graph_decode_through_the_gemv():
     """Both bf16 decodes round differently, and 4 layers amplify that (about 2e-2 apart): each is held
     against the float64 full forward, the Triton GEMV's decode as accurate as the cuBLAS one."""
     from hybrid_attention.graphs import DecodeStep
@@ -37,8 +37,7 @@ def test_graph_decode_through_the_gemv(monkeypatch):
     ids = prompt(2, 6, model.config.vocab_size)
     logits = {}
     for mode in ("torch", "triton"):
-        monkeypatch.setenv("HA_DECODE_GEMV", mode)
-        step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=True)
+        step = DecodeStep(model, model.make_cache(2, 8), cuda_graph=True, gemv=mode)
         logits[mode] = torch.stack([step(ids[:, t]).clone() for t in range(ids.shape[1])], 1).float()
     with torch.no_grad():
         ref64 = float64_copy(model)(ids.cpu()).logits

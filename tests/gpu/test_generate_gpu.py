@@ -18,6 +18,7 @@ import torch
 
 from hybrid_attention.generate import generate, prefill
 from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.conftest import needs_cuda
 from tests.helpers import assert_as_accurate, assert_close
@@ -83,8 +84,7 @@ def test_graph_decoding_equals_eager_decoding(preset, dtype, B):
         assert_close(f"step {t} logits", g, e, TOL[dtype])
     assert caches[0].host_lengths == caches[1].host_lengths == [42] * B
     assert caches[0].lengths.tolist() == [42] * B
-    for layer in caches[0].mla_layers():
-        assert layer.lengths.tolist() == [42] * B and layer.length == 42
+    assert all(layer.seqlens is caches[0].seqlens for layer in caches[0].layers if isinstance(layer, MLACache))
 
 
 def test_graph_decoding_equals_full_recompute_float32():
@@ -163,8 +163,9 @@ def test_chunked_prefill_is_exact(dtype):
     ref_cache = ref_model.make_cache(1, 3001)
     ref = prefill(ref_model, ids.cpu(), ref_cache, chunk_size=4096)
     assert_as_accurate("last logits", b, ref, a)
-    for x, y, r in zip(whole.mla_layers(), chunked.mla_layers(), ref_cache.mla_layers(), strict=True):
-        assert_as_accurate("MLA rows", y.rows, r.rows, x.rows)
+    for x, y, r in zip(whole.layers, chunked.layers, ref_cache.layers, strict=True):
+        if isinstance(x, MLACache):
+            assert_as_accurate("MLA rows", y.rows, r.rows, x.rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -190,21 +191,21 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         fused = torch.stack([model(ids[:, t : t + 1], cache=fused_cache).logits[:, 0] for t in range(45, 50)], 1)
         monkeypatch.setattr(kda, "_fused_decode_ok", lambda x, conv_size: False)
         monkeypatch.setattr(mla, "_fused_append_ok", lambda x: False)
-        monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **k, backend="torch"))
+        monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **{**k, "backend": "torch"}))
         for module in (conv, norm):  # the eager layer's own conv and output norm, not their Triton kernels
-            monkeypatch.setattr(module, "triton_runs_on", lambda *a, **k: False)
+            monkeypatch.setattr(module, "use_triton", lambda *a, **k: False)
         eager = torch.stack([model(ids[:, t : t + 1], cache=eager_cache).logits[:, 0] for t in range(45, 50)], 1)
         cpu_ids = ids.cpu()
         ref = torch.stack([ref_model(cpu_ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
     assert_as_accurate("fused decode logits", fused, ref, eager)
     for f, e, r in zip(fused_cache.layers, eager_cache.layers, ref_cache.layers, strict=True):
-        if hasattr(f, "rows"):
+        if isinstance(f, MLACache):
             assert_as_accurate("MLA rows", f.rows[:, :50], r.rows[:, :50], e.rows[:, :50])
-            assert f.lengths.tolist() == e.lengths.tolist() == [50] * 4
         else:
             assert_as_accurate("KDA state", f.state, r.state, e.state)
             conv = lambda c: torch.cat([c.conv_q, c.conv_k, c.conv_v], 1)
             assert_as_accurate("KDA conv cache", conv(f), conv(r), conv(e))
+    assert fused_cache.lengths.tolist() == eager_cache.lengths.tolist() == [50] * 4
 
 
 def test_decode_step_capacity_and_counters():
@@ -218,3 +219,25 @@ def test_decode_step_capacity_and_counters():
     assert cache.seq_len == 6 and cache.lengths.tolist() == [6, 6]
     with pytest.raises(ValueError, match="cache is full"):
         step(torch.zeros(2, dtype=torch.long, device="cuda"))
+
+
+def test_use_reference_launches_no_kernel(monkeypatch):
+    """Inside `backends.use_reference()` a CUDA forward, an eager decode step and a generation launch no Triton
+    kernel, and the forward equals the float64 model to float32 accuracy."""
+    from triton.runtime.jit import JITFunction
+
+    from hybrid_attention.backends import use_reference
+
+    model = make_model("tiny", torch.float32, seed=12)
+    ids = prompt(2, 9, model.config.vocab_size, seed=13)
+
+    def launch(self, *args, **kwargs):
+        raise AssertionError(f"a Triton kernel was launched inside use_reference(): {getattr(self, '__name__', self)}")
+
+    monkeypatch.setattr(JITFunction, "run", launch)
+    with use_reference(), torch.no_grad():
+        logits = model(ids).logits
+        DecodeStep(model, model.make_cache(2, 4), cuda_graph=False)(ids[:, 0])
+        generate(model, ids, 3, temperature=0, cuda_graph=False)
+        ref = float64_copy(model)(ids.cpu()).logits
+    assert_close("reference path vs float64", logits.cpu().double(), ref, 1e-4)

@@ -41,7 +41,7 @@ def test_fused_conv_and_norm_as_accurate_as_eager(monkeypatch):
     dy = torch.randn_like(x)
     fused = _run(layer, x, dy)
     for module in (conv, norm):
-        monkeypatch.setattr(module, "triton_runs_on", lambda *a, **k: False)
+        monkeypatch.setattr(module, "use_triton", lambda *a, **k: False)
     eager = _run(layer, x, dy)
     ref = _run(layer32, x.float(), dy.float())
     assert fused.keys() == eager.keys() == ref.keys()

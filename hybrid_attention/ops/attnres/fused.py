@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_attention.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
@@ -33,7 +34,6 @@ try:
 except ImportError:  # the PyTorch path still works
     triton = None
 
-_BACKENDS = ("auto", "torch", "triton")
 MAX_TILE = 16384  # fp32 elements of one [BLOCK_S, BLOCK_D] tile: 64 registers per thread at 8 warps
 MAX_ROW = 16384  # the widest D read in one pass (a whole row per source); wider rows go in D-chunks, three passes
 FEW_ROWS = 256  # up to this many rows the kernel is latency-bound (decoding): read all sources at once
@@ -207,29 +207,25 @@ def attn_res_norm(
         norm_weight: [D] weight of the RMSNorm applied to the mixture (None: return the mixture itself).
         norm_eps: that norm's epsilon.
         backend: "triton" (CUDA, or CPU with TRITON_INTERPRET=1; no autograd), "torch" (the reference
-            composition, differentiable), "auto" (Triton on CUDA when no gradient is needed, else PyTorch).
+            composition, differentiable), "auto" (Triton on CUDA when no gradient is needed, else PyTorch; see
+            `hybrid_attention.backends`).
 
     Returns:
         [B, T, D] in sources.dtype: `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)`,
         with norms, logits and softmax in float32 (float64 for float64 sources).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"attn_res_norm: backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend, "attn_res_norm")
     _check(sources, query, key_weight, norm_weight, latest)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (sources, query, key_weight, norm_weight, latest)
-    )
-    can_triton = triton_runs_on(sources)
-    if backend == "auto":
-        backend = "triton" if sources.is_cuda and can_triton and not needs_grad else "torch"
+    grad = needs_grad(sources, query, key_weight, norm_weight, latest)
+    backend = resolve(backend, sources, name="attn_res_norm", needs_backward=grad)
     if backend == "torch":
         if latest is not None:
             sources[-1] = latest
         h = attn_res(sources, query, key_weight, eps)
         return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)
-    if needs_grad:
+    if grad:
         raise ValueError("attn_res_norm: backend='triton' is inference-only; use backend='torch' for gradients")
-    if not can_triton:
+    if not triton_runs_on(sources):
         raise ValueError(
             f"attn_res_norm: backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of dtype "
             f"in {TRITON_DTYPES}; got {sources.dtype} on {sources.device}"

@@ -1,11 +1,11 @@
-"""Fused one-token append to the MLA latent cache: RMSNorm of the latent, the row [c ; k_s], the write at each
-sequence's length and the length increment, in one Triton kernel (inference, CUDA; docs/math.md "Gated MLA (NoPE)").
+"""Fused one-token append to the MLA latent cache: RMSNorm of the latent, the row [c ; k_s] and its write at the
+last position each sequence's length counts, in one Triton kernel (inference, CUDA; docs/math.md "Gated MLA (NoPE)").
 
     c = RMSNorm(W_DKV x) (float32 math, rounded to the activation dtype as the eager RMSNorm does)
-    rows[b, lengths[b]] = [c ; k_s]        lengths[b] += 1
+    rows[b, lengths[b] - 1] = [c ; k_s]        (the lengths already count the new token: layers/seqlens.py)
 
 The eager path (`GatedMLA._latent_rows` + `MLACache.append`) is about a dozen small kernels per layer and token.
-Positions are read on the device, so the kernel is CUDA-graph safe; a length already at capacity writes nothing
+Positions are read on the device, so the kernel is CUDA-graph safe; a length outside [1, max_len] writes nothing
 (capacity is checked on the host before the call, this only keeps a bad length from writing out of bounds).
 """
 
@@ -24,7 +24,7 @@ def _append_kernel(
     ks_ptr,  # [B, d_s] shared key part (stride stride_ks)
     w_ptr,  # [d_c] RMSNorm weight
     rows_ptr,  # [B, max_len, d_c + d_s]
-    lengths_ptr,  # [B] int32, advanced by one here
+    lengths_ptr,  # [B] int32, counting the new token
     stride_kv,
     stride_ks,
     stride_rb,
@@ -37,20 +37,20 @@ def _append_kernel(
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    length = tl.load(lengths_ptr + b)
-    row = rows_ptr + b * stride_rb + length.to(tl.int64) * stride_rn
+    pos = tl.load(lengths_ptr + b) - 1
+    row = rows_ptr + b * stride_rb + pos.to(tl.int64) * stride_rn
+    in_range = (pos >= 0) & (pos < max_len)  # a bad length writes nothing
     offs_c = tl.arange(0, BLOCK_C)
-    c_ok = (offs_c < DC) & (offs_c * 0 + length < max_len)  # a full sequence writes nothing
+    c_ok = (offs_c < DC) & (offs_c * 0 + in_range.to(tl.int32) > 0)
     x = tl.load(kv_ptr + b * stride_kv + offs_c, mask=offs_c < DC, other=0.0)
     xf = x.to(tl.float32)
     c = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / DC + eps) * tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
     tl.store(row + offs_c, c.to(x.dtype).to(rows_ptr.dtype.element_ty), mask=c_ok)
     if DS > 0:
         offs_s = tl.arange(0, BLOCK_S)
-        s_ok = (offs_s < DS) & (offs_s * 0 + length < max_len)
+        s_ok = (offs_s < DS) & (offs_s * 0 + in_range.to(tl.int32) > 0)
         ks = tl.load(ks_ptr + b * stride_ks + offs_s, mask=s_ok, other=0.0)
         tl.store(row + DC + offs_s, ks.to(rows_ptr.dtype.element_ty), mask=s_ok)
-    tl.store(lengths_ptr + b, length + 1)
 
 
 def append_latent_row(
@@ -61,12 +61,13 @@ def append_latent_row(
     rows: torch.Tensor,
     lengths: torch.Tensor,
 ) -> None:
-    """Append one token per sequence to the latent cache, in place.
+    """Write one token per sequence into the latent cache, in place, at position lengths[b] - 1.
 
     Args:
         kv: [B, 1, d_c] latent projection W_DKV x (before the norm); k_shared: [B, 1, d_s] (d_s may be 0).
         norm_weight: [d_c] weight of the latent RMSNorm, eps its epsilon.
-        rows: [B, max_len, d_c + d_s] the cache rows (last-dim stride 1); lengths: int32 [B], incremented.
+        rows: [B, max_len, d_c + d_s] the cache rows (last-dim stride 1); lengths: int32 [B], already counting
+            the new token (not changed here).
     """
     B, _, d_c = kv.shape
     d_s = k_shared.shape[-1]

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_attention.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.mla.naive import absorbed_attention
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
-
-_BACKENDS = ("auto", "triton", "torch")
 
 
 def _check_inputs(
@@ -106,22 +105,21 @@ def mla_decode(
         scale: softmax scale, passed explicitly: (d_n + d_s) ** -0.5 for Gated MLA, not D ** -0.5.
         num_splits: context splits per sequence for the Triton kernel (None: chosen from B, max_len, SM count).
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; inference only, no backward), "torch"
-            (differentiable), or "auto" (Triton when it can run and no gradient is needed, else PyTorch).
+            (differentiable), or "auto" (Triton on CUDA when no gradient is needed, else PyTorch; see
+            `hybrid_attention.backends`).
 
     Returns:
         [B, Tq, H, value_dim] in q.dtype; query i of sequence b attends softmax-weighted over keys
         j <= seq_lens[b] - Tq + i, with fp32 accumulation.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"mla_decode: backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend, "mla_decode")
     _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
     # The kernel has no backward pass; "auto" keeps autograd working by taking the PyTorch path instead.
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or rows.requires_grad)
-    if backend == "auto":
-        backend = "triton" if triton_runs_on(q) and not needs_grad else "torch"
+    grad = needs_grad(q, rows)
+    backend = resolve(backend, q, name="mla_decode", needs_backward=grad)
     if backend == "torch":
         return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
-    if needs_grad:
+    if grad:
         raise ValueError(
             "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "
             "or use backend='torch' when gradients are needed"

@@ -1,0 +1,73 @@
+"""SeqLens: tokens cached per sequence, the one length record of a decoding cache (docs/inference.md).
+
+The same counts are kept twice, each where it is read without a sync:
+- `lengths`, int32 [B] on the cache's device: kernels read it (where an MLA row is written, how far a query attends)
+  and it advances in place, so a step captured in a CUDA graph advances it on every replay;
+- the host counts, one Python int per sequence: capacity checks and the choice of code path.
+
+`advance(T)` moves both. The caller advances before feeding the T tokens (`HybridLM.forward` does it once per call,
+for every layer), so while the layers run the counts include those tokens: an MLA layer writes its rows at positions
+`lengths - T .. lengths - 1` and attends up to `lengths`. A replayed CUDA graph has already advanced the device
+counts; `advance(T, on_device=False)` then moves the host counts to match. Sequences of one batch may hold different
+numbers of tokens (batched generation of prompts of different lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SeqLens:
+    """Tokens cached for each of `batch_size` sequences, at most `max_seq_len` each, on `device` and on the host."""
+
+    def __init__(self, batch_size: int, max_seq_len: int, device: torch.device | str | None = None):
+        if batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"SeqLens: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._host = [0] * batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
+
+    @property
+    def host(self) -> list[int]:
+        """Tokens cached per sequence, as Python ints (a copy; no device sync)."""
+        return list(self._host)
+
+    @property
+    def longest(self) -> int:
+        return max(self._host)
+
+    @property
+    def shortest(self) -> int:
+        return min(self._host)
+
+    def advance(self, num_tokens: int, *, on_device: bool = True) -> None:
+        """Count `num_tokens` more tokens for every sequence: on the device (one in-place add, graph-safe) unless
+        `on_device` is False (a graph replay did it), and on the host. Raises, changing nothing, past capacity."""
+        if self.longest + num_tokens > self.max_seq_len:
+            raise ValueError(
+                f"SeqLens: capacity is {self.max_seq_len} tokens, but {num_tokens} more after the {self.longest} "
+                f"already cached need {self.longest + num_tokens}"
+            )
+        if on_device:
+            self.lengths += num_tokens
+        self._host = [n + num_tokens for n in self._host]
+
+    def set(self, lengths: Sequence[int] | int) -> None:
+        """Sequence b holds `lengths[b]` tokens (one int: all of them), on the device and the host."""
+        values = [lengths] * self.batch_size if isinstance(lengths, int) else [int(n) for n in lengths]
+        if len(values) != self.batch_size or any(not 0 <= n <= self.max_seq_len for n in values):
+            raise ValueError(
+                f"SeqLens.set: expected {self.batch_size} lengths in [0, {self.max_seq_len}], got {values}"
+            )
+        self.lengths.copy_(torch.tensor(values, dtype=torch.int32).to(self.device))
+        self._host = values
+
+    def __repr__(self) -> str:
+        return f"SeqLens(host={self._host}, max_seq_len={self.max_seq_len}, device={self.device})"
