@@ -349,7 +349,7 @@ def test_bad_generate_arguments_are_clear_errors(kwargs, message):
     model = _tiny_model()
     args = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):
-        model.generate(torch.tensor([[1, 2]]), **args)
+        generate(model, torch.tensor([[1, 2]]), **args)
     with pytest.raises(ValueError, match=r"make_cache: batch_size=1.5, max_seq_len=8; expected integers"):
         model.make_cache(1.5, 8)
 
