@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import kda_gate, recurrent_kda
 from hybrid_attention.ops.triton_support import triton_available
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.conftest import DEV
 
 # Positional inputs of `triton_kda` and `reference_kda`, in order; None entries are skipped.
 NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")

@@ -12,13 +12,13 @@ from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.attnres.fused import _attn_res_norm_triton, attn_res_norm
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.triton_support import interpreting
+from tests.conftest import DEV
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_sources(S, D, *, slots=None, seed=0):

@@ -15,13 +15,13 @@ from hybrid_attention.ops.attnres.fused_train import (
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
+from tests.conftest import DEV
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64 if DEV == "cpu" else torch.float32  # float64 runs only under the interpreter
 # float32 on CUDA against a float64 reference: the query gradient sums near-cancelling terms (dz_i sums to zero
 # over the sources), so it carries a few float32 roundings more than the outputs.

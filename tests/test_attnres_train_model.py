@@ -13,13 +13,13 @@ from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.triton_support import interpreting
+from tests.conftest import DEV
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float64 if DEV == "cpu" else torch.float32
 TOL = 1e-10 if DTYPE == torch.float64 else 1e-4
 

@@ -11,6 +11,7 @@ import torch
 import hybrid_attention.layers.kda as kda
 from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.kda import KimiDeltaAttention
+from tests.conftest import DEV
 from tests.helpers import assert_close
 
 triton = pytest.importorskip("triton")
@@ -19,7 +20,6 @@ from hybrid_attention.ops.triton_support import interpreting  # noqa: E402
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or interpreting()), reason="Triton needs CUDA or TRITON_INTERPRET=1"
 )
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_layer(head_dim, conv_size, dtype, seed):

@@ -17,6 +17,7 @@ import torch
 from hybrid_attention.ops.kda import chunk_kda, recurrent_kda
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+from tests.conftest import DEV
 from tests.helpers import assert_close, rel_err
 from tests.kda_triton_cases import (
     CONFIG_CASES,
@@ -36,7 +37,6 @@ if not torch.cuda.is_available():
     if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it; without it the kernels cannot run on CPU
         pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL32 = 1e-5  # float32 paths: a few float32 ulps of the outputs' scale
 
 
