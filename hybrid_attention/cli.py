@@ -62,7 +62,7 @@ def _data_spec(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export,synth}")
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--ckpt", required=True, help="run directory written by `train`")
     x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
+
+    from hybrid_attention.synth import cli as synth_cli
+
+    y = sub.add_parser("synth", help="synthetic recall suite: Palindrome, MQAR, Stack with KDA, GDN and MLA models")
+    synth_cli.add_arguments(y)
+    y.set_defaults(func=synth_cli.run)
     return parser
 
 

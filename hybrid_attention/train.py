@@ -171,10 +171,11 @@ class TrainingDiverged(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------- training
-def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | None = None):
+def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | None = None, model_overrides=None):
     """Everything a run needs, checked, before anything is written. Returns a dict of the pieces.
 
-    With a sharded `par` (torchrun), the model is sharded with FSDP2 before its optimizers are built."""
+    With a sharded `par` (torchrun), the model is sharded with FSDP2 before its optimizers are built.
+    `model_overrides`: HybridConfig fields set over the preset's in a new run (saved in config.json with the model)."""
     par = par or distributed.Parallel.single()
     run_dir = Path(config.out)
     saved = None
@@ -200,7 +201,8 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
         else:
             tokenizer = ByteTokenizer()
         backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
-        model_config = HybridConfig.from_preset(config.preset, vocab_size=tokenizer.vocab_size, **backend)
+        overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size, **backend}
+        model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
         raise ValueError(
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
@@ -234,7 +236,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
                 fingerprint=fingerprint, token_cache=tokens.path if tokens.hit else None)  # fmt: skip
 
 
-def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
+def train(config: TrainConfig, *, resume: bool = False, echo=print, model_overrides: dict | None = None) -> dict:
     """Run (or continue) a training job; returns a summary (final losses, speed, memory, MFU).
 
     The summary's "stopped_by" names the signal (e.g. "SIGINT") that stopped the job after saving, else None;
@@ -242,23 +244,28 @@ def train(config: TrainConfig, *, resume: bool = False, echo=print) -> dict:
 
     Started by torchrun (`distributed.launched()`), the job is one of several processes training one FSDP2-sharded
     model: every rank returns the summary; rank 0 alone holds the lock, prints and writes the run's plain files.
+
+    `model_overrides` (a new run only): HybridConfig fields over the preset's, e.g. {"mla_output_gate": False}.
     """
     if not distributed.launched():
-        return _job(config, resume, echo, distributed.Parallel.single())
+        return _job(config, resume, echo, distributed.Parallel.single(), model_overrides)
     par = distributed.Parallel.from_env(config.device, config.dist_timeout)
-    summary = par.run(lambda: _job(config, resume, echo if par.is_main else lambda *a, **k: None, par))
+    quiet = lambda *a, **k: None  # noqa: E731
+    summary = par.run(lambda: _job(config, resume, echo if par.is_main else quiet, par, model_overrides))
     par.close()
     return summary
 
 
-def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel) -> dict:
+def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel, model_overrides=None) -> dict:
     run_dir = Path(config.out)
     lock = None
     if par.is_main and run_dir.is_dir():
         lock = RunLock(run_dir).acquire()  # before reading a checkpoint it may be writing
     try:
         with flush_denormals():
-            p = prepare(config, resume=resume, par=par)
+            if resume and model_overrides:
+                raise ValueError("model_overrides apply to a new run; a resumed run keeps its saved model config")
+            p = prepare(config, resume=resume, par=par, model_overrides=model_overrides)
             if resume and p["step"] >= config.steps:
                 echo(f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do")
                 return {"run_dir": str(run_dir), "step": p["step"], "steps": config.steps, "already_complete": True}

@@ -1,0 +1,165 @@
+"""Language-model ablations of the hybrid's design choices at a fixed token budget, trained by `hybrid_attention.train`.
+
+Every variant is the base preset (k3-scaled) with HybridConfig overrides, trained with the same data, tokenizer,
+schedule and token budget, once per seed:
+
+    hybrid          the base: 3 KDA : 1 Gated MLA, Full AttnRes
+    all-mla         every layer Gated MLA                      (the Kimi Linear report's full-attention baseline)
+    all-kda         every layer KDA
+    mla-no-gate     Gated MLA without its output gate          (plain MLA with NoPE)
+    block-attnres   Block AttnRes, blocks of 4 sublayers       (the k3-scaled-block preset)
+    standard        the standard residual instead of AttnRes
+    gdn             Gated DeltaNet (one decay per head) in place of the KDA layers
+
+Groups compare against "hybrid": ratio (all-mla, all-kda), gate (mla-no-gate), residual (block-attnres, standard),
+delta (gdn). Each run lives in OUT/VARIANT-seedN (a run directory: `hybrid-attention eval --ckpt` works on it); a
+finished run is read back instead of trained again, so an interrupted sweep continues where it stopped.
+
+    python benchmarks/ablations.py                                  # every variant, seed 0, python-env, k3-scaled
+    python benchmarks/ablations.py --variants hybrid,mla-no-gate --seeds 0,1 --tokens 20000000
+    python benchmarks/ablations.py --quick                          # CPU, tiny preset, a few steps: a smoke check
+
+Table of validation loss and bits per byte on stdout (with the difference to the hybrid of the same seed), curves in
+OUT/ablations.png, JSON as the last line (also written to OUT/ablations.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.bench_common import log  # noqa: E402
+
+
+def variants(num_layers: int) -> dict[str, dict]:
+    """HybridConfig overrides of each variant over a base preset of `num_layers` layers."""
+    return {
+        "hybrid": {},
+        "all-mla": {"layer_types": ["mla"] * num_layers},
+        "all-kda": {"layer_types": ["kda"] * num_layers},
+        "mla-no-gate": {"mla_output_gate": False},
+        "block-attnres": {"residual": "block_attnres", "attnres_block_size": 4},
+        "standard": {"residual": "standard"},
+        "gdn": {"kda_gate": "head"},
+    }
+
+
+VARIANTS = tuple(variants(1))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--seeds", default="0", help="comma list of seeds (default 0; 0,1 where a gap is small)")
+    p.add_argument("--preset", default="k3-scaled", help="base model preset (default k3-scaled)")
+    p.add_argument("--tokens", type=int, default=360 * 16 * 2048, help="training tokens per run (default ~11.8M)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch (default 8)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--data", default="python-env", help="corpus (default python-env: the installed packages' sources)")
+    p.add_argument("--data-max-bytes", type=int, help="text cap (default: train's)")
+    p.add_argument("--tokenizer", default="bpe", choices=("byte", "bpe"))
+    p.add_argument("--eval-batches", type=int, default=16, help="validation batches per evaluation (default 16)")
+    p.add_argument("--out", default="runs/ablations", help="parent of the run directories (default runs/ablations)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="CPU smoke check: tiny preset, builtin data, a few steps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.tokens, args.batch_size, args.seq_len, args.grad_accum = "tiny", 3 * 2 * 32, 2, 32, 1
+        args.data, args.data_max_bytes, args.tokenizer, args.eval_batches = "builtin", 200_000, "byte", 1
+        args.device = "cpu"
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        p.error(f"--variants: unknown {unknown}; expected a comma list of {', '.join(VARIANTS)}")
+    args.variants = names
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds: expected a comma list of integers, got {args.seeds!r}")
+    args.steps = args.tokens // (args.batch_size * args.seq_len * args.grad_accum)
+    if args.steps < 1:
+        p.error(f"--tokens {args.tokens} is less than one step of {args.batch_size * args.seq_len * args.grad_accum}")
+    return args
+
+
+def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
+    """Train (or read back) one variant at one seed; returns its summary plus the validation curve."""
+    from hybrid_attention import checkpoint
+    from hybrid_attention.train import TrainConfig, train
+
+    out = Path(args.out) / f"{name}-seed{seed}"
+    summary_path = out / checkpoint.SUMMARY
+    if summary_path.is_file():
+        log(f"{name} seed {seed}: finished earlier in {out}")
+        summary = json.loads(summary_path.read_text())
+    else:
+        log(f"{name} seed {seed}: training {args.steps} steps into {out}")
+        config = TrainConfig.create(
+            preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+            grad_accum=args.grad_accum, lr=args.lr, data=args.data, data_max_bytes=args.data_max_bytes,
+            tokenizer=args.tokenizer, seed=seed, out=str(out), eval_batches=args.eval_batches, device=args.device,
+        )  # fmt: skip
+        summary = train(config, model_overrides=overrides, echo=log)
+    rows = checkpoint.read_log(out)
+    curve = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
+    return {"variant": name, "seed": seed, "overrides": overrides, "run_dir": str(out), "curve": curve,
+            **{k: summary.get(k) for k in ("val_loss", "val_bpb", "train_loss", "parameters", "step", "steps",
+                                           "tokens_per_s", "device")}}  # fmt: skip
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if r["curve"]:
+            ax.plot([t for t, _ in r["curve"]], [v for _, v in r["curve"]], "o-", ms=3,
+                    label=f"{r['variant']} (seed {r['seed']})")  # fmt: skip
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from hybrid_attention.model import HybridConfig
+
+    num_layers = HybridConfig.from_preset(args.preset).num_layers
+    table = variants(num_layers)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = [run_variant(args, name, seed, table[name]) for seed in args.seeds for name in args.variants]
+    base = {r["seed"]: r for r in results if r["variant"] == "hybrid"}
+    print(f"\nfixed budget: {args.steps} steps x {args.batch_size * args.seq_len * args.grad_accum} tokens, "
+          f"preset {args.preset} with overrides, data {args.data}, tokenizer {args.tokenizer}\n")  # fmt: skip
+    print("| variant | seed | parameters | val loss | bits/byte | vs hybrid |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        ref = base.get(r["seed"])
+        delta = f"{r['val_loss'] - ref['val_loss']:+.4f}" if ref and r is not ref and r["val_loss"] else ""
+        print(f"| {r['variant']} | {r['seed']} | {r['parameters']:,} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} | "
+              f"{delta} |")  # fmt: skip
+    plot(results, Path(args.out) / "ablations.png")
+    result = {"preset": args.preset, "steps": args.steps, "tokens_per_run": args.steps * args.batch_size *
+              args.seq_len * args.grad_accum, "data": args.data, "tokenizer": args.tokenizer, "results": results,
+              "plot": str(Path(args.out) / "ablations.png"), "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    line = json.dumps(result)
+    (Path(args.out) / "ablations.json").write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Synthetic recall tasks (the Kimi Linear report's synthetic tests): Palindrome, MQAR and Stack.
+
+Each task turns (seed, step) into a batch `(input_ids [B, T], labels [B, T])` with numpy's seeded generator, so a
+batch is the same on any machine. `labels` holds the token at every answer position and -100 elsewhere: the model
+predicts labels[t] from positions <= t - 1 (`HybridLM` shifts them), so the loss and the accuracy count the answers
+alone. Token ids: 0 pad, 1 separator, 2 push, 3 pop, then the task's symbols from `FIRST_SYMBOL` on.
+
+- Palindrome: n = (T - 1) // 2 random symbols, the separator, then the same symbols in reverse (the answers).
+- MQAR (multi-query associative recall): P key-value pairs (distinct keys, keys and values from disjoint symbol
+  ranges), then Q of the keys again, a random subset in random order, each followed by its value (the answers), at
+  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair.
+- Stack: T // 2 operations, "push x" or "pop y", where y is the value on top of the stack (the answers); a pop is
+  drawn only on a non-empty stack, with probability 1/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PAD, SEP, PUSH, POP = 0, 1, 2, 3
+FIRST_SYMBOL = 4
+IGNORE = -100
+TASKS = ("palindrome", "mqar", "stack")
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task at one sequence length. `num_symbols`: the alphabet of the random content (values)."""
+
+    name: str
+    seq_len: int
+    num_symbols: int = 64
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"unknown synthetic task {self.name!r}; expected one of {', '.join(TASKS)}")
+        minimum = {"palindrome": 3, "mqar": 8, "stack": 4}[self.name]
+        if not isinstance(self.seq_len, int) or self.seq_len < minimum:
+            raise ValueError(f"{self.name}: seq_len must be an integer >= {minimum}, got {self.seq_len!r}")
+        if not isinstance(self.num_symbols, int) or self.num_symbols < 2:
+            raise ValueError(f"{self.name}: num_symbols must be an integer >= 2, got {self.num_symbols!r}")
+
+    @property
+    def num_pairs(self) -> int:
+        """MQAR: key-value pairs in the context (a quarter of the sequence)."""
+        return max(2, self.seq_len // 8)
+
+    @property
+    def num_queries(self) -> int:
+        """MQAR: keys queried after the context (half of them)."""
+        return max(1, self.num_pairs // 2)
+
+    @property
+    def num_keys(self) -> int:
+        """MQAR: the key alphabet; at least as large as the number of (distinct) keys in a sequence."""
+        return max(self.num_symbols, self.num_pairs)
+
+    @property
+    def vocab_size(self) -> int:
+        extra = self.num_keys if self.name == "mqar" else 0
+        return FIRST_SYMBOL + self.num_symbols + extra
+
+    def batch(self, batch_size: int, *, seed: int, step: int, split: str = "train") -> tuple[torch.Tensor, ...]:
+        """input_ids, labels: LongTensor [batch_size, seq_len] for (seed, step, split) (labels -100 off the answers).
+
+        split "train" or "eval": two independent streams, so evaluation batches are never trained on."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rng = np.random.default_rng([seed, step, SPLITS.index(split)])
+        make = {"palindrome": self._palindrome, "mqar": self._mqar, "stack": self._stack}[self.name]
+        ids, answer = make(rng, batch_size)
+        labels = np.where(answer, ids, IGNORE)
+        return torch.from_numpy(ids).long(), torch.from_numpy(labels).long()
+
+    def _palindrome(self, rng, B):
+        T = self.seq_len
+        n = (T - 1) // 2
+        ids = np.full((B, T), PAD, dtype=np.int64)
+        content = rng.integers(FIRST_SYMBOL, FIRST_SYMBOL + self.num_symbols, size=(B, n))
+        ids[:, :n] = content
+        ids[:, n] = SEP
+        ids[:, n + 1 : 2 * n + 1] = content[:, ::-1]
+        answer = np.zeros((B, T), dtype=bool)
+        answer[:, n + 1 : 2 * n + 1] = True
+        return ids, answer
+
+    def _mqar(self, rng, B):
+        T, P, Q = self.seq_len, self.num_pairs, self.num_queries
+        values_from = FIRST_SYMBOL + self.num_keys
+        keys = FIRST_SYMBOL + np.argsort(rng.random((B, self.num_keys)), axis=1)[:, :P]  # distinct per row
+        values = rng.integers(values_from, values_from + self.num_symbols, size=(B, P))
+        ids = np.full((B, T), PAD, dtype=np.int64)
+        ids[:, 0 : 2 * P : 2] = keys
+        ids[:, 1 : 2 * P : 2] = values
+        which = np.argsort(rng.random((B, P)), axis=1)[:, :Q]  # the queried pairs, in query order
+        slots = (T - 2 * P) // 2  # two-token slots after the context
+        where = np.sort(np.argsort(rng.random((B, slots)), axis=1)[:, :Q], axis=1)  # increasing slot indices
+        rows = np.arange(B)[:, None]
+        pos = 2 * P + 2 * where  # [B, Q] positions of the query keys
+        ids[rows, pos] = np.take_along_axis(keys, which, axis=1)
+        ids[rows, pos + 1] = np.take_along_axis(values, which, axis=1)
+        answer = np.zeros((B, T), dtype=bool)
+        answer[rows, pos + 1] = True
+        return ids, answer
+
+    def _stack(self, rng, B):
+        T = self.seq_len
+        ids = np.full((B, T), PAD, dtype=np.int64)
+        answer = np.zeros((B, T), dtype=bool)
+        coins = (rng.random((B, T // 2)) < 0.5).tolist()  # Python lists: the loop below is sequential per row
+        pushed = rng.integers(FIRST_SYMBOL, FIRST_SYMBOL + self.num_symbols, size=(B, T // 2)).tolist()
+        for b in range(B):
+            stack, row, popped = [], [], []
+            for i, (coin, x) in enumerate(zip(coins[b], pushed[b], strict=True)):
+                if stack and coin:
+                    row += (POP, stack.pop())
+                    popped.append(2 * i + 1)
+                else:
+                    row += (PUSH, x)
+                    stack.append(x)
+            ids[b, : len(row)] = row
+            answer[b, popped] = True
+        return ids, answer
+
+
+def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(correct, counted) answers: logits [B, T, V] at position t predict labels[:, t + 1] (-100 not counted)."""
+    target = labels[:, 1:]
+    counted = target != IGNORE
+    correct = (logits[:, :-1].argmax(-1) == target) & counted
+    return int(correct.sum()), int(counted.sum())
