@@ -16,11 +16,15 @@ class StopRequests:
 
     def __init__(self, echo=None):
         self.signal: str | None = None
+        self._received: list[int] = []  # list.append is atomic: safe when a second handler runs inside the first
         self._echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
+        # Python may run the second signal's handler between any two bytecodes of the first one: count first, so
+        # whichever handler sees two requests aborts, whatever the interleaving.
+        self._received.append(signum)
+        if len(self._received) > 1:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
         self._echo(f"\n{self.signal}: saving a checkpoint after this step, then stopping (again to abort at once)")

@@ -340,6 +340,12 @@ def _train(
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
     timed_tokens, timed_s, last_val, step, saved_step, stopped_by = 0, 0.0, None, start, start, None
+
+    def agree(late: bool) -> tuple[bool, str | None]:
+        """(late on any rank, the stop signal's name on any rank or None): one small all-reduce."""
+        late, signum = par.maxima(late, signal.Signals[stop.signal] if stop.signal else 0)
+        return bool(late), signal.Signals(int(signum)).name if signum else None
+
     memory_shown = False
     bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first step with a non-finite loss or norm
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
@@ -371,9 +377,8 @@ def _train(
         interval_tokens += tokens_per_step
         bar.update(1)
         # All ranks stop together: past the deadline, or a stop signal on any rank (the highest number wins).
-        late, signum = par.maxima(time.perf_counter() >= deadline, signal.Signals[stop.signal] if stop.signal else 0)
-        stopped_by = signal.Signals(int(signum)).name if signum else None
-        stopping = step == end or bool(late)
+        late, stopped_by = agree(time.perf_counter() >= deadline)
+        stopping = step == end or late
         do_eval = is_validation_step(step, config.steps, config.eval_every) or stopping
         if not (do_eval or stopped_by or step % config.log_every == 0):
             continue
@@ -414,6 +419,8 @@ def _train(
                 memory_shown = True
             if main:
                 plot_losses(run_dir, rows)
+        # A stop requested while this step logged or validated is this step's (every rank logs the same steps).
+        stopped_by = stopped_by or agree(False)[1]
         # Step 1 validates early; a checkpoint of it is not worth the write.
         if (do_eval and (step > 1 or stopping)) or stopped_by:
             save(step)
