@@ -72,6 +72,9 @@ def poison_torch_empty(monkeypatch) -> None:
     """Make every floating `torch.empty` (all the kernels' buffers come from it) start as NaN, so an element a
     kernel forgets to write shows up in the comparison."""
     real_empty = torch.empty
+    # torch.compile's table of torch functions is built once, from torch's attributes at that moment: build it now,
+    # from the real ones, or a later compile in this process would meet a torch.empty it does not know.
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()
 
     def nan_empty(*args, **kwargs):
         out = real_empty(*args, **kwargs)
