@@ -29,6 +29,7 @@ except ImportError:  # the reference path still works
 
 
 if triton is not None:
+    from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
     def _partial_fwd_kernel(
@@ -157,9 +158,7 @@ if triton is not None:
         h = tl.load(out + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
         if HAS_PARTIAL:
             P = tl.load(partial + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
-            u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(
-                key_w + offs_d, mask=d_ok, other=0.0
-            ).to(CDT)
+            u = folded_query(query, key_w, offs_d, d_ok, CDT)
             s = tl.sum(u * P, axis=0) * tl.rsqrt(tl.sum(P * P, axis=0) / D + eps)
             alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + row).to(CDT) - s))
             h = h + alpha * (P - h)
@@ -196,9 +195,7 @@ if triton is not None:
         pid = tl.program_id(0)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(
-            CDT
-        )
+        u = folded_query(query, key_w, offs_d, d_ok, CDT)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         du_acc = tl.zeros([BLOCK_D], CDT)
         dnw_acc = tl.zeros([BLOCK_D], CDT)

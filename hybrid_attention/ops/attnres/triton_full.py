@@ -28,6 +28,12 @@ TILE = 4096  # elements of one [BLOCK_S, BLOCK_D] source tile: 4 sources of 1024
 if triton is not None:
 
     @triton.jit
+    def folded_query(query, key_w, offs_d, d_ok, CDT: tl.constexpr):
+        """u = w * gamma in the compute dtype, zero past D: the key-norm weight folded into the pseudo-query."""
+        w = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT)
+        return w * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(CDT)
+
+    @triton.jit
     def _full_fwd_kernel(
         table,  # int64 [S]: data pointers of the S sources, each [M, D] contiguous
         first,  # source 0 (its element type is the sources')
@@ -54,9 +60,7 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(
-            CDT
-        )
+        u = folded_query(query, key_w, offs_d, d_ok, CDT)
         run_max = tl.full([], float("-inf"), CDT)
         run_sum = tl.zeros([], CDT)
         acc = tl.zeros([BLOCK_D], CDT)
@@ -108,9 +112,7 @@ if triton is not None:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        u = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT) * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(
-            CDT
-        )
+        u = folded_query(query, key_w, offs_d, d_ok, CDT)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         du_acc = tl.zeros([BLOCK_D], CDT)
         dnw_acc = tl.zeros([BLOCK_D], CDT)
