@@ -33,22 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.model import PRESETS, HybridConfig, HybridLM  # noqa: E402
 
-# The --quick run: the presets' residuals and layer kinds, CPU-sized widths and depth.
+# The --quick run: the presets' residuals and layer kinds at the tiny preset's widths, CPU-sized depth.
 QUICK_LAYERS = 4
-QUICK_SIZES = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    kda_num_heads=2,
-    kda_head_dim=32,
-    mla_num_heads=2,
-    mla_kv_lora_rank=32,
-    mla_qk_nope_head_dim=16,
-    mla_qk_shared_head_dim=16,
-    mla_v_head_dim=32,
-)
+QUICK_SIZES = {k: v for k, v in PRESETS["tiny"].items() if k not in ("layer_types", "residual")}
 
 
 # ------------------------------------------------------------------------------------------------------------ cases
