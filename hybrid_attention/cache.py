@@ -95,6 +95,23 @@ class HybridCache:
                     t.zero_()
         self.set_lengths(0)
 
+    def snapshot(self) -> tuple[list[int], list[torch.Tensor]]:
+        """What a decoding step changes besides the rows past each sequence's length: the lengths (host ints) and
+        copies of the KDA states and conv tails. `restore` puts them back (DecodeStep captures on a filled cache)."""
+        return self.host_lengths, [
+            t.clone() for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)
+        ]
+
+    def restore(self, snapshot: tuple[list[int], list[torch.Tensor]]) -> None:
+        """Undo every decoding step since `snapshot` (MLA rows written past the lengths are never read)."""
+        lengths, saved = snapshot
+        mine = [t for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)]
+        if len(mine) != len(saved) or any(a.shape != b.shape for a, b in zip(mine, saved, strict=True)):
+            raise ValueError("HybridCache.restore: the snapshot was taken from a cache of another shape")
+        for t, copy in zip(mine, saved, strict=True):
+            t.copy_(copy)
+        self.set_lengths(lengths)
+
     def load_sequence(self, index: int, single: HybridCache) -> None:
         """Copy the batch-1 cache `single` into sequence `index` of this cache (the rows it holds, the KDA states and
         conv tails, its length). Batched generation prefills each prompt alone into `single`, then loads it here, so

@@ -154,7 +154,7 @@ def _decode_step(model, cache, cuda_graph: bool | None, pack_projections: bool) 
         return DecodeStep(model, cache, cuda_graph=bool(cuda_graph), **pack)  # raises for cuda_graph=True off CUDA
     try:
         return DecodeStep(model, cache, cuda_graph=True, **pack)
-    except Exception as exc:  # any capture problem: same tokens, only slower (the capture leaves the cache reset)
+    except Exception as exc:  # any capture problem: same tokens, only slower (the capture restores the cache)
         warnings.warn(f"generate: CUDA-graph capture failed, decoding eagerly: {exc!r}", RuntimeWarning, stacklevel=3)
         return DecodeStep(model, cache, cuda_graph=False, **pack)
 
@@ -185,6 +185,8 @@ def generate_stream(
     copy of those weights in memory while generating).
     """
     _check_args(max_new_tokens, temperature, top_k, top_p)
+    if cuda_graph and not model.embed.weight.is_cuda:
+        raise ValueError(f"generate: cuda_graph=True needs a model on a CUDA device, got {model.embed.weight.device}")
     prompts = _split_prompts(model, input_ids, attention_mask)
     if max_new_tokens == 0:
         return
@@ -195,8 +197,6 @@ def generate_stream(
         batch_size, longest = len(prompts), max(p.numel() for p in prompts)
         device = prompts[0].device
     cache = model.make_cache(batch_size, longest + max_new_tokens)
-    # Built before the prefill: warm-up and capture need the empty cache (and reset it).
-    step = _decode_step(model, cache, cuda_graph if max_new_tokens > 1 else False, pack_projections)
     if prompts is None:
         logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
     else:
@@ -208,6 +208,7 @@ def generate_stream(
             del single
         logits = torch.cat(rows, dim=0)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    step = None
     for i in range(max_new_tokens):
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
@@ -216,6 +217,8 @@ def generate_stream(
         yield token
         if i + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
             return
+        if step is None:  # after the first token: its wait is the prefill's alone (the capture restores the cache)
+            step = _decode_step(model, cache, cuda_graph, pack_projections)
         logits = step(token)
 
 

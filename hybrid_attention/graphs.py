@@ -29,7 +29,8 @@ class DecodeStep:
 
     Args:
         model: a `HybridLM` (inference: its weights must not change while this step is used).
-        cache: the static cache it decodes into; must be empty (seq_len 0) when the step is built.
+        cache: the static cache it decodes into, empty or already prefilled: the warm-up and capture write into it
+            and it is restored afterwards (`HybridCache.snapshot`), so building the step changes nothing.
         cuda_graph: capture the step in a CUDA graph (CUDA models only); False runs the same step eagerly.
         warmup_steps: eager steps run before capture.
         pack_projections: run each layer's input projections as one product from packed weight copies (one more
@@ -50,11 +51,6 @@ class DecodeStep:
         pack_projections: bool = True,
         gemv: str = "auto",
     ):
-        if cache.seq_len != 0:
-            raise ValueError(
-                f"DecodeStep: build it on an empty cache (warm-up and capture write into the cache, which is reset "
-                f"afterwards); this one already holds {cache.seq_len} tokens"
-            )
         device = model.embed.weight.device
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"DecodeStep: cuda_graph=True needs a model on a CUDA device, got {device}")
@@ -69,7 +65,13 @@ class DecodeStep:
         # Kept alive here: a captured graph reads these copies.
         self.packed = PackedProjections(model, gemv) if pack_projections else None
         if cuda_graph:
-            self._capture(max(1, min(warmup_steps, cache.max_seq_len)))
+            room = cache.max_seq_len - cache.seq_len
+            if room < 1:
+                raise ValueError(
+                    f"DecodeStep: the cache is full ({cache.seq_len} of max_seq_len {cache.max_seq_len} tokens); "
+                    "capturing a step needs room for one more token"
+                )
+            self._capture(max(1, min(warmup_steps, room)))
 
     @torch.no_grad()
     def _capture(self, warmup_steps: int) -> None:
@@ -77,20 +79,21 @@ class DecodeStep:
         current = torch.cuda.current_stream(self.tokens.device)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(current)
+        saved = cache.snapshot()
         try:
             with torch.cuda.stream(side):
                 for _ in range(warmup_steps):
                     model(self.tokens, cache=cache, decode=self.packed)
             current.wait_stream(side)
-            cache.reset()
+            cache.restore(saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.logits = model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
             self.graph = graph
         finally:
-            # Warm-up really ran; capture only recorded (but advanced the host counts once): start clean.
+            # Warm-up really ran; capture only recorded (but advanced the host counts once): back to the snapshot.
             torch.cuda.current_stream(self.tokens.device).synchronize()
-            cache.reset()
+            cache.restore(saved)
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -154,12 +154,31 @@ def test_decode_step_eager_equals_model_forward(model):
         step(ids[:, 0])
     with pytest.raises(ValueError, match=r"tokens of shape \[2\]"):
         step(ids[:1, 0])
-    with pytest.raises(ValueError, match="empty cache"):
-        DecodeStep(model, cache, cuda_graph=False)
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeStep(model, model.make_cache(1, 4), cuda_graph=True)
     with pytest.raises(ValueError, match="no CUDA graph"):
         DecodeStep(model, model.make_cache(1, 4), cuda_graph=False).replay()
+
+
+def test_cache_snapshot_restore_undoes_decoding(model):
+    """What DecodeStep's capture relies on to build on a prefilled cache: after `restore`, decoding continues exactly
+    as if the steps since `snapshot` had never run (KDA states, conv tails and lengths are back; MLA rows past the
+    lengths are overwritten before they are read)."""
+    ids = torch.randint(0, 256, (2, 13))
+    cache = model.make_cache(2, 16)
+    with torch.no_grad():
+        full = model(ids).logits
+        model(ids[:, :9], cache=cache)
+        saved = cache.snapshot()
+        model(torch.randint(0, 256, (2, 3)), cache=cache)  # steps to undo
+        assert cache.seq_len == 12
+        cache.restore(saved)
+        assert cache.host_lengths == [9, 9]
+        assert cache.lengths.tolist() == [9, 9]
+        rest = model(ids[:, 9:], cache=cache).logits
+    assert_close("decoding after restore", rest, full[:, 9:], 1e-10)
+    with pytest.raises(ValueError, match="another shape"):
+        model.make_cache(1, 16).restore(saved)
 
 
 def test_bad_batched_input(model):
