@@ -11,8 +11,8 @@ CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). W
 The projections of each layer that read the same input run as one matrix-vector product from packed copies of
 their weights (`layers.packed`), which the step hands to the model call (`decode=`): at batch 1 the step is dozens
 of small GEMVs.
-Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the empty cache,
-which is reset afterwards; that is why the step must be built before the prompt is prefilled. Sampling stays
+Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the cache as it is
+(empty or prefilled), which `HybridCache.restore` returns to its snapshot afterwards. Sampling stays
 outside the graph (it needs the generator and is cheap).
 """
 
