@@ -329,3 +329,22 @@ def test_beta_logits_torch(chunk_size):
     ref = lambda q, k, v, g, b, h0: recurrent_kda(q, k, v, g, torch.sigmoid(b), initial_state=h0,
                                                   output_final_state=True)  # fmt: skip
     compare(fn, ref, inputs, TOL64)
+
+
+@needs_triton
+def test_chunk_states_triton_while_training_are_a_copy():
+    """The kernels' backward reads the buffer the states come from: writing into the returned states (NaN) must not
+    change a gradient, and the outputs' gradients equal those of the plain call."""
+    inputs = make(1, 70, 1, 1, 16, 16, seed=18, dtype=torch.float32, device=DEV)
+
+    def poisoned(*x):
+        o, S, states = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True, backend="triton",
+                                 return_chunk_states=True)  # fmt: skip
+        states.fill_(float("nan"))
+        return o, S
+
+    plain = lambda *x: chunk_kda(*x[:5], initial_state=x[5], output_final_state=True, backend="triton")
+    _, _, grads = outputs_and_grads(poisoned, inputs)
+    _, _, ref = outputs_and_grads(plain, inputs)
+    for name, r in ref.items():
+        assert torch.equal(grads[name], r), name
