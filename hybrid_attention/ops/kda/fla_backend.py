@@ -2,9 +2,11 @@
 
 Used as a speed and accuracy baseline (benchmarks, GPU tests). Needs the optional extra
 `pip install "hybrid-attention[fla]"` (fla-core==0.6.0) and CUDA tensors. Only arguments with the same
-meaning as ours are passed: a pre-computed `g` (no in-kernel gate, no in-kernel l2norm or beta sigmoid),
-our scale, the float32 initial state, `output_final_state`, `cu_seqlens` as int64 and `chunk_size`.
-FLA's default `safe_gate=False` path is exact for any g <= 0, like ours.
+meaning as ours are passed: a pre-computed `g` (no in-kernel gate or l2norm), our scale, the float32 initial
+state, `output_final_state`, `cu_seqlens` as int64, `chunk_size`, beta logits (`use_beta_sigmoid_in_kernel`) and
+more value heads than query/key heads (FLA takes them natively). FLA's default `safe_gate=False` path is exact for
+any g <= 0, like ours. FLA returns the chunk states (`return_intermediate_states`) in inference mode only, so they
+come from here only when no gradient is needed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.value_heads import value_head_groups, value_head_view
 
 INSTALL_HINT = 'pip install "hybrid-attention[fla]" (fla-core==0.6.0)'
 
@@ -39,12 +42,18 @@ def chunk_kda_fla(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shapes and results as `chunk_kda`: o [B, T, H, V] in v.dtype, final state [N, H, K, V] float32 or None.
+    use_beta_sigmoid: bool = False,
+    return_chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Shapes and results as `chunk_kda` (q, k may have fewer heads than v): o [B, T, Hv, V] in v.dtype, final
+    state [N, Hv, K, V] float32 or None, and with return_chunk_states the states of ops/kda/chunk_states.py.
 
     FLA supports chunk_size 32 or 64, K <= 256, and float16/bfloat16/float32 CUDA tensors.
     """
-    validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="chunk_kda[fla]")
+    name = "chunk_kda[fla]"
+    heads = v.shape[2] if value_head_groups(q, k, v, name=name) > 1 else None
+    qc, kc = (q, k) if heads is None else (value_head_view(q, heads), value_head_view(k, heads))
+    validate_kda_inputs(qc, kc, v, g, beta, initial_state, cu_seqlens, name=name)
     validate_chunk_size(chunk_size, name="chunk_kda[fla]", allowed=(32, 64))
     fla_chunk_kda = load_fla_chunk_kda()
     if q.dtype == torch.float64:
@@ -53,16 +62,27 @@ def chunk_kda_fla(
         raise ValueError(f'chunk_kda: backend="fla" needs CUDA tensors, got q on {q.device}')
     if q.shape[-1] > 256:
         raise ValueError(f'chunk_kda: backend="fla" supports K <= 256, got q of shape {tuple(q.shape)}')
-    o, final_state = fla_chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)
+    )
+    if return_chunk_states and needs_grad:
+        raise ValueError(
+            'chunk_kda: backend="fla" returns chunk states only when no gradient is needed (FLA computes them in '
+            'inference mode); run under torch.no_grad(), or use backend="triton" or "torch"'
+        )
+    kwargs = dict(
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int64),
         chunk_size=chunk_size,
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid),
     )
-    return o.to(v.dtype), final_state
+    if not return_chunk_states:
+        o, final_state = fla_chunk_kda(q, k, v, g, beta, **kwargs)
+        return o.to(v.dtype), final_state
+    with torch.inference_mode():
+        o, final_state, states = fla_chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **kwargs)
+    # Clones made outside inference mode are ordinary tensors (inference tensors refuse later in-place use).
+    final_state = None if final_state is None else final_state.clone()
+    return o.to(v.dtype).clone(), final_state, states.to(torch.float32, copy=True)
