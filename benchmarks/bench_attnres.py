@@ -29,11 +29,8 @@ from bench_common import emit_json, env_info, log
 
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.attnres.fused_train import (
-    attn_res_merge_norm_train,
-    attn_res_norm_train,
-    attn_res_partial_train,
-)
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
+from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 

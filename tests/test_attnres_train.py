@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres.fused_train import (
-    attn_res_merge_norm_train,
-    attn_res_norm_train,
-    attn_res_partial_train,
-)
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
+from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
@@ -180,7 +177,14 @@ def test_opcheck():
     src = sources(3, D, seed=31)
     query, key_w, norm_w = vectors(D, 3, seed=31)
     ops = torch.ops.hybrid_attention
-    torch.library.opcheck(ops.attn_res_norm_fwd, (src, query, key_w, norm_w, EPS, NORM_EPS))
+    # Full AttnRes: kernel ops without autograd of their own (an autograd.Function holds them).
+    src0, params0 = [s.detach() for s in src], [p.detach() for p in (query, key_w, norm_w)]
+    torch.library.opcheck(ops.attn_res_norm_fwd, (src0, *params0, EPS, NORM_EPS))
+    x, stats = ops.attn_res_norm_fwd(src0, *params0, EPS, NORM_EPS)
+    for accumulate in (False, True):
+        acc = torch.randn(3, *src0[0].shape, dtype=F64, device=DEV)
+        args = (torch.randn_like(x), src0, acc, *params0, stats, EPS, accumulate)
+        torch.library.opcheck(ops.attn_res_norm_bwd_accumulate, args)
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = (t.detach().requires_grad_() for t in attn_res_partial_train(src, queries, key_ws, EPS))

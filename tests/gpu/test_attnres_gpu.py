@@ -1,8 +1,8 @@
 """The fused AttnRes kernels on CUDA at k3-scaled widths, as accurate against float64 as the bf16 PyTorch
 composition: the inference kernel (`ops.attnres.fused`) at decode (1 row) and prefill (4096 rows) sizes, which take
-different launch shapes, and the training ops (`ops.attnres.fused_train`: Full AttnRes + RMSNorm, Block AttnRes
-phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024, outputs and every gradient. Run:
-`python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
+different launch shapes, and the training ops (`ops.attnres.full_train`: Full AttnRes + RMSNorm, alone and as a
+chained stream; `ops.attnres.fused_train`: Block AttnRes phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024,
+outputs and every gradient. Run: `python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _sources(n, B, T, D, g):
 def test_fused_training_full_at_model_sizes(S):
     """Full AttnRes + RMSNorm forward and every gradient at B=8, T=2048, D=1024, bf16 sources: as accurate against
     float64 as the bf16 reference composition."""
-    from hybrid_attention.ops.attnres.fused_train import attn_res_norm_train
+    from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
     from hybrid_attention.ops.attnres.naive import attn_res
     from hybrid_attention.ops.numerics import rms_norm
 
