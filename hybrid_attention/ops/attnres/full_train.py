@@ -92,16 +92,19 @@ class _AttnResNorm(torch.autograd.Function):
         S = len(sources)
         if dx is None and dcarrier is None:
             return (None,) * (7 + S)
-        if dx is None:  # x unused but the carrier used: this step adds nothing, the accumulator passes on
-            dx = torch.zeros_like(sources[0])
-        accumulate = dcarrier is not None
-        if accumulate:
-            acc = as_rows(dcarrier)
+        dq = dkw = dnw = None
+        if dx is None:  # x unused, the carrier used: this step adds nothing, the accumulator passes on
+            acc = dcarrier
         else:
-            s0 = sources[0]
-            acc = torch.empty(S, *s0.shape, device=s0.device, dtype=s0.dtype)
-        grads = _bwd(dx, sources, acc, query, key_weight, norm_weight, stats, ctx.eps, accumulate)
-        dq, dkw, dnw = (g.to(p.dtype) for g, p in zip(grads.unbind(0), (query, key_weight, norm_weight), strict=True))
+            accumulate = dcarrier is not None
+            if accumulate:
+                acc = as_rows(dcarrier)
+            else:
+                s0 = sources[0]
+                acc = torch.empty(S, *s0.shape, device=s0.device, dtype=s0.dtype)
+            grads = _bwd(dx, sources, acc, query, key_weight, norm_weight, stats, ctx.eps, accumulate)
+            params = (query, key_weight, norm_weight)
+            dq, dkw, dnw = (g.to(p.dtype) for g, p in zip(grads.unbind(0), params, strict=True))
         if ctx.chained:  # the older sources' gradients are not complete yet: the steps before add theirs
             return (acc[: S - 1], dq, dkw, dnw, None, None, None, *([None] * (S - 1)), acc[S - 1])
         return (None, dq, dkw, dnw, None, None, None, *acc.unbind(0))
