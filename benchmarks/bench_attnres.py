@@ -10,8 +10,10 @@ Parts (select with --parts):
           elementwise scale so that only the residual wiring is measured): standard residual, Full AttnRes and
           Block AttnRes (blocks of 4), fused and reference; time and peak memory of forward+backward.
 
-Timing: `triton.testing.do_bench` medians; gradients through `torch.autograd.grad` (no accumulation). Every case
-runs in try/except (failures are listed, the run goes on).
+Timing: `triton.testing.do_bench` medians; gradients through `torch.autograd.grad` (no accumulation). "host ms" is
+the median time the host takes to enqueue one call (from an idle GPU, no synchronisation inside): when it comes close
+to "ms", the case is bound by Python and launch overhead, not by the GPU. Every case runs in try/except (failures
+are listed, the run goes on).
 
     python benchmarks/bench_attnres.py --out bench_attnres.json            # both parts, both shapes
     python benchmarks/bench_attnres.py --quick                                   # B x T = 8 x 2048 only
@@ -23,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from bench_common import emit_json, env_info, log
 
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.attnres.fused_train import (
-    attn_res_merge_norm_train,
-    attn_res_norm_train,
-    attn_res_partial_train,
-)
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
+from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 
@@ -47,6 +47,18 @@ def bench(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100)
+
+
+def host_ms(fn, reps: int = 20) -> float:
+    """Median host time of one call of fn, each started on an idle GPU, ms."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(times)[reps // 2] * 1e3
 
 
 def peak_mib(fn) -> float:
@@ -182,7 +194,7 @@ def main(argv) -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_attnres: needs a CUDA GPU")
     result = dict(env_info(sys.argv), rows=[], failures=[])
-    print(f"{'shape':>12} {'case':>20} {'variant':>22} {'ms':>9} {'peak MiB':>9}")
+    print(f"{'shape':>12} {'case':>20} {'variant':>22} {'ms':>9} {'host ms':>9} {'peak MiB':>9}")
     for B, T in SHAPES[:1] if args.quick else SHAPES:
         for part in args.parts.split(","):
             try:
@@ -195,14 +207,18 @@ def main(argv) -> None:
                 for variant, (fn, _) in variants.items():
                     try:
                         ms = bench(fn)
+                        host = host_ms(fn)
                         mib = peak_mib(fn)
                     except Exception as e:  # noqa: BLE001
                         result["failures"].append(dict(shape=[B, T], case=case, variant=variant, error=repr(e)))
                         log(f"{case} {variant}: {e!r}")
                         continue
-                    row = dict(B=B, T=T, case=case, variant=variant, ms=round(ms, 4), peak_mib=round(mib, 1))
+                    row = dict(
+                        B=B, T=T, case=case, variant=variant, ms=round(ms, 4), host_ms=round(host, 4),
+                        peak_mib=round(mib, 1),
+                    )  # fmt: skip
                     result["rows"].append(row)
-                    print(f"{f'{B}x{T}':>12} {case:>20} {variant:>22} {ms:9.3f} {mib:9.1f}", flush=True)
+                    print(f"{f'{B}x{T}':>12} {case:>20} {variant:>22} {ms:9.3f} {host:9.3f} {mib:9.1f}", flush=True)
             torch.cuda.empty_cache()
     emit_json(result, args.out)
 

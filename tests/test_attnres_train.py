@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres.fused_train import (
-    attn_res_merge_norm_train,
-    attn_res_norm_train,
-    attn_res_partial_train,
-)
+from hybrid_attention.ops.attnres import triton_full
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_step, attn_res_norm_train
+from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
@@ -46,11 +44,11 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
 
 
-def sources(S, D, *, seed=0, dtype=F64):
+def sources(S, D, *, seed=0, dtype=F64, shape=SHAPE):
     """S leaf tensors [B, T, D] of very different scales, as sublayer outputs are."""
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(S, generator=g, dtype=torch.float64) * 4 + 0.1
-    out = [torch.randn(*SHAPE, D, generator=g, dtype=torch.float64) * scales[i] for i in range(S)]
+    out = [torch.randn(*shape, D, generator=g, dtype=torch.float64) * scales[i] for i in range(S)]
     return [t.to(DEV, dtype).requires_grad_() for t in out]
 
 
@@ -118,6 +116,107 @@ def test_full_low_precision_sources(dtype, tol):
         assert s.shape == g.shape
 
 
+def run_chain(src, params, start, used):
+    """Steps l = start .. S of a Full AttnRes stream over the leaves `src` (step l reads src[:l]), step l with its
+    own (query, key_weight, norm_weight) params[l - start]; -> the outputs of the steps in `used` (step numbers)."""
+    outs, carrier = [], None
+    for i, l in enumerate(range(start, len(src) + 1)):
+        last = l == len(src)
+        res = attn_res_norm_step(src[:l], carrier, *params[i], EPS, NORM_EPS, last=last)
+        x, carrier = (res, None) if last else res
+        outs += [x] if l in used else []
+    return tuple(outs)
+
+
+def reference_chain(src, params, start, used):
+    return tuple(
+        rms_norm(attn_res(src[:l], q, kw, EPS), nw, NORM_EPS)
+        for (q, kw, nw), l in zip(params, range(start, len(src) + 1), strict=True)
+        if l in used
+    )
+
+
+@pytest.mark.parametrize(
+    "S, start, used",
+    [
+        (2, 1, "all"),
+        (7, 1, "all"),
+        (7, 3, "all"),  # the stream starts with three sources
+        (9, 2, (2, 3, 5, 6)),  # some outputs unused, the last among them: steps pass the accumulator on or start it
+        (27, 2, "all"),  # the k3-scaled depth (on one row: the interpreter runs every program in Python)
+    ],
+)
+def test_chain_matches_reference(S, start, used, poisoned):
+    """A Full AttnRes stream of chained steps sharing one gradient accumulator (`attn_res_norm_step`) against the
+    reference step by step: every output and the gradient of every source and every step's parameters."""
+    D = 16
+    used = range(start, S + 1) if used == "all" else used
+    src = sources(S, D, seed=S + start, shape=(1, 1) if S > 9 else SHAPE)
+    params = [vectors(D, 3, seed=100 * S + l, zero_query=l == start + 1) for l in range(start, S + 1)]
+    outs = run_chain(src, params, start, used)
+    src64, params64 = f64(src), [f64(p) for p in params]
+    refs = reference_chain(src64, params64, start, used)
+    for l, out, ref in zip(used, outs, refs, strict=True):
+        assert_close(f"chain S={S} step {l}", out, ref, TOL)
+    flat, flat64 = [p for ps in params for p in ps], [p for ps in params64 for p in ps]
+    labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(start, S + 1) for n in "wgn"]
+    fused_grads, ref_grads = grads(outs, src + flat), grads(refs, src64 + flat64)
+    unused = [i for i, g in enumerate(fused_grads) if g is None]
+    assert unused == [i for i, g in enumerate(ref_grads) if g is None], "unused inputs differ from the reference's"
+    check_grads(f"chain S={S}", fused_grads, ref_grads, labels)
+
+
+def block_s_values():
+    tuners = (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel)
+    return sorted({c.kwargs["BLOCK_S"] for t in tuners for c in t.all_configs})
+
+
+@pytest.mark.parametrize("block_s", block_s_values())
+def test_every_tile_height(block_s, monkeypatch):
+    """The forward and backward kernels with each source-tile height of their tuned configs (sources split across
+    tiles, a partial last tile), alone, on a short stream against the reference."""
+    for tuner in (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel):
+        config = next((c for c in tuner.all_configs if c.kwargs["BLOCK_S"] == block_s), None)
+        if config is None:
+            config = min(tuner.all_configs, key=lambda c: abs(c.kwargs["BLOCK_S"] - block_s))
+        monkeypatch.setattr(tuner, "configs", [config])
+    S, D = 7, 16
+    src = sources(S, D, seed=51)
+    params = [vectors(D, 3, seed=51 + l) for l in range(2, S + 1)]
+    outs = run_chain(src, params, 2, range(2, S + 1))
+    src64, params64 = f64(src), [f64(p) for p in params]
+    refs = reference_chain(src64, params64, 2, range(2, S + 1))
+    for l, out, ref in zip(range(2, S + 1), outs, refs, strict=True):
+        assert_close(f"BLOCK_S={block_s} step {l}", out, ref, TOL)
+    flat, flat64 = [p for ps in params for p in ps], [p for ps in params64 for p in ps]
+    labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(2, S + 1) for n in "wgn"]
+    check_grads(f"BLOCK_S={block_s}", grads(outs, src + flat), grads(refs, src64 + flat64), labels)
+
+
+def test_chain_low_precision():
+    """bf16 sources, float32 parameters: the accumulator sums each source's gradient in bf16 steps; the float64
+    reference within bf16 rounding."""
+    S, D = 6, 32
+    src64 = sources(S, D, seed=41, dtype=torch.float64)
+    src = [s.detach().bfloat16().requires_grad_() for s in src64]
+    params = [[t.detach().float() for t in vectors(D, 3, seed=41 + l)] for l in range(1, S + 1)]
+    outs = run_chain(src, params, 1, range(1, S + 1))
+    refs = reference_chain(
+        [s.detach().double().requires_grad_() for s in src],
+        [[t.double() for t in p] for p in params],
+        1,
+        range(1, S + 1),
+    )
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.dtype == torch.bfloat16
+        assert_close("chain bf16 output", out, ref, 1e-2)
+    src_ref = [s.detach().double().requires_grad_() for s in src]
+    refs = reference_chain(src_ref, [[t.double() for t in p] for p in params], 1, range(1, S + 1))
+    for i, (g, r) in enumerate(zip(grads(outs, src), grads(refs, src_ref), strict=True)):
+        assert g.dtype == torch.bfloat16
+        assert_close(f"chain bf16 d source {i}", g, r, 2e-2)
+
+
 @pytest.mark.parametrize("N, Q", [(1, 1), (3, 2), (5, 3)])
 @pytest.mark.parametrize("zero_query", [False, True])
 def test_partial_matches_reference(N, Q, zero_query, poisoned):
@@ -180,7 +279,15 @@ def test_opcheck():
     src = sources(3, D, seed=31)
     query, key_w, norm_w = vectors(D, 3, seed=31)
     ops = torch.ops.hybrid_attention
-    torch.library.opcheck(ops.attn_res_norm_fwd, (src, query, key_w, norm_w, EPS, NORM_EPS))
+    # Full AttnRes: kernel ops without autograd of their own (an autograd.Function holds them).
+    src0, params0 = sources(3, D, seed=33, shape=(1, 2)), [p.detach() for p in (query, key_w, norm_w)]
+    src0 = [s.detach() for s in src0]
+    torch.library.opcheck(ops.attn_res_norm_fwd, (src0, *params0, EPS, NORM_EPS))
+    x, stats = ops.attn_res_norm_fwd(src0, *params0, EPS, NORM_EPS)
+    for accumulate in (False, True):
+        acc = torch.randn(3, *src0[0].shape, dtype=F64, device=DEV)
+        args = (torch.randn_like(x), src0, acc, *params0, stats, EPS, accumulate)
+        torch.library.opcheck(ops.attn_res_norm_bwd_accumulate, args)
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = (t.detach().requires_grad_() for t in attn_res_partial_train(src, queries, key_ws, EPS))
@@ -207,3 +314,12 @@ def test_bad_inputs():
         attn_res_partial_train(src, query, key_w)
     with pytest.raises(ValueError, match="pass dtype"):
         attn_res_merge_norm_train(src[0], src[0][..., 0], None, query, key_w, norm_w)
+    x, carrier = attn_res_norm_step(src[:1], None, query, key_w, norm_w)
+    with pytest.raises(ValueError, match="carrier must come from the step before, over 2 sources"):
+        attn_res_norm_step([*src, src[0]], carrier, query, key_w, norm_w)
+    with pytest.raises(ValueError, match="newest source must be"):
+        attn_res_norm_step([src[0], src[1].half()], carrier, query, key_w, norm_w)
+    with pytest.raises(ValueError, match="newest source must be contiguous"):
+        attn_res_norm_step([src[0], src[1].transpose(0, 1).contiguous().transpose(0, 1)], carrier, query, key_w, norm_w)
+    with pytest.raises(ValueError, match="source 1 must be contiguous"):
+        attn_res_norm_step([src[0], src[1].transpose(0, 1).contiguous().transpose(0, 1)], None, query, key_w, norm_w)

@@ -1,8 +1,8 @@
 """The fused AttnRes kernels on CUDA at k3-scaled widths, as accurate against float64 as the bf16 PyTorch
 composition: the inference kernel (`ops.attnres.fused`) at decode (1 row) and prefill (4096 rows) sizes, which take
-different launch shapes, and the training ops (`ops.attnres.fused_train`: Full AttnRes + RMSNorm, Block AttnRes
-phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024, outputs and every gradient. Run:
-`python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
+different launch shapes, and the training ops (`ops.attnres.full_train`: Full AttnRes + RMSNorm, alone and as a
+chained stream; `ops.attnres.fused_train`: Block AttnRes phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024,
+outputs and every gradient. Run: `python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _sources(n, B, T, D, g):
 def test_fused_training_full_at_model_sizes(S):
     """Full AttnRes + RMSNorm forward and every gradient at B=8, T=2048, D=1024, bf16 sources: as accurate against
     float64 as the bf16 reference composition."""
-    from hybrid_attention.ops.attnres.fused_train import attn_res_norm_train
+    from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
     from hybrid_attention.ops.attnres.naive import attn_res
     from hybrid_attention.ops.numerics import rms_norm
 
@@ -122,3 +122,93 @@ def test_fused_training_block_at_model_sizes(N):
     labels = [f"block {i}" for i in range(N)] + ["partial", "queries", "key_weights", "norm_weight"]
     for label, f, p, r in zip(labels, fg, pg, rg, strict=True):
         assert_as_accurate(f"block N={N} d {label}", f, r, p, floor=2**-8)
+
+
+def _chain(src, params, ref: bool):
+    """Steps l = 2 .. S of a Full AttnRes stream over `src` (step l reads src[:l]); -> every step's output. `ref`:
+    the PyTorch composition (each step its own graph node, autograd sums the gradients)."""
+    from hybrid_attention.ops.attnres.full_train import attn_res_norm_step
+    from hybrid_attention.ops.attnres.naive import attn_res
+    from hybrid_attention.ops.numerics import rms_norm
+
+    outs, carrier = [], None
+    for (q, kw, nw), l in zip(params, range(2, len(src) + 1), strict=True):
+        if ref:
+            outs.append(rms_norm(attn_res(src[:l], q, kw, 1e-6), nw, 1e-6))
+            continue
+        res = attn_res_norm_step(src[:l], carrier, q, kw, nw, 1e-6, 1e-6, last=l == len(src))
+        x, carrier = (res, None) if l == len(src) else res
+        outs.append(x)
+    return outs
+
+
+@pytest.mark.parametrize("config", ["tuned", *range(5)])
+def test_fused_training_stream_at_model_sizes(config, monkeypatch):
+    """A Full AttnRes stream of 27 sources (the k3-scaled depth) through the chained steps, whose backwards add into
+    one gradient accumulator, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against
+    float64 as the bf16 PyTorch composition; with the tuned launch shapes and with each backward config alone."""
+    from hybrid_attention.ops.attnres import triton_full
+
+    if config != "tuned":
+        tuner = triton_full._full_bwd_kernel
+        if config >= len(tuner.all_configs):
+            pytest.skip(f"the backward has {len(tuner.all_configs)} configs")
+        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config]])
+    S, B, T, D = 27, 1, 2048, 1024
+    g = torch.Generator("cuda").manual_seed(27)
+    src = _sources(S, B, T, D, g)
+    params = [
+        [
+            torch.randn(D, device="cuda", generator=g) * 2 * D**-0.5,
+            *(0.5 + torch.rand(2, D, device="cuda", generator=g)),
+        ]
+        for _ in range(2, S + 1)
+    ]
+    cots = [torch.randn(B, T, D, device="cuda", generator=g) for _ in range(2, S + 1)]
+    results = {}
+    for name, dtype in (("fused", None), ("plain", None), ("ref", torch.float64)):
+        s_in = _leaves([s if dtype is None else s.to(dtype) for s in src])
+        p_in = [_leaves([p if dtype is None else p.to(dtype) for p in ps]) for ps in params]
+        outs = _chain(s_in, p_in, ref=name != "fused")
+        flat = [p for ps in p_in for p in ps]
+        loss = sum((o.double() * c.double()).sum() for o, c in zip(outs, cots, strict=True))
+        results[name] = ([o.detach() for o in outs], torch.autograd.grad(loss, s_in + flat))
+        del outs, s_in, p_in, loss
+    (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]
+    for l, f, p, r in zip(range(2, S + 1), fo, po, ro, strict=True):
+        assert_as_accurate(f"stream step {l} out", f, r, p, floor=2**-8)
+    labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(2, S + 1) for n in "wgn"]
+    for label, f, p, r in zip(labels, fg, pg, rg, strict=True):
+        assert_as_accurate(f"stream d {label}", f, r, p, floor=2**-8)
+
+
+def test_stream_finds_its_pointer_tables_again():
+    """Training repeats the same allocations every step, so a repeated step of a Full AttnRes stream finds every
+    pointer table it needs already built (no host-to-device copy per kernel launch)."""
+    from hybrid_attention.ops.attnres import rows
+    from hybrid_attention.ops.attnres.full_train import attn_res_norm_step
+
+    S, B, T, D = 9, 2, 512, 1024
+    g = torch.Generator("cuda").manual_seed(9)
+    params = [
+        [torch.randn(D, device="cuda", generator=g), *(0.5 + torch.rand(2, D, device="cuda", generator=g))]
+        for _ in range(2, S + 1)
+    ]
+    weights = [torch.randn(D, device="cuda", generator=g).requires_grad_() for _ in range(2, S + 1)]
+
+    def step():
+        src = [torch.randn(B, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()]
+        carrier = None
+        for (q, kw, nw), w, l in zip(params, weights, range(2, S + 1), strict=True):
+            src.append((src[-1] * w).bfloat16())  # a new tensor every step, as a sublayer output is
+            res = attn_res_norm_step(src, carrier, q, kw, nw, last=l == S)
+            x, carrier = (res, None) if l == S else res
+        x.float().square().sum().backward()
+
+    step()
+    step()  # the first steps allocate the weights' gradients; from here on every step allocates alike
+    known = set(rows._tables)
+    step()
+    torch.cuda.synchronize()
+    built = len(set(rows._tables) - known)
+    assert built == 0, f"{built} pointer tables built again on a repeated step"

@@ -1,8 +1,8 @@
-"""Differentiable fused AttnRes for training: Full AttnRes and both Block AttnRes phases, each fused with the RMSNorm
-of the sublayer that reads the mixture, as torch custom ops (fake implementations, registered autograd), so
-`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes.
+"""Differentiable fused Block AttnRes for training: both phases, the second fused with the RMSNorm of the sublayer that
+reads the mixture, as torch custom ops (fake implementations, registered autograd), so
+`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes. (Full AttnRes, one
+AttnRes or a whole stream of them: `full_train.py`.)
 
-- `attn_res_norm_train(sources, ...)`: RMSNorm(AttnRes(sources)), kernels in `triton_full.py`.
 - `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
 - `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
   RMSNorm; kernels for both phases in `triton_block.py`.
@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import as_rows, fused_train_supported
+from hybrid_attention.ops.attnres.rows import as_rows, check_sources, check_vectors
 from hybrid_attention.ops.attnres.triton_block import merge_norm_bwd, merge_norm_fwd, partial_bwd, partial_fwd
-from hybrid_attention.ops.attnres.triton_full import full_bwd, full_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 
 
@@ -33,63 +32,6 @@ def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
 def _distinct_empty(like: Tensor) -> Tensor:
     # Custom op outputs may not alias each other: each placeholder is its own tensor.
     return like.new_empty(0)
-
-
-# ------------------------------------------------------------------------------------------------------ Full AttnRes
-@torch.library.custom_op("hybrid_attention::attn_res_norm_fwd", mutates_args=())
-def _full_fwd_op(
-    sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, eps: float, norm_eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(x [..., D] in the sources' dtype, lse [...], rho [...] in the compute dtype)."""
-    shape = sources[0].shape
-    out, lse, rho = full_fwd(_flat(sources), query, key_weight, norm_weight, eps, norm_eps)
-    return out.view(shape), lse.view(shape[:-1]), rho.view(shape[:-1])
-
-
-@_full_fwd_op.register_fake
-def _(sources, query, key_weight, norm_weight, eps, norm_eps):
-    s0 = sources[0]
-    stat = lambda: s0.new_empty(s0.shape[:-1], dtype=compute_dtype(s0))
-    return torch.empty_like(s0), stat(), stat()
-
-
-@torch.library.custom_op("hybrid_attention::attn_res_norm_bwd", mutates_args=())
-def _full_bwd_op(
-    dout: Tensor, sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, lse: Tensor,
-    rho: Tensor, eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(d sources [S, ..., D], dL/du [D] with u = query * key_weight, d norm_weight [D]); du, dnw in compute dtype."""
-    shape = sources[0].shape
-    dsrc, du, dnw = full_bwd(
-        as_rows(dout).view(-1, shape[-1]), _flat(sources), query, key_weight, norm_weight, lse.view(-1),
-        rho.view(-1), eps,
-    )  # fmt: skip
-    return dsrc.view(len(sources), *shape), du, dnw
-
-
-@_full_bwd_op.register_fake
-def _(dout, sources, query, key_weight, norm_weight, lse, rho, eps):
-    s0 = sources[0]
-    D = s0.shape[-1]
-    return s0.new_empty(len(sources), *s0.shape), lse.new_empty(D), lse.new_empty(D)
-
-
-def _full_setup(ctx, inputs, output):
-    sources, query, key_weight, norm_weight, eps, norm_eps = inputs
-    _, lse, rho = output
-    ctx.save_for_backward(*sources, query, key_weight, norm_weight, lse, rho)
-    ctx.eps = eps
-    ctx.mark_non_differentiable(lse, rho)
-
-
-def _full_backward(ctx, dout, _dlse, _drho):
-    *sources, query, key_weight, norm_weight, lse, rho = ctx.saved_tensors
-    dsrc, du, dnw = _full_bwd_op(dout, sources, query, key_weight, norm_weight, lse, rho, ctx.eps)
-    dq, dkw = (du * key_weight).to(query.dtype), (du * query).to(key_weight.dtype)
-    return list(dsrc.unbind(0)), dq, dkw, dnw.to(norm_weight.dtype), None, None
-
-
-_full_fwd_op.register_autograd(_full_backward, setup_context=_full_setup)
 
 
 # ------------------------------------------------------------------------------------------- Block AttnRes, phase 1
@@ -211,57 +153,6 @@ _merge_fwd_op.register_autograd(_merge_backward, setup_context=_merge_setup)
 
 
 # ----------------------------------------------------------------------------------------------- public functions
-def _check_sources(name: str, sources: Sequence[Tensor]) -> list[Tensor]:
-    if isinstance(sources, Tensor) or len(sources) == 0:
-        raise ValueError(f"{name}: expected a non-empty list of [..., D] tensors, got {type(sources).__name__}")
-    s0 = sources[0]
-    for i, s in enumerate(sources):
-        if s.shape != s0.shape or s.dtype != s0.dtype or s.device != s0.device:
-            raise ValueError(
-                f"{name}: every source must be {s0.dtype} {tuple(s0.shape)} on {s0.device} like source 0, got "
-                f"{s.dtype} {tuple(s.shape)} on {s.device} at {i}"
-            )
-    if not fused_train_supported(s0):
-        raise ValueError(
-            f"{name}: needs triton and CUDA tensors (or CPU tensors with TRITON_INTERPRET=1) of float16, bfloat16 or "
-            f"float32 (float64 under the interpreter) with D <= 16384; got {s0.dtype} {tuple(s0.shape)} on "
-            f"{s0.device}; use the references in ops.attnres.naive"
-        )
-    return [as_rows(s) for s in sources]
-
-
-def _check_vectors(name: str, D: int, **vectors: Tensor) -> None:
-    for label, t in vectors.items():
-        if tuple(t.shape) != (D,):
-            raise ValueError(f"{name}: {label} must have shape [{D}], got {tuple(t.shape)}")
-
-
-def attn_res_norm_train(
-    sources: Sequence[Tensor],
-    query: Tensor,
-    key_weight: Tensor,
-    norm_weight: Tensor,
-    eps: float = 1e-6,
-    norm_eps: float = 1e-6,
-) -> Tensor:
-    """RMSNorm(AttnRes(sources)) in one Triton kernel each way, differentiable in every input.
-
-    Args:
-        sources: S x [B, T, D] (any [..., D]), one dtype and shape, each its own tensor (never stacked).
-        query, key_weight: [D], the AttnRes pseudo-query and key-norm weight; eps is the key norm's epsilon.
-        norm_weight: [D], the weight of the RMSNorm applied to the mixture h (rounded to the sources' dtype first);
-            norm_eps is its epsilon.
-
-    Returns:
-        [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight,
-        norm_eps)` with the math in float32 (float64 for float64 sources).
-    """
-    name = "attn_res_norm_train"
-    sources = _check_sources(name, sources)
-    _check_vectors(name, sources[0].shape[-1], query=query, key_weight=key_weight, norm_weight=norm_weight)
-    return _full_fwd_op(sources, query, key_weight, norm_weight, float(eps), float(norm_eps))[0]
-
-
 def attn_res_partial_train(
     blocks: Sequence[Tensor], queries: Tensor, key_weights: Tensor, eps: float = 1e-6
 ) -> tuple[Tensor, Tensor]:
@@ -276,7 +167,7 @@ def attn_res_partial_train(
         `attn_res_partial(blocks, queries[q], key_weights[q], eps)`.
     """
     name = "attn_res_partial_train"
-    blocks = _check_sources(name, blocks)
+    blocks = check_sources(name, blocks)
     D = blocks[0].shape[-1]
     for label, t in (("queries", queries), ("key_weights", key_weights)):
         if t.dim() != 2 or t.shape[1] != D or t.shape[0] != queries.shape[0] or t.shape[0] == 0:
@@ -310,14 +201,14 @@ def attn_res_merge_norm_train(
     """
     name = "attn_res_merge_norm_train"
     D = out.shape[-1]
-    _check_vectors(name, D, query=query, key_weight=key_weight, norm_weight=norm_weight)
+    check_vectors(name, D, query=query, key_weight=key_weight, norm_weight=norm_weight)
     if out.dtype != compute_dtype(out) or lse.dtype != out.dtype or lse.shape != out.shape[:-1]:
         raise ValueError(
             f"{name}: out and lse must be phase-1 results (float32 or float64, lse [...] for out [..., D]), got "
             f"out {out.dtype} {tuple(out.shape)}, lse {lse.dtype} {tuple(lse.shape)}"
         )
     if partial is not None:
-        _check_sources(name, [partial])
+        check_sources(name, [partial])
         if partial.shape != out.shape or compute_dtype(partial) != out.dtype:
             raise ValueError(
                 f"{name}: partial must be {tuple(out.shape)} with compute dtype {out.dtype}, got "
@@ -326,6 +217,6 @@ def attn_res_merge_norm_train(
     elif dtype is None:
         raise ValueError(f"{name}: without a partial sum, pass dtype (the dtype of h and of the result)")
     else:
-        _check_sources(name, [out])
+        check_sources(name, [out])
     dtype = dtype or partial.dtype
     return _merge_fwd_op(out, lse, partial, query, key_weight, norm_weight, float(eps), float(norm_eps), dtype)[0]

@@ -1,5 +1,6 @@
-"""What the AttnRes training kernels share: the pointer table that lets one kernel read a list of separate source
-tensors (each stored once, never stacked), the compute dtype, and the grid of the row-looping backward kernels.
+"""What the AttnRes training kernels share: the pointer tables that let one kernel read a list of separate source
+tensors (each stored once, never stacked), the compute dtype, the grid of the row-looping backward kernels, and the
+autotuning of their launch shapes.
 
 A kernel reads source i of row m at `table[i] + m * D`: `table` is an int64 tensor of the sources' data pointers,
 cast to a pointer of the sources' element type inside the kernel (works compiled and under the interpreter).
@@ -7,6 +8,8 @@ cast to a pointer of the sources' element type inside the kernel (works compiled
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -16,11 +19,15 @@ from hybrid_attention.ops.triton_support import TRITON_DTYPES, interpreting, tri
 try:
     import triton
     import triton.language as tl
+
+    from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS
 except ImportError:  # the reference path still works
     triton = None
 
 MAX_ROW = 16384  # widest D held in registers: every training kernel keeps whole rows (our models use 1024)
+MAX_TILE = 8192  # most elements of one [BLOCK_S, BLOCK_D] source tile a tuned config may hold
 BWD_PROGRAMS_PER_SM = 4  # backward programs loop over rows to sum parameter gradients in registers
+TABLE_CACHE = 1024  # pointer tables kept: a training step asks for the same ones every step
 
 
 def fused_train_supported(x: torch.Tensor) -> bool:
@@ -33,6 +40,33 @@ def fused_train_supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and interpreting() and (x.dtype in TRITON_DTYPES or x.dtype == torch.float64)
 
 
+def check_sources(name: str, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The sources as a list of contiguous tensors, after checking that they are one or more [..., D] tensors of one
+    shape, dtype and device that the kernels can take (`fused_train_supported`)."""
+    if isinstance(sources, torch.Tensor) or len(sources) == 0:
+        raise ValueError(f"{name}: expected a non-empty list of [..., D] tensors, got {type(sources).__name__}")
+    s0 = sources[0]
+    for i, s in enumerate(sources):
+        if s.shape != s0.shape or s.dtype != s0.dtype or s.device != s0.device:
+            raise ValueError(
+                f"{name}: every source must be {s0.dtype} {tuple(s0.shape)} on {s0.device} like source 0, got "
+                f"{s.dtype} {tuple(s.shape)} on {s.device} at {i}"
+            )
+    if not fused_train_supported(s0):
+        raise ValueError(
+            f"{name}: needs triton and CUDA tensors (or CPU tensors with TRITON_INTERPRET=1) of float16, bfloat16 or "
+            f"float32 (float64 under the interpreter) with D <= {MAX_ROW}; got {s0.dtype} {tuple(s0.shape)} on "
+            f"{s0.device}; use the references in ops.attnres.naive"
+        )
+    return [as_rows(s) for s in sources]
+
+
+def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
+    for label, t in vectors.items():
+        if tuple(t.shape) != (D,):
+            raise ValueError(f"{name}: {label} must have shape [{D}], got {tuple(t.shape)}")
+
+
 def compute_tl_dtype(dtype: torch.dtype):
     """float64 math for float64 tensors (interpreter tests), float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -43,25 +77,45 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [S] of data pointers on the tensors' device. On CUDA the copy goes through pinned memory without
-    blocking the host (a pageable copy would wait for the device)."""
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    device = tensors[0].device
-    if device.type != "cuda":
-        return ptrs
-    return ptrs.pin_memory().to(device, non_blocking=True)
+    """int64 [S] of the tensors' data pointers, on their device.
+
+    Tables are kept by their contents (device and pointers), least recently used dropped first: a training step
+    allocates its activations at the same addresses every step, so after the first step no table is built and no
+    copy is made. A new one goes through pinned memory without blocking the host (a pageable copy would wait for
+    the device). A table only holds addresses, so one found by its contents is always the right one.
+    """
+    key = (tensors[0].get_device(), *(t.data_ptr() for t in tensors))
+    table = _tables.get(key)
+    if table is not None:
+        _tables.move_to_end(key)
+        return table
+    table = torch.tensor(key[1:], dtype=torch.int64)
+    if tensors[0].is_cuda:
+        table = table.pin_memory().to(tensors[0].device, non_blocking=True)
+    _tables[key] = table
+    if len(_tables) > TABLE_CACHE:
+        _tables.popitem(last=False)
+    return table
 
 
-def row_programs(M: int, device: torch.device) -> int:
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def row_programs(M: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
     """Programs for a backward kernel over M rows: enough to fill the GPU, few enough that the per-program partial
     parameter gradients [programs, D] stay small."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(M, BWD_PROGRAMS_PER_SM * sms))
+        return max(1, min(M, per_sm * _sm_count(device.index)))
     return max(1, min(M, 4))
 
 
+@functools.cache
 def split_scalar(x: float) -> tuple[float, float]:
     """x as hi + lo, two float32 kernel arguments: float64 kernels (interpreter tests) add them back and see x to
     about 48 bits, where one float32 argument would round an epsilon by 1e-8 relative (visible at small norms)."""
@@ -69,5 +123,44 @@ def split_scalar(x: float) -> tuple[float, float]:
     return hi, float(x) - hi
 
 
+def next_power_of_2(n: int) -> int:
+    """Plain Python (triton.next_power_of_2 is a jit function, slow to call from the host for every launch)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def block_d(D: int) -> int:
-    return triton.next_power_of_2(D)
+    return next_power_of_2(D)
+
+
+def source_bucket(S: int) -> int:
+    """The autotuning key for S sources: the next power of two (a few tunings per model, not one per depth)."""
+    return next_power_of_2(S)
+
+
+def tuned_over_sources(configs: list[tuple[int, int]], restore_value: Sequence[str] = ()):
+    """triton.autotune over (BLOCK_S, num_warps) configs, keyed by D and the source bucket `S_BUCKET`.
+
+    Configs whose tile exceeds MAX_TILE or whose BLOCK_S exceeds the bucket are dropped at tuning time (when none
+    is left, the one with the smallest BLOCK_S runs). Only the first config runs under the interpreter (it would
+    time them all, slowly); every config stays listed in the tuner's `all_configs`, so tests can run each one
+    alone. `restore_value`: arguments a kernel updates in place, restored after each timing run.
+    """
+    all_configs = [triton.Config({"BLOCK_S": bs}, num_warps=w) for bs, w in configs]
+
+    def prune(configs, named_args, **kwargs):
+        bucket, width = named_args["S_BUCKET"], kwargs["BLOCK_D"]
+        keep = [c for c in configs if c.kwargs["BLOCK_S"] <= bucket and c.kwargs["BLOCK_S"] * width <= MAX_TILE]
+        return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_S"])]
+
+    def decorate(fn):
+        tuner = triton.autotune(
+            configs=all_configs[:1] if interpreting() else all_configs,
+            key=["D", "S_BUCKET"],
+            prune_configs_by={"early_config_prune": prune},
+            restore_value=list(restore_value),
+            **AUTOTUNE_OPTIONS,
+        )(fn)
+        tuner.all_configs = all_configs
+        return tuner
+
+    return decorate

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs, split_scalar
+from hybrid_attention.ops.attnres.rows import (
+    block_d,
+    compute_tl_dtype,
+    next_power_of_2,
+    pointer_table,
+    row_programs,
+    split_scalar,
+)
 
 try:
     import triton
@@ -243,7 +250,7 @@ def partial_fwd(blocks, queries, key_weights, eps):
     out = torch.empty(Q, M, D, device=blocks[0].device, dtype=cdt)
     lse = torch.empty(Q, M, device=blocks[0].device, dtype=cdt)
     if M > 0:
-        bq, bd = triton.next_power_of_2(Q), block_d(D)
+        bq, bd = next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
             pointer_table(blocks), blocks[0], queries, key_weights, out, lse, N, Q, M, D, *split_scalar(eps),
             CDT=compute_tl_dtype(cdt), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
@@ -258,7 +265,7 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
     programs = row_programs(M, dout.device)
     du = torch.empty(programs, Q, D, device=dout.device, dtype=out.dtype)
     if M > 0:
-        bq, bd = triton.next_power_of_2(Q), block_d(D)
+        bq, bd = next_power_of_2(Q), block_d(D)
         _partial_bwd_kernel[(programs,)](
             pointer_table(blocks), blocks[0], queries, key_weights, out, lse, dout, dlse, dblk, du, N, Q, M, D,
             *split_scalar(eps), CDT=compute_tl_dtype(out.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),

@@ -5,16 +5,26 @@
 
 The sources are separate [M, D] tensors read through a pointer table (`rows.pointer_table`), never stacked. The
 forward keeps two numbers per row, lse = logsumexp(z) and rho; the backward recomputes z, p and h from the
-sources (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes every source's gradient and sums
-u's. One program per row in the forward; in the backward each program loops over rows so that the gradients of
-u and of the norm weight are summed in registers, one partial row per program.
+sources (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 adds every source's gradient into a
+gradient accumulator [S, M, D] in place (or writes it, for the first backward to reach it), so that the AttnRes of a
+whole residual stream sum each source's gradient in one buffer. One program per row in the forward; in the backward
+each program loops over rows so that the gradients of u and of the norm weight are summed in registers, one
+partial row per program, and a last small kernel sums the partial rows in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import block_d, compute_tl_dtype, pointer_table, row_programs, split_scalar
+from hybrid_attention.ops.attnres.rows import (
+    block_d,
+    compute_tl_dtype,
+    pointer_table,
+    row_programs,
+    source_bucket,
+    split_scalar,
+    tuned_over_sources,
+)
 
 try:
     import triton
@@ -22,7 +32,10 @@ try:
 except ImportError:  # the reference path still works
     triton = None
 
-TILE = 4096  # elements of one [BLOCK_S, BLOCK_D] source tile: 4 sources of 1024 at a time
+PARAM_BLOCK = 256  # columns per program of the parameter-gradient sum
+# Backward programs per SM: more than fit at once, so that a config with fewer registers per program keeps more in
+# flight; the rest wait for a free slot (every program has the same number of rows).
+FULL_BWD_PROGRAMS_PER_SM = 8
 
 
 if triton is not None:
@@ -33,6 +46,8 @@ if triton is not None:
         w = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT)
         return w * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(CDT)
 
+    # (BLOCK_S, num_warps); the first is the one the interpreter runs.
+    @tuned_over_sources([(4, 4), (2, 4), (8, 4), (2, 2), (4, 8), (8, 8)])
     @triton.jit
     def _full_fwd_kernel(
         table,  # int64 [S]: data pointers of the S sources, each [M, D] contiguous
@@ -41,14 +56,15 @@ if triton is not None:
         key_w,  # [D]
         norm_w,  # [D]
         out,  # [M, D], the sources' dtype
-        lse_ptr,  # [M] compute dtype
-        rho_ptr,  # [M] compute dtype
+        stats,  # [2, M] compute dtype: lse, then rho
+        M,
         S,
         D,
         eps,
         eps_lo,
         norm_eps,
         norm_eps_lo,
+        S_BUCKET,  # autotuning key only
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -82,9 +98,11 @@ if triton is not None:
         rho = tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         tl.store(out + row * D + offs_d, (h * rho * nw).to(out.dtype.element_ty), mask=d_ok)
-        tl.store(lse_ptr + row, run_max + tl.log(run_sum))
-        tl.store(rho_ptr + row, rho)
+        tl.store(stats + row, run_max + tl.log(run_sum))
+        tl.store(stats + M + row, rho)
 
+    # The accumulator is restored after each timing run: the kernel adds into it.
+    @tuned_over_sources([(4, 4), (2, 4), (2, 8), (4, 8), (8, 8)], restore_value=["acc"])
     @triton.jit
     def _full_bwd_kernel(
         table,  # int64 [S] source pointers, as in the forward
@@ -93,9 +111,8 @@ if triton is not None:
         key_w,
         norm_w,
         dout,  # [M, D] gradient of the output (the sources' dtype)
-        lse_ptr,  # [M]
-        rho_ptr,  # [M]
-        dsrc,  # [S, M, D] gradients of the sources (the sources' dtype)
+        stats,  # [2, M]: lse, rho
+        acc,  # [S, M, D] gradients of the sources (the sources' dtype), added to in place when ACCUMULATE
         du_part,  # [programs, D] partial sums of dL/du
         dnw_part,  # [programs, D] partial sums of dL/d norm_weight
         M,
@@ -103,6 +120,8 @@ if triton is not None:
         D,
         eps,
         eps_lo,
+        S_BUCKET,  # autotuning key only
+        ACCUMULATE: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -118,8 +137,8 @@ if triton is not None:
         dnw_acc = tl.zeros([BLOCK_D], CDT)
         for row in range(pid, M, tl.num_programs(0)):
             base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
-            lse = tl.load(lse_ptr + row).to(CDT)
-            rho = tl.load(rho_ptr + row).to(CDT)
+            lse = tl.load(stats + row).to(CDT)
+            rho = tl.load(stats + M + row).to(CDT)
             dx = tl.load(dout + base + offs_d, mask=d_ok, other=0.0).to(CDT)
             # Pass 1: h = sum_i p_i v_i from the saved lse.
             h = tl.zeros([BLOCK_D], CDT)
@@ -142,6 +161,7 @@ if triton is not None:
                 s_ok = s0 + offs_s < S
                 ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))
                 mask = s_ok[:, None] & d_ok[None, :]
+                slot = (s0 + offs_s).to(tl.int64)[:, None] * M * D + base + offs_d[None, :]
                 v = tl.load(ptr[:, None] + base + offs_d[None, :], mask=mask, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
                 dot_u = tl.sum(v * u[None, :], axis=1)
@@ -149,52 +169,79 @@ if triton is not None:
                 dz = p * (tl.sum(v * dh[None, :], axis=1) - c)
                 dv = p[:, None] * dh[None, :] + (dz * r)[:, None] * u[None, :]
                 dv -= (dz * r * r * r * dot_u / D)[:, None] * v
-                slot = (s0 + offs_s).to(tl.int64)[:, None] * M * D + base + offs_d[None, :]
-                tl.store(dsrc + slot, dv.to(dsrc.dtype.element_ty), mask=mask)
+                if ACCUMULATE:
+                    dv += tl.load(acc + slot, mask=mask, other=0.0).to(CDT)
+                tl.store(acc + slot, dv.to(acc.dtype.element_ty), mask=mask)
                 du_acc += tl.sum((dz * r)[:, None] * v, axis=0)
         tl.store(du_part + pid * D + offs_d, du_acc, mask=d_ok)
         tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
 
-
-def _launch_shape(S: int, D: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCK_D, num_warps): whole rows, a few sources per tile. 4 warps up to D = 1024 both ways: the
-    backward holds several rows' worth of registers, and 8 warps halve how many programs an SM keeps in flight."""
-    bd = block_d(D)
-    bs = max(1, min(triton.next_power_of_2(S), TILE // bd))
-    return bs, bd, 4 if bd <= 1024 else 8
+    @triton.jit
+    def _param_grads_kernel(
+        du_part,  # [P, D] partial sums of dL/du
+        dnw_part,  # [P, D] partial sums of dL/d norm_weight
+        query,  # [D]
+        key_w,  # [D]
+        grads,  # [3, D]: d query = du * key_w, d key_w = du * query, d norm_weight
+        P,
+        D,
+        BLOCK_P: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_p = tl.arange(0, BLOCK_P)
+        du = tl.zeros([BLOCK_D], du_part.dtype.element_ty)
+        dnw = tl.zeros([BLOCK_D], du_part.dtype.element_ty)
+        for p0 in range(0, P, BLOCK_P):
+            mask = (p0 + offs_p < P)[:, None] & d_ok[None, :]
+            at = (p0 + offs_p)[:, None] * D + offs_d[None, :]
+            du += tl.sum(tl.load(du_part + at, mask=mask, other=0.0), axis=0)
+            dnw += tl.sum(tl.load(dnw_part + at, mask=mask, other=0.0), axis=0)
+        w = tl.load(query + offs_d, mask=d_ok, other=0.0).to(du.dtype)
+        gamma = tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(du.dtype)
+        out_ty = grads.dtype.element_ty
+        tl.store(grads + offs_d, (du * gamma).to(out_ty), mask=d_ok)
+        tl.store(grads + D + offs_d, (du * w).to(out_ty), mask=d_ok)
+        tl.store(grads + 2 * D + offs_d, dnw.to(out_ty), mask=d_ok)
 
 
 def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
-    """sources: S x [M, D] contiguous, one dtype -> (x [M, D] in that dtype, lse [M], rho [M] in compute dtype)."""
-    S, (M, D) = len(sources), sources[0].shape
-    cdt = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
-    out = torch.empty_like(sources[0])
-    lse = torch.empty(M, device=out.device, dtype=cdt)
-    rho = torch.empty(M, device=out.device, dtype=cdt)
-    if M == 0:
-        return out, lse, rho
-    bs, bd, warps = _launch_shape(S, D)
-    _full_fwd_kernel[(M,)](
-        pointer_table(sources), sources[0], query, key_weight, norm_weight, out, lse, rho, S, D,
-        *split_scalar(eps), *split_scalar(norm_eps), CDT=compute_tl_dtype(out.dtype), BLOCK_S=bs, BLOCK_D=bd,
-        num_warps=warps,
-    )  # fmt: skip
-    return out, lse, rho
-
-
-def full_bwd(dout, sources, query, key_weight, norm_weight, lse, rho, eps):
-    """-> (d sources [S, M, D] in the sources' dtype, du [D] = dL/d(query * key_weight), d norm_weight [D]);
-    du and d norm_weight in the compute dtype."""
-    S, (M, D) = len(sources), sources[0].shape
-    dsrc = torch.empty(S, M, D, device=dout.device, dtype=sources[0].dtype)
-    programs = row_programs(M, dout.device)
-    du = torch.empty(programs, D, device=dout.device, dtype=lse.dtype)
-    dnw = torch.empty(programs, D, device=dout.device, dtype=lse.dtype)
+    """sources: S x [..., D] contiguous, one dtype and shape -> (x [..., D] in that dtype, stats [2, ...] in the
+    compute dtype: lse, then rho)."""
+    s0 = sources[0]
+    D = s0.shape[-1]
+    M = s0.numel() // D if D else 0
+    cdt = torch.float64 if s0.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(s0)
+    stats = torch.empty(2, *s0.shape[:-1], device=s0.device, dtype=cdt)
     if M > 0:
-        bs, bd, warps = _launch_shape(S, D)
-        _full_bwd_kernel[(programs,)](
-            pointer_table(sources), sources[0], query, key_weight, norm_weight, dout, lse, rho, dsrc, du, dnw,
-            M, S, D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_S=bs, BLOCK_D=bd,
-            num_warps=warps,
+        S = len(sources)
+        _full_fwd_kernel[(M,)](
+            pointer_table(sources), s0, query, key_weight, norm_weight, out, stats, M, S, D, *split_scalar(eps),
+            *split_scalar(norm_eps), source_bucket(S), CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
         )  # fmt: skip
-    return dsrc, du.sum(0), dnw.sum(0)
+    return out, stats
+
+
+def full_bwd_(dout, sources, acc, query, key_weight, norm_weight, stats, eps, accumulate):
+    """Adds (accumulate) or writes the gradient of every source into acc [S, ..., D] (the sources' dtype) and
+    returns [3, D] in the query's dtype: the gradients of query, key_weight and norm_weight."""
+    s0 = sources[0]
+    S, D = len(sources), s0.shape[-1]
+    M = s0.numel() // D if D else 0
+    cdt = stats.dtype
+    programs = row_programs(M, s0.device, FULL_BWD_PROGRAMS_PER_SM)
+    part = torch.empty(2, programs, D, device=s0.device, dtype=cdt)
+    grads = torch.empty(3, D, device=s0.device, dtype=query.dtype)
+    if M == 0:
+        return grads.zero_()
+    _full_bwd_kernel[(programs,)](
+        pointer_table(sources), s0, query, key_weight, norm_weight, dout, stats, acc, part[0], part[1], M, S, D,
+        *split_scalar(eps), source_bucket(S), ACCUMULATE=accumulate, CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+    )  # fmt: skip
+    bd = min(PARAM_BLOCK, block_d(D))
+    _param_grads_kernel[(-(-D // bd),)](
+        part[0], part[1], query, key_weight, grads, programs, D, BLOCK_P=8, BLOCK_D=bd, num_warps=4
+    )
+    return grads
