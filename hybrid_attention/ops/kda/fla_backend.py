@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 
 INSTALL_HINT = 'pip install "hybrid-attention[fla]" (fla-core==0.6.0)'
 
@@ -59,7 +59,7 @@ def chunk_kda_fla(
         v,
         g,
         beta,
-        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        scale=resolve_scale(scale, q.shape[-1], name="chunk_kda[fla]"),
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int64),
