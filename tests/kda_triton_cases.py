@@ -123,7 +123,7 @@ def round_bfloat16_like_the_gpu(monkeypatch) -> None:
 
 
 def autotuned_kernels() -> dict:
-    """Every autotuned KDA kernel by name (the output pass runs only with HA_KDA_SPLIT_OUTPUT=1); each tuner lists
+    """Every autotuned KDA kernel by name (the output pass runs only when `split_output` says so); each tuner lists
     its configs in `all_configs`."""
     from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
 
@@ -137,13 +137,30 @@ def autotuned_kernels() -> dict:
     }
 
 
+def force_output_pass(monkeypatch, split: bool) -> None:
+    """Compute O inside the state walk (split False) or in the separate output pass (True), whatever the size."""
+    from hybrid_attention.ops.kda import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "split_output", lambda pairs: split)
+
+
 def force_config(monkeypatch, kernel: str, index: int):
     """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with the output
     pass on when that kernel is the output pass; returns the config."""
     tuner = autotuned_kernels()[kernel]
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
+    if kernel == "output":
+        force_output_pass(monkeypatch, True)
     return tuner.all_configs[index]
+
+
+def same_arithmetic(kernel: str, index: int) -> bool:
+    """Whether config `index` of `kernel` differs from its first only in pipeline stages, which reorder loads but no
+    arithmetic: its results must then be bit-identical. Tiles and warp counts change how reductions and dots are
+    split over threads, so their rounding may differ (a choice the tuner makes once and keeps on disk)."""
+    configs = autotuned_kernels()[kernel].all_configs
+    a, b = configs[0], configs[index]
+    return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
 
 # Every config but the first of every autotuned kernel (the first runs in all other tests). Empty without triton,

@@ -23,6 +23,7 @@ from tests.kda_triton_cases import (
     CONFIG_CASES,
     changed_after,
     force_config,
+    force_output_pass,
     make_inputs,
     poison_torch_empty,
     reference_kda,
@@ -43,7 +44,7 @@ TOL32 = 1e-5  # float32 paths: a few float32 ulps of the outputs' scale
 @pytest.fixture(params=["walk", "split"])
 def output_pass(request, monkeypatch):
     """The forward's output computed inside the state walk, or in the separate per-chunk output pass."""
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if request.param == "split" else "0")
+    force_output_pass(monkeypatch, request.param == "split")
     return request.param
 
 
@@ -95,11 +96,13 @@ def test_fused_gate_and_l2norm(K):
     compare(make_inputs(1, 40, 2 if K == 16 else 1, K, 16, gate=True, l2norm=True, seed=4), TOL32, TOL32, l2norm=True)
 
 
-@pytest.mark.parametrize("k_tile", ["16", "128"])
-def test_backward_k_tile_knob(monkeypatch, k_tile):
-    # HA_KDA_DQKG_BK sets the K tile of the dq/dk/dg kernel: 16 gives five tiles at K = 80, 128 one masked tile
-    # (and the l2norm backward fused into that kernel); both must match the reference like the default.
-    monkeypatch.setenv("HA_KDA_DQKG_BK", k_tile)
+@pytest.mark.parametrize("k_tile", [16, 128])
+def test_backward_k_tile(monkeypatch, k_tile):
+    # DQKG_BK is the K tile of the dq/dk/dg kernel: 16 gives five tiles at K = 80, 128 one masked tile (and the
+    # l2norm backward fused into that kernel); both must match the reference like the default.
+    from hybrid_attention.ops.kda import triton_bwd_chunk
+
+    monkeypatch.setattr(triton_bwd_chunk, "DQKG_BK", k_tile)
     compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)
 
 
@@ -156,34 +159,11 @@ def test_softplus_gate_in_the_kernels(l2norm):
     compare(inputs, TOL32, TOL32, grad_tols={"g": 5e-5}, l2norm=l2norm, form="softplus")
 
 
-def test_split_output_knob_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "yes")
-    q, k, v, g, beta = make_inputs(1, 8, 1, 16, 16, h0=False)[:5]
-    with pytest.raises(ValueError, match="HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto"):
-        chunk_kda_triton(q, k, v, g, beta)
-
-
-@pytest.mark.parametrize(
-    "mode, pairs, split",
-    [("auto", 32, True), ("auto", 33, False), ("0", 1, False), ("1", 4096, True), (None, 32, True), (None, 64, False)],
-)
-def test_split_output_choice(monkeypatch, mode, pairs, split):
-    """None: the variable unset, which means auto."""
+@pytest.mark.parametrize("pairs, split", [(1, True), (32, True), (33, False), (4096, False)])
+def test_split_output_choice(pairs, split):
     from hybrid_attention.ops.kda.triton_fwd import split_output
 
-    if mode is None:
-        monkeypatch.delenv("HA_KDA_SPLIT_OUTPUT", raising=False)
-    else:
-        monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", mode)
     assert split_output(pairs) is split
-
-
-def test_backward_k_tile_knob_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("HA_KDA_DQKG_BK", "48")
-    q, k, v, g, beta = (x.requires_grad_() for x in make_inputs(1, 8, 1, 16, 16, h0=False)[:5])
-    o, _ = chunk_kda_triton(q, k, v, g, beta)
-    with pytest.raises(ValueError, match="HA_KDA_DQKG_BK must be one of"):
-        o.sum().backward()
 
 
 @pytest.mark.parametrize("used", ["state", "output"])

@@ -33,6 +33,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     seq_info,
     state_slice,
+    store_rows,
     store_state,
     store_tile,
     tuning_width,
@@ -121,7 +122,7 @@ def _score_grad_kernel(
     dL = tl.where(r[:, None] > r[None, :], -dm_acc, 0.0)
     # beta's parts from v (above) and from L = Diag(beta) Akk: d beta_t += sum_i dL[t, i] Akk[t, i]
     dbv += tl.sum(dL * load_lower(akk + h.to(tl.int64) * T_tot * 64, t0, nv), 1)
-    tl.store(dbeta + (t0 + r) * H + h, dbv, mask=r < nv)
+    store_rows(dbeta + h, dbv, t0, nv, H, 64)
     # The q/k/g kernel multiplies dAqk and dAkk = Diag(beta) dL as dot operands: stored in that dtype.
     below = r[:, None] >= r[None, :]
     daq_h = daq + h.to(tl.int64) * T_tot * 64

@@ -13,13 +13,11 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads).
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
-row: when one K tile holds the row (K <= the tile, HA_KDA_DQKG_BK, 64 by default) it is done here, otherwise dq, dk
+row: when one K tile holds the row (K <= DQKG_BK) it is done here, otherwise dq, dk
 leave this kernel in float32 and a small row kernel finishes them.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -44,8 +42,13 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_tile,
     mm,
     rows_or_one,
+    store_rows,
     store_tile,
 )
+
+# K tile of the dq/dk/dg kernel (a power of two, 16 to 256): 32 spills no registers, but 64 halves the number of
+# latency-bound programs and wins (docs/kernels.md); the l2norm backward runs inside it for K <= DQKG_BK.
+DQKG_BK = 64
 
 
 @triton.jit
@@ -215,7 +218,7 @@ def _dqkg_kernel(
         tl.store(dbias + part, tl.sum(dz, 0), mask=cm)
         dgl = dz
     db = -tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T)) (its Akk part: stage 2)
-    tl.store(dbeta + (ik + 1).to(tl.int64) * T_tot * H + (t0 + r) * H + h, db, mask=r < nv)
+    store_rows(dbeta + (ik + 1).to(tl.int64) * T_tot * H + h, db, t0, nv, H, 64)
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dk + h * K, _l2_back(dk_s + pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dg + h * K, dgl, t0, nv, sk, kk, K, 64, BK)
@@ -245,13 +248,6 @@ def _l2norm_bwd(x, rstd, dy):
     return dx
 
 
-def _dqkg_k_tile() -> int:
-    value = os.environ.get("HA_KDA_DQKG_BK", "64")
-    if value not in ("16", "32", "64", "128", "256"):
-        raise ValueError(f"HA_KDA_DQKG_BK must be one of 16, 32, 64, 128, 256, got {value!r}")
-    return int(value)
-
-
 def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound,
             gate, l2norm):  # fmt: skip
     """All three backward stages. do [B, T, H, V], dht [N, H, K, V] f32 or None; inputs as `kda_fwd`.
@@ -272,9 +268,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
     dh0, dhbuf, dvnew = state_bwd(saved, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
 
-    # K tile of the dq/dk/dg kernel (tuning knob HA_KDA_DQKG_BK, 16 to 256): 32 spills no registers, but 64 halves
-    # the number of latency-bound programs and measures 1.4x faster on an H200 (docs/kernels.md).
-    BK = min(_dqkg_k_tile(), max(16, triton.next_power_of_2(K)))
+    BK = min(DQKG_BK, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
     f32 = torch.float32
     dbeta = empty(q, NK + 1, T_tot, H, dtype=f32)

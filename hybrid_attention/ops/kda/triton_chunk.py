@@ -22,7 +22,7 @@ from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
 from hybrid_attention.ops.triton_support import triton_runs_on
 
-_SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "first", "rq", "rk", "h", "vnew")
+_SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew")
 _NAME = "chunk_kda[triton]"
 FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the op's schema needs the count
 

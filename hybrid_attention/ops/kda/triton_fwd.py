@@ -17,8 +17,6 @@ parallel. Both ways multiply the same rounded operands (the dots round S and D t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -44,15 +42,6 @@ from hybrid_attention.ops.kda.triton_utils import (
 )
 
 
-@triton.jit
-def _causal_out(qs, At, D, fb, IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
-    """O = qg S + Aqk D with the rows of D from fb on (the first token with a non-finite input) taken as zero and
-    those rows of O as NaN: the lower triangular Aqk then never multiplies a later row's NaN into an earlier row."""
-    keep = (tl.arange(0, 64) < fb)[:, None]
-    O = qs + mm(At, tl.where(keep, D, 0.0), IO, PREC, EMU)
-    return tl.where(keep, O, float("nan"))
-
-
 # Wide V tiles with few stages suit many (sequence, head) pairs; with few pairs the pass is as long as one program's
 # walk and narrow tiles with deeper pipelining (loads two chunks ahead) win.
 # WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
@@ -63,7 +52,7 @@ def _causal_out(qs, At, D, fb, IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.con
 )
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_fwd_kernel(
-    w, u, qg, kg, aqk, glast, first, h0,  # prep outputs; h0 [N, H, K, V] float32
+    w, u, qg, kg, aqk, glast, h0,  # prep outputs; h0 [N, H, K, V] float32
     o, ht, hbuf, vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
     cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only (see above)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -96,7 +85,7 @@ def _state_fwd_kernel(
         if OUT:
             Qt = load_raw(qg_h, t0, nv, K, 0, K, 64, BK)
             At = load_lower(a_h, t0, nv)
-            O = _causal_out(mm(Qt, S, IO, PREC, EMU), At, D, tl.load(first + cj * H + h), IO, PREC, EMU)
+            O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
             store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
         Kt = load_raw(kg_h, t0, nv, K, 0, K, 64, BK)
         S = S * tl.exp2(chunk_decay(glast, cj, h, H, K, BK))[:, None] + mm(tl.trans(Kt), D, IO, PREC, EMU)
@@ -107,7 +96,7 @@ def _state_fwd_kernel(
 @autotune([{"BV": 64}, {"BV": 128}], [(4, 2), (8, 2)], ["K", "V"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _output_kernel(
-    qg, aqk, hbuf, vnew, first, o,  # qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]
+    qg, aqk, hbuf, vnew, o,  # qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]
     cu, chunk_seq, chunk_tok, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
     IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
@@ -124,18 +113,14 @@ def _output_kernel(
     Qt = load_raw(qg + h.to(tl.int64) * T_tot * K, t0, nv, K, 0, K, 64, BK)
     At = load_lower(aqk + h.to(tl.int64) * T_tot * 64, t0, nv)
     D = load_raw(vnew + h.to(tl.int64) * T_tot * V, t0, nv, V, iv * BV, V, 64, BV)
-    O = _causal_out(mm(Qt, S, IO, PREC, EMU), At, D, tl.load(first + c * H + h), IO, PREC, EMU)
+    O = mm(Qt, S, IO, PREC, EMU) + mm(At, D, IO, PREC, EMU)
     store_tile(o + h * V, O, t0, nv, H * V, iv * BV, V, 64, BV)
 
 
 def split_output(pairs: int) -> bool:
-    """Whether the forward computes O in the separate output pass: HA_KDA_SPLIT_OUTPUT=1 always, 0 never, "auto"
-    (the default) for at most 32 (sequence, head) pairs, where the walk is long and its programs few; with many pairs
-    the walk's programs already fill the GPU."""
-    mode = os.environ.get("HA_KDA_SPLIT_OUTPUT", "auto")
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto, got {mode!r}")
-    return mode == "1" or (mode == "auto" and tuning_width(pairs) <= 32)
+    """Whether the forward computes O in the separate output pass: for at most 32 (sequence, head) pairs, where the
+    walk is long and its programs few; with more pairs the walk's programs already fill the GPU."""
+    return tuning_width(pairs) <= 32
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -158,7 +143,6 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
         "tm": empty(q, H, T_tot, 64, dtype=io),  # also a scratch of the prep kernel when not saving
         "akk": empty(q, H, T_tot, 64, dtype=io) if save else none(),
         "glast": empty(q, n_chunks, H, K, dtype=f32),
-        "first": empty(q, n_chunks, H, dtype=torch.int32),  # first row with a non-finite input, 64 for none
         "rq": empty(q, T_tot, H, dtype=f32) if l2norm else none(),  # 1 / ||q||, also read back inside the prep
         "rk": empty(q, T_tot, H, dtype=f32) if l2norm else none(),
         "h": empty(q, n_chunks, H, K, V, dtype=io) if save else none(),
@@ -200,7 +184,7 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     BK = max(16, triton.next_power_of_2(K))
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), layout.n_seq, H)
     _state_fwd_kernel[grid](
-        saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"], saved["first"],
+        saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"],
         none if h0 is None else h0, o, ht, hbuf, vnew,
         cu, chunk_off, Tn, NT, T_tot, width,
         H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, HAS_H0=h0 is not None,
@@ -209,7 +193,7 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     if split:
         grid = lambda meta: (layout.n_chunks, H, triton.cdiv(V, meta["BV"]))
         _output_kernel[grid](
-            saved["qg"], saved["aqk"], hbuf, vnew, saved["first"], o, cu, chunk_seq, chunk_tok, Tn, NT, T_tot,
+            saved["qg"], saved["aqk"], hbuf, vnew, o, cu, chunk_seq, chunk_tok, Tn, NT, T_tot,
             H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, IO=io, PREC=prec, EMU=emu,
         )  # fmt: skip
     del saved["u"]

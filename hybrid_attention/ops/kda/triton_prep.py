@@ -26,6 +26,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
     SHIFT,
     WIDE,
+    all_finite,
     autotune,
     chunk_info,
     empty,
@@ -40,6 +41,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     mm32,
     rows_or_one,
+    store_rows,
     store_tile,
     tril,
 )
@@ -119,7 +121,7 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk, akk, first,  # outputs (see the module docstring)
+    w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
     ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L
     cu, chunk_seq, chunk_tok,
     scale, lower_bound, T, NT, T_tot,
@@ -257,15 +259,14 @@ def _prep_kernel(
         rk1 = _rstd(ssk1)
         rk2 = _rstd(ssk2)
         rk3 = _rstd(ssk3)
-        r16 = tl.arange(0, 16)
-        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
-        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
-        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
-        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
-        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
-        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
-        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
-        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
+        store_rows(rq + h, rq0, t0, n0, H, 16)
+        store_rows(rq + h, rq1, t0 + 16, n1, H, 16)
+        store_rows(rq + h, rq2, t0 + 32, n2, H, 16)
+        store_rows(rq + h, rq3, t0 + 48, n3, H, 16)
+        store_rows(rk + h, rk0, t0, n0, H, 16)
+        store_rows(rk + h, rk1, t0 + 16, n1, H, 16)
+        store_rows(rk + h, rk2, t0 + 32, n2, H, 16)
+        store_rows(rk + h, rk3, t0 + 48, n3, H, 16)
         aq00, ak00 = _norm_pair(aq00, ak00, rq0, rk0, rk0)
         aq10, ak10 = _norm_pair(aq10, ak10, rq1, rk1, rk0)
         aq11, ak11 = _norm_pair(aq11, ak11, rq1, rk1, rk1)
@@ -352,42 +353,45 @@ def _prep_kernel(
     b = load_rows(beta + h, t0, n0, H, 64)
     r = tl.arange(0, 64)
 
+    # ---- U = T Diag(beta) v, per V tile ----
+    # From fb_all, the first row with a non-finite k, g, beta or v (v per V tile: x is v scaled by beta), W and U
+    # hold zeros, so D = U - W S is finite and the lower triangular Aqk multiplies only finite rows into earlier
+    # ones; the NaN goes into qg (the outputs from that row on) and Gam (the state after the chunk) instead.
+    u_h = u + h.to(tl.int64) * T_tot * V
+    fb_all = fb
+    for vv in range(0, V, BV):
+        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
+        fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
+        keep = (r < fv)[:, None]
+        ut = mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU)
+        store_tile(u_h, tl.where(keep, ut, 0.0), t0, n0, V, vv, V, 64, BV)
+        fb_all = tl.minimum(fb_all, fv)
+
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
+    good = (r < fb_all)[:, None]
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
-        store_tile(qg_h, qn * e * scale, t0, n0, K, kk, K, 64, BKW)
+        store_tile(qg_h, tl.where(good, qn * e * scale, float("nan")), t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        wt = mm(tmat, tl.where((r < fb)[:, None], kn * e * b[:, None], 0.0), IO, PREC, EMU)
-        store_tile(w_h, tl.where((r < fb)[:, None], wt, float("nan")), t0, n0, K, kk, K, 64, BKW)
+        wt = mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU)
+        store_tile(w_h, tl.where(good, wt, 0.0), t0, n0, K, kk, K, 64, BKW)
         cols = kk + tl.arange(0, BKW)
-        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
-
-    # ---- U = T Diag(beta) v, per V tile ----
-    # A non-finite v poisons its V tile from its row on (the tiles' columns are independent); fb, as stored for the
-    # state pass, takes the first over every tile.
-    u_h = u + h.to(tl.int64) * T_tot * V
-    fb_all = fb
-    for vv in range(0, V, BV):
-        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
-        fv = tl.minimum(fb, first_bad_row(finite(tl.sum(x, 1)), 0, 64))
-        ut = mm(tmat, tl.where((r < fv)[:, None], x, 0.0), IO, PREC, EMU)
-        store_tile(u_h, tl.where((r < fv)[:, None], ut, float("nan")), t0, n0, V, vv, V, 64, BV)
-        fb_all = tl.minimum(fb_all, fv)
-    tl.store(first + c * H + h, fb_all)
+        gam_s = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
+        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam_s, mask=cols < K)
 
 
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
     """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
-    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk, first (see allocate_fwd);
+    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk (see allocate_fwd);
     `dtypes` = (IO, ADT, PREC, EMU)."""
     T_tot, H, K = q.shape
     V = v.shape[-1]
@@ -400,7 +404,6 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     _prep_kernel[(layout.n_chunks, H)](
         q, k, v, g, beta, a_log, dt_bias,
         out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["akk"],
-        out["first"],
         empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32),
         cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot,

@@ -10,16 +10,16 @@ Conventions used by every kernel (docs/kernels.md has the full story):
     2^(+-58) for every pair of that row: far from float32 (and bfloat16) overflow. Rows with a wider span take their
     diagonal-block pairs one by one from exp2(G_t - G_i) with the exponent <= 0 (`exact_diag`), so any decay g <= 0
     is exact; off-diagonal blocks only get smaller. Steps below 2^STEP_FLOOR are taken at the floor.
-  * From the first token of a chunk with a non-finite k, g or beta (or v, per V tile), a g > 0 or a beta outside
-    [0, 1], the chunk's outputs and the state after it are NaN; dots by lower triangular matrices take zeros in
-    those rows, so no earlier row ever meets them (0 * NaN).
+  * From the first token of a chunk with a non-finite k, g, beta or v, a g > 0 or a beta outside [0, 1], the
+    chunk's outputs and the state after it are NaN (the prep writes NaN into qg and Gam); dots by lower triangular
+    matrices take zeros in those rows (W and U are zero there), so no earlier row ever meets them (0 * NaN).
   * Sequences are flattened to [T_total, H, *]; cu_seqlens (or B equal lengths) say where each starts.
     Chunks never straddle sequences; rows past a sequence end are masked to zero (g = 0, k = q = v = 0).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
 import triton
@@ -48,28 +48,38 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
     return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
 
 
+# Every autotuned KDA kernel, in definition order (see `first_configs_only`).
+TUNERS: list = []
+
+
 def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
     """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
-    them all, slowly) and when HA_KDA_AUTOTUNE=0 (read at call time: tests skip the tuning runs and compiles).
-    A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner. Every config stays
-    listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the interpreter).
-    The choices are kept on disk across processes (`ops/triton_cache.py`)."""
+    them all, slowly). A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner.
+    Every config stays listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the
+    interpreter). The choices are kept on disk across processes (`ops/triton_cache.py`)."""
     configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
 
-    def prune(configs, named_args, **kwargs):
-        return configs[:1] if os.environ.get("HA_KDA_AUTOTUNE", "1") == "0" else configs
-
     def decorate(fn):
-        tuner = triton.autotune(
-            configs=configs[:1] if interpreting() else configs,
-            key=key,
-            prune_configs_by={"early_config_prune": prune},
-            **AUTOTUNE_OPTIONS,
-        )(fn)
+        tuner = triton.autotune(configs=configs[:1] if interpreting() else configs, key=key, **AUTOTUNE_OPTIONS)(fn)
         tuner.all_configs = configs
+        TUNERS.append(tuner)
         return tuner
 
     return decorate
+
+
+@contextlib.contextmanager
+def first_configs_only():
+    """Inside: every autotuned KDA kernel runs its first config without timing the others (for tools and tests
+    that compile the kernels or check their results, where tuning would only add compilations)."""
+    saved = [(tuner, tuner.configs) for tuner in TUNERS]
+    for tuner in TUNERS:
+        tuner.configs = tuner.all_configs[:1]
+    try:
+        yield
+    finally:
+        for tuner, configs in saved:
+            tuner.configs = configs
 
 
 def tuning_width(pairs: int) -> int:
@@ -172,6 +182,13 @@ def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
 
 
 @triton.jit
+def store_rows(ptr, x, row0, nrows, stride, R: tl.constexpr):
+    """One value per row ([R], as load_rows reads them) into rows row0 + [0, R) below nrows."""
+    r = tl.arange(0, R)
+    tl.store(ptr + (row0 + r).to(tl.int64) * stride, x.to(ptr.dtype.element_ty), mask=r < nrows)
+
+
+@triton.jit
 def rows_or_one(ptr, row0, nrows, H, L2NORM: tl.constexpr):
     """1 / ||x|| per row with the fused l2norm, else ones ([64] float32)."""
     if L2NORM:
@@ -243,6 +260,12 @@ def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, G
 def finite(x):
     """|x| < inf: false for NaN and +-inf (an unordered comparison is false)."""
     return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def all_finite(x):
+    """Per row of a 2-D tile: every element finite (no NaN, no inf)."""
+    return tl.min(finite(x).to(tl.int32), 1) > 0
 
 
 @triton.jit
