@@ -66,7 +66,7 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
     """Add the gradients of the diagonal-block pairs (t, j), j < t, of the wide rows t, pair by pair: the score
     x_tj = sum_c y_tc k_jc 2^(G_tc - G_jc) (y = q with dAqk, y = k with dAkk) gives dy_t += dA_tj k_j e,
     dk_j += dA_tj y_t e, and +-(dA_tj y_t k_j e) to dG_t and dG_j. One column token j per step; every exponent
-    is <= 0. [64, BK] tiles, dA and dAk [64, 64] float32."""
+    is <= 0. [64, BK] float32 tiles, dA and dAk [64, 64] as stored (a column at a time goes to float32)."""
     r = tl.arange(0, 64)
     blk = r // 16
     for j in range(64):
@@ -76,8 +76,8 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
         pairs = wide & (r > j) & (blk == j // 16)
         e = tl.exp2(tl.where(pairs[:, None], G - Gj[None, :], float("-inf")))
         col_j = (r == j)[None, :]
-        aq = tl.sum(tl.where(col_j, dA, 0.0), 1)[:, None]
-        ak = tl.sum(tl.where(col_j, dAk, 0.0), 1)[:, None]
+        aq = tl.sum(tl.where(col_j, dA.to(tl.float32), 0.0), 1)[:, None]
+        ak = tl.sum(tl.where(col_j, dAk.to(tl.float32), 0.0), 1)[:, None]
         ekj = e * kj[None, :]
         dq_s += aq * ekj
         dk_s += ak * ekj
@@ -140,16 +140,17 @@ def _dqkg_kernel(
         ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
         wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
     any_wide = tl.max(wide.to(tl.int32), 0) > 0
+    dq_s = dA_diag[:, None] * kn  # score part of dq
+    dk_s = dA_diag[:, None] * qn  # score part of dk, through the row (+G) and column (-G) factors
+    dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
     drop = eye
     dAk_f = dAk
-    if any_wide:
+    if any_wide:  # before the dots, so that only the masked dAqk and dAkk stay live through them
+        dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
         pairs = wide[:, None] & (blk[:, None] == blk[None, :])
         drop = drop | pairs
         dAk_f = tl.where(pairs, 0.0, dAk.to(tl.float32)).to(dAk.dtype)
     dA_f = tl.where(drop, 0.0, dA.to(tl.float32)).to(dA.dtype)
-    dq_s = dA_diag[:, None] * kn  # score part of dq
-    dk_s = dA_diag[:, None] * qn  # score part of dk, through the row (+G) and column (-G) factors
-    dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
     for a in range(4):
         in_a = (blk == a)[:, None]
         ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
@@ -171,8 +172,6 @@ def _dqkg_kernel(
         # errors in dg of 2.1e-2 (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this
         # way (bf16, tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
         dg_s += qr * pq + kr * pk - kc * pc
-    if any_wide:
-        dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA.to(tl.float32), dAk.to(tl.float32), qn, kn, G, wide)
 
     # ---- V contractions for this K tile ----
     dqg = tl.zeros([64, BK], dtype=tl.float32)
