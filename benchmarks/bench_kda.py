@@ -3,7 +3,9 @@
 Parts (select with --parts):
   op      chunk op at the shapes OP_SHAPES [B, T, H, D]: ours (`chunk_kda_triton`, gate and q/k l2norm fused),
           FLA `chunk_kda` in its fastest path (safe_gate=True, lower_bound=-5, use_gate_in_kernel=True,
-          use_qk_l2norm_in_kernel=True, A_log, dt_bias: the same configuration) and causal SDPA (flash).
+          use_qk_l2norm_in_kernel=True, A_log, dt_bias: the same configuration) and causal SDPA (flash); with
+          impls ours-softplus / fla-softplus, the unbounded softplus gate (A_log = log 8, decays far below -5, so
+          our pair-by-pair rows run; FLA's default safe_gate=False path).
           Modes: fwd (inference, no autograd), fwd+bwd (inputs require grad, o.backward(do)), fwd-train (the
           forward alone with autograd on, i.e. also saving for the backward; not in --quick).
   decode  one decode token from a float32 state, H=16, D=128, batch 1, 64, 256: ours (`fused_recurrent_kda_step`,
@@ -64,6 +66,20 @@ def ours_op(q, k, v, z, beta, A_log, dt_bias):
 
     return chunk_kda_triton(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                             use_qk_l2norm=True)[0]  # fmt: skip
+
+
+def ours_softplus_op(q, k, v, z, beta, A_log, dt_bias):
+    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+
+    return chunk_kda_triton(q, k, v, z, beta, gate="softplus", A_log=A_log + math.log(8.0), dt_bias=dt_bias,
+                            use_qk_l2norm=True)[0]  # fmt: skip
+
+
+def fla_softplus_op(q, k, v, z, beta, A_log, dt_bias):
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda(q, k, v, z, beta, A_log=A_log + math.log(8.0), dt_bias=dt_bias, use_gate_in_kernel=True,
+                     use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
 
 
 def fla_op(q, k, v, z, beta, A_log, dt_bias):
@@ -133,7 +149,8 @@ def op_case(shape, impls, modes):
     row = dict(shape=list(shape))
     grad_idx = (0, 1, 2, 3, 4, 5, 6)
     outs = {}
-    for impl, fn in (("ours", ours_op), ("fla", fla_op)):
+    ops = (("ours", ours_op), ("fla", fla_op), ("ours-softplus", ours_softplus_op), ("fla-softplus", fla_softplus_op))
+    for impl, fn in ops:
         if impl not in impls:
             continue
         try:
@@ -144,6 +161,8 @@ def op_case(shape, impls, modes):
             row[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if "ours" in outs and "fla" in outs:
         row["rel_err_ours_vs_fla_o"] = rel(outs["ours"], outs["fla"])
+    if "ours-softplus" in outs and "fla-softplus" in outs:
+        row["rel_err_ours_vs_fla_o_softplus"] = rel(outs["ours-softplus"], outs["fla-softplus"])
     if "sdpa" in impls:
         try:
             qs, ks, vs = (x.transpose(1, 2).contiguous() for x in inputs[:3])
@@ -226,6 +245,11 @@ def print_tables(result) -> None:
                 continue
             ratio = t["fla"] / t["ours"] if t["ours"] and t["fla"] else None
             print(f"{str(row['shape']):<22} {mode:<10} {fmt(t['ours'])} {fmt(t['fla'])} {fmt(t['sdpa'])} {fmt(ratio)}")
+            sp = {i: row.get(i, {}).get(mode) for i in ("ours-softplus", "fla-softplus")}
+            if sp["ours-softplus"] or sp["fla-softplus"]:
+                ratio = sp["fla-softplus"] / sp["ours-softplus"] if all(sp.values()) else None
+                label = f"{mode} softplus"
+                print(f"{'':<22} {label:<10} {fmt(sp['ours-softplus'])} {fmt(sp['fla-softplus'])} {'':>9} {fmt(ratio)}")
         if "rel_err_ours_vs_fla_o" in row:
             print(f"{'':<22} rel err of o, ours vs FLA: {row['rel_err_ours_vs_fla_o']:.2e}")
     print("\n## Decode step, H=16, D=128, fp32 state (us per call; GB/s of state read + written)")
@@ -262,10 +286,13 @@ def check_thresholds(result) -> None:
             if ours and fla:
                 t[f"8x4096x16x128 {mode} FLA/ours (>= 1 is parity)"] = fla / ours
     for row in result["op"]:
-        for mode in ("fwd", "fwd+bwd"):
-            ours, fla = row.get("ours", {}).get(mode), row.get("fla", {}).get(mode)
-            if ours and fla:
-                t[f"parity {row['shape']} {mode}"] = fla / ours >= 1.0
+        for ours_key, fla_key in (("ours", "fla"), ("ours-softplus", "fla-softplus")):
+            for mode in ("fwd", "fwd+bwd"):
+                ours, fla = row.get(ours_key, {}).get(mode), row.get(fla_key, {}).get(mode)
+                if ours and fla:
+                    t[f"{ours_key} {row['shape']} {mode}: FLA / ours = {fla / ours:.3f} (>= 1 is parity)"] = (
+                        fla / ours >= 1.0
+                    )
     big = next((r for r in result["decode"] if r["batch"] == 256 and "ours" in r), None)
     if big:
         t["decode B=256 >= 3.5 TB/s"] = big["ours"]["GBps"] >= 3500
@@ -278,7 +305,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="standard shape only, modes fwd and fwd+bwd, decode, layer")
     p.add_argument("--parts", default="op,decode,layer", help="comma list of op, decode, layer")
-    p.add_argument("--impls", default="ours,fla,sdpa", help="comma list of ours, fla, sdpa")
+    p.add_argument(
+        "--impls", default="ours,fla,sdpa", help="comma list of ours, fla, sdpa, ours-softplus, fla-softplus"
+    )
     p.add_argument("--shapes", default=None, help="indices into the op shapes, e.g. 0,4 (default: all; --quick: 0)")
     p.add_argument("--budget", type=float, default=540.0, help="start no new case after this many seconds")
     p.add_argument("--out", default=None, help="also write the JSON here (rewritten after every case)")

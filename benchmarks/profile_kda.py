@@ -7,7 +7,6 @@ Runs the standard configuration of bench_kda.py (bf16, gate and q/k l2norm in th
 and forward + backward, and prints the mean time of every kernel per call, so a regression or a slow stage shows
 by name. With --layer it profiles the whole KimiDeltaAttention layer (hidden = H * D, as bench_kda.py's layer case)
 instead of the op, ours and / or FLA's, so the time around the op (projections, conv, norm) shows kernel by kernel.
-Set HA_KDA_AUTOTUNE=0 to skip autotuning (first config of every kernel).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
-from hybrid_attention.ops.kda.gate import GATE_FORMS
+from hybrid_attention.ops.kda.gate import GATE_FORMS, check_lower_bound
 
 LAYER_TYPES = ("kda", "mla")
 RESIDUALS = ("standard", "attnres", "block_attnres")
@@ -170,9 +170,7 @@ class HybridConfig:
             raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
         if not isinstance(self.mla_output_gate, bool):
             raise ValueError(f"HybridConfig: mla_output_gate={self.mla_output_gate!r}; expected True or False")
-        if not -5.0 <= self.kda_lower_bound < 0.0:
-            # The chunked kernels rely on g >= -5 per step (16 steps stay inside float32's exp range).
-            raise ValueError(f"HybridConfig: kda_lower_bound={self.kda_lower_bound}; expected -5 <= lower_bound < 0")
+        check_lower_bound(self.kda_lower_bound, name="HybridConfig: kda_lower_bound")
         if not self.norm_eps > 0:
             raise ValueError(f"HybridConfig: norm_eps={self.norm_eps}; expected > 0")
         if not self.init_std > 0:

@@ -15,8 +15,9 @@ NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 
 
 def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dtype=torch.float32, seed=0, device=DEV):
-    """q, k unit vectors (raw Gaussians when the kernel normalises), g in (-5, 0) (raw logits z with the gate),
-    beta in (0, 1), a random float32 start state; A_log and dt_bias as the layer initialises them, perturbed.
+    """q, k unit vectors (raw Gaussians when the kernel normalises), g in (-5, 0) (raw logits z with a gate: True or
+    "bounded", or "softplus"), beta in (0, 1), a random float32 start state; A_log and dt_bias as the layer
+    initialises them, perturbed ("softplus": A_log = log of uniform [1, 16], so decays reach far below -5).
     Drawn in float64 on the CPU from `seed` (the same numbers on every machine), then cast and moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
@@ -26,6 +27,8 @@ def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dty
     if gate:
         g = 2 * rnd(B, T, H, K)
         A_log = 0.3 * rnd(H)
+        if gate == "softplus":
+            A_log = torch.log(1.0 + 15.0 * torch.rand(H, generator=gen, dtype=torch.float64))
         dt = torch.exp(-6.9 + 4.6 * torch.rand(H * K, generator=gen, dtype=torch.float64))  # in [1e-3, 1e-1]
         dt_bias = torch.log(torch.expm1(dt))  # inverse softplus
     else:
@@ -48,22 +51,28 @@ def run(fn, inputs, do, dS, **kw):
     return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
 
 
-def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
-    """Our kernels; with A_log, g is the raw gate logit (lower bound -5)."""
+def _gate_kwargs(form, A_log, dt_bias):
+    if A_log is None:
+        return {}
+    return dict(gate=form, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0 if form == "bounded" else None)
+
+
+def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded"):
+    """Our kernels; with A_log, g is the raw gate logit of the gate `form` (bounded: lower bound -5)."""
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 
-    gate = {} if A_log is None else dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    gate = _gate_kwargs(form, A_log, dt_bias)
     return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
                             use_qk_l2norm=l2norm, **gate)  # fmt: skip
 
 
-def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None):
+def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded"):
     """recurrent_kda in float64, with the gate and the l2norm written out in torch."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     if l2norm:
         q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     if A_log is not None:
-        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0)
+        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0 if form == "bounded" else None, form=form)
     h0 = None if h0 is None else h0.double()
     return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
 
@@ -114,7 +123,7 @@ def round_bfloat16_like_the_gpu(monkeypatch) -> None:
 
 
 def autotuned_kernels() -> dict:
-    """Every autotuned KDA kernel by name (the output pass runs only with HA_KDA_SPLIT_OUTPUT=1); each tuner lists
+    """Every autotuned KDA kernel by name (the output pass runs only when `split_output` says so); each tuner lists
     its configs in `all_configs`."""
     from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
 
@@ -128,13 +137,30 @@ def autotuned_kernels() -> dict:
     }
 
 
+def force_output_pass(monkeypatch, split: bool) -> None:
+    """Compute O inside the state walk (split False) or in the separate output pass (True), whatever the size."""
+    from hybrid_attention.ops.kda import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "split_output", lambda pairs: split)
+
+
 def force_config(monkeypatch, kernel: str, index: int):
     """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with the output
     pass on when that kernel is the output pass; returns the config."""
     tuner = autotuned_kernels()[kernel]
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1" if kernel == "output" else "0")
+    if kernel == "output":
+        force_output_pass(monkeypatch, True)
     return tuner.all_configs[index]
+
+
+def same_arithmetic(kernel: str, index: int) -> bool:
+    """Whether config `index` of `kernel` differs from its first only in pipeline stages, which reorder loads but no
+    arithmetic: its results must then be bit-identical. Tiles and warp counts change how reductions and dots are
+    split over threads, so their rounding may differ (a choice the tuner makes once and keeps on disk)."""
+    configs = autotuned_kernels()[kernel].all_configs
+    a, b = configs[0], configs[index]
+    return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
 
 # Every config but the first of every autotuned kernel (the first runs in all other tests). Empty without triton,

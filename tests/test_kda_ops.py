@@ -211,6 +211,68 @@ def test_causality(op):
         assert torch.count_nonzero(grad[:, : t + 1]) > 0
 
 
+POISONS = [
+    ("q", "nan"),
+    ("q", "inf"),
+    ("k", "nan"),
+    ("k", "inf"),
+    ("v", "nan"),
+    ("v", "inf"),
+    ("g", "nan"),
+    ("beta", "nan"),
+]  # an infinite g > 0 or beta > 1 is refused by the input checks
+
+
+@pytest.mark.parametrize("op", ["recurrent", "chunk"])
+@pytest.mark.parametrize("name, value", POISONS)
+def test_poisoned_future_leaves_the_past_bit_identical(op, name, value):
+    """A NaN or inf in one input at token t (inside a chunk, so later rows of that chunk see it too): every output
+    before t is bit-identical to the clean run; outputs from t on are not finite (only o_t for q), as the recurrence
+    gives. A padded batch whose padding holds garbage therefore cannot reach its real tokens."""
+    torch.manual_seed(11)
+    fn = recurrent_kda if op == "recurrent" else lambda *a, **kw: chunk_kda(*a, backend="torch", chunk_size=16, **kw)
+    t = 21
+    inputs = make_inputs(2, 40)
+    o, _ = fn(*inputs[:5], initial_state=inputs[5])
+    poisoned = [x.clone() for x in inputs[:5]]
+    poisoned[NAMES.index(name)][1, t] = float(value)
+    o2, S2 = fn(*poisoned, initial_state=inputs[5], output_final_state=True)
+    assert torch.equal(o2[:, :t], o[:, :t]) and torch.equal(o2[0], o[0])  # the past, and the other sequence
+    assert not torch.isfinite(o2[1, t]).all()
+    if name != "q":
+        assert not torch.isfinite(o2[1, t:].sum(-1)).any() and not torch.isfinite(S2[1]).all()
+
+
+@pytest.mark.parametrize("op", ["recurrent", "chunk"])
+def test_values_outside_the_math_raise(op):
+    """g > 0, beta outside [0, 1] and a scale that is NaN, infinite or <= 0 raise with a message that says so."""
+    fn = recurrent_kda if op == "recurrent" else lambda *a, **kw: chunk_kda(*a, backend="torch", chunk_size=16, **kw)
+    inputs = make_inputs(1, 20, h0=False)
+    for index, value, match in ((3, 0.25, "g is a log decay"), (4, 1.5, "beta must lie"), (4, -0.5, "beta must")):
+        bad = [x.clone() for x in inputs[:5]]
+        bad[index][0, 7] = value
+        with pytest.raises(ValueError, match=match):
+            fn(*bad)
+    for scale in (float("nan"), float("inf"), -1.0, 0.0):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            fn(*inputs[:5], scale=scale)
+
+
+@pytest.mark.parametrize("op", ["recurrent", "chunk"])
+def test_minus_infinite_decay_resets_the_state(op):
+    """g = -inf at token t: exp(g) = 0 erases the state, exactly; the chunked form agrees and stays finite."""
+    torch.manual_seed(12)
+    fn = recurrent_kda if op == "recurrent" else lambda *a, **kw: chunk_kda(*a, backend="torch", chunk_size=16, **kw)
+    inputs = make_inputs(1, 40)
+    inputs[3][:, 21] = float("-inf")
+    inputs[3][:, 30, :, 1] = float("-inf")
+    o, S = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    ref_o, ref_S = recurrent_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert_close("o", o, ref_o, 1e-5)
+    assert_close("final state", S, ref_S, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_dtype_contract(dtype):
     torch.manual_seed(11)

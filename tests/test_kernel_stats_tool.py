@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 
 def _count_opcodes():
-    saved = dict(os.environ)  # the tool sets HA_KDA_AUTOTUNE and drops TRITON_INTERPRET when imported
+    saved = dict(os.environ)  # the tool drops TRITON_INTERPRET when imported
     try:
         from tools.kernel_stats import count_opcodes
     finally:

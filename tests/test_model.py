@@ -53,7 +53,7 @@ def test_config_round_trip_and_errors():
     with pytest.raises(ValueError, match="kda_backend"):
         HybridConfig.from_preset("tiny", kda_backend="cuda")
     with pytest.raises(ValueError, match="lower_bound"):
-        HybridConfig.from_preset("tiny", kda_lower_bound=-8.0)
+        HybridConfig.from_preset("tiny", kda_lower_bound=0.0)
     with pytest.raises(ValueError, match="hidden_size"):
         HybridConfig.from_preset("tiny", hidden_size=0)
 

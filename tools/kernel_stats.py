@@ -5,8 +5,8 @@
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
 compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
 Spilled registers in these kernels cost far more than any tuning gains, so this is the first check after a
-kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. HA_KDA_AUTOTUNE=0 is
-set here, so every kernel compiles its first config only. --sass adds each kernel's static SASS instruction count
+kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. Every kernel compiles
+its first config only (`first_configs_only`). --sass adds each kernel's static SASS instruction count
 and its most frequent opcodes: the prep kernel is bound by the instructions it issues at low occupancy
 (docs/kernels.md), so a change that removes instructions without adding registers is the one to time.
 """
@@ -22,7 +22,6 @@ import tempfile
 
 # Before triton is imported: with TRITON_INTERPRET=1 exported (as for the CPU tests) it would load as the
 # interpreter, and dropping the variable later breaks its imports.
-os.environ["HA_KDA_AUTOTUNE"] = "0"
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
@@ -123,6 +122,7 @@ def main() -> None:
 
     from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
     from hybrid_attention.ops.kda.triton_fwd import kda_fwd
+    from hybrid_attention.ops.kda.triton_utils import first_configs_only
 
     gate, l2 = not args.no_gate, not args.no_l2norm
     q, k, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(3))
@@ -130,9 +130,10 @@ def main() -> None:
     beta = torch.rand(B, T, H, dtype=dtype)
     a_log, dt_bias = torch.zeros(H), torch.zeros(H, K)
     common = dict(scale=K**-0.5, lower_bound=-5.0 if gate else None, gate=gate, l2norm=l2)
-    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, None, None, final=True, save=True, **common)
-    if not args.forward_only:
-        kda_bwd(torch.randn_like(o), None, q, k, v, g, beta, a_log, dt_bias, False, None, saved, **common)
+    with first_configs_only():
+        o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, None, None, final=True, save=True, **common)
+        if not args.forward_only:
+            kda_bwd(torch.randn_like(o), None, q, k, v, g, beta, a_log, dt_bias, False, None, saved, **common)
     print(f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={gate}, l2norm={l2}")
     seen = set()
     for name, consts, kernel in COMPILED:

@@ -9,22 +9,24 @@ asserts only after checking all of its numbers.
 
     python -m pytest -q -s tests/gpu/test_kda_triton.py
 
-HA_KDA_AUTOTUNE=0 (set below unless already set) keeps each kernel to its first config: far fewer compiles.
+Each kernel runs its first config (`first_configs_only`, far fewer compiles) except where a test forces another;
+tests/gpu/test_kda_domain.py runs them autotuned, as in use.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
+from hybrid_attention.ops.kda.triton_utils import first_configs_only
 from tests.helpers import rel_err
 from tests.kda_triton_cases import (
     CONFIG_CASES,
     changed_after,
     force_config,
+    force_output_pass,
     make_inputs,
     poison_torch_empty,
     reference_kda,
@@ -32,11 +34,16 @@ from tests.kda_triton_cases import (
     triton_kda,
 )
 
-os.environ.setdefault("HA_KDA_AUTOTUNE", "0")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HAS_FLA = importlib.util.find_spec("fla") is not None
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 TOL = {BF16: (1e-2, 2e-2), FP16: (1e-2, 2e-2), FP32: (1e-5, 1e-5)}
+
+
+@pytest.fixture(autouse=True)
+def _first_configs():
+    with first_configs_only():
+        yield
 
 
 def record(case, quantity, err, tol):
@@ -114,19 +121,26 @@ def test_fused_gate_and_l2norm(dtype):
 
 # Every config but the first of every autotuned kernel (the first runs in all other tests). A config that faults or
 # miscomputes at one size only must not be left for the autotuner to find: a (BV 32, 2 stages) state backward
-# config faulted at K = V = 64 in a benchmark while every test here passed with the first configs.
+# config faulted at K = V = 64 in a benchmark while every test here passed with the first configs. The forward's
+# kernels run with O inside the walk and in the output pass (the walk's programs differ: OUT in or out).
 @pytest.mark.parametrize("size", [64, 128])
 @pytest.mark.parametrize("kernel, index", CONFIG_CASES, ids=[f"{n}-{i}" for n, i in CONFIG_CASES])
 def test_every_autotune_config(kernel, index, size, monkeypatch):
     config = force_config(monkeypatch, kernel, index)
     inputs = make_inputs(1, 300, 2, size, size, dtype=BF16, gate=True, l2norm=True, seed=size + index)
-    check(compare(f"{kernel} config {config} K=V={size}", inputs, l2norm=True))
+    passes = [True] if kernel == "output" else [False, True]
+    results = []
+    for split in passes:
+        force_output_pass(monkeypatch, split)
+        name = f"{kernel} config {config} K=V={size} {'split' if split else 'walk'}"
+        results += compare(name, inputs, l2norm=True)
+    check(results)
 
 
 @pytest.mark.parametrize("case", ["T4097", "varlen"])
 def test_split_output_pass(case, monkeypatch):
-    """The forward with O in the separate per-chunk pass (HA_KDA_SPLIT_OUTPUT=1), bf16, against the reference."""
-    monkeypatch.setenv("HA_KDA_SPLIT_OUTPUT", "1")
+    """The forward with O in the separate per-chunk pass, bf16, against the reference."""
+    force_output_pass(monkeypatch, True)
     if case == "varlen":
         cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
         inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=21)
@@ -134,6 +148,19 @@ def test_split_output_pass(case, monkeypatch):
     else:
         inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=22)
         check(compare("split output B1 T4097 H2", inputs, l2norm=True))
+
+
+@pytest.mark.parametrize("case", ["T4097", "varlen"])
+def test_walk_output_pass(case, monkeypatch):
+    """The forward with O inside the state walk (the default above 32 (sequence, head) pairs), bf16."""
+    force_output_pass(monkeypatch, False)
+    if case == "varlen":
+        cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
+        inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=23)
+        check(compare("walk output varlen", inputs, cu_seqlens=cu, l2norm=True))
+    else:
+        inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=24)
+        check(compare("walk output B1 T4097 H2", inputs, l2norm=True))
 
 
 def test_gate_at_bound_16k_stays_finite():

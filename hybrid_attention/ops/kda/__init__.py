@@ -39,14 +39,13 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton", "fla")
-# What "auto" sends to the Triton kernels: a decay or the bounded gate.
-TRITON_GATES = (None, "bounded")
+# What "auto" sends to the Triton kernels: a decay or either fused gate.
+TRITON_GATES = (None, "bounded", "softplus")
 
 
 def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int = 64, gate: str | None = None) -> str:
     """Map a backend name to the one that runs. "auto" is our Triton kernels for CUDA tensors they take (16/32-bit
-    floats, chunk size 64, the size they are built for, a decay or the bounded gate) and the PyTorch reference
-    elsewhere. Unknown names raise."""
+    floats, chunk size 64, the size they are built for) and the PyTorch reference elsewhere. Unknown names raise."""
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":

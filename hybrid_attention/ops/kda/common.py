@@ -17,6 +17,7 @@ Computation happens in float64 for float64 inputs and in float32 otherwise (`com
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 
 import torch
@@ -129,6 +130,31 @@ def validate_kda_inputs(
                 f"got {initial_state.dtype}"
             )
     return N
+
+
+def resolve_scale(scale, K: int, *, name: str) -> float:
+    """The output scale: K ** -0.5 when None, else a finite number > 0 (anything else is a ValueError)."""
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name}: scale must be a finite number > 0 (or None for K ** -0.5), got {scale!r}")
+    return float(scale)
+
+
+def check_values(g: torch.Tensor | None, beta: torch.Tensor, *, name: str) -> None:
+    """The value rules of the math: a decay g <= 0 (None: g holds gate logits, not checked) and beta in [0, 1].
+
+    One fused reduction and one host sync; skipped while compiling or capturing a CUDA graph. NaN passes (it makes the
+    outputs from its token on NaN, as the recurrence does); g = -inf is a valid decay (it erases the state)."""
+    if torch.compiler.is_compiling() or (beta.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad_beta = ((beta < 0) | (beta > 1)).any()
+    bad_g = (g > 0).any() if g is not None else torch.zeros((), dtype=torch.bool, device=beta.device)
+    flags = torch.stack([bad_g, bad_beta]).tolist()
+    if flags[0]:
+        raise ValueError(f"{name}: g is a log decay and must be <= 0 everywhere, got a maximum of {g.max().item()}")
+    if flags[1]:
+        raise ValueError(f"{name}: beta must lie in [0, 1], got values in [{beta.min().item()}, {beta.max().item()}]")
 
 
 def validate_chunk_size(chunk_size: int, *, name: str, allowed: tuple[int, ...] = (16, 32, 64)) -> None:

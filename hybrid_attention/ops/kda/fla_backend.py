@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.value_heads import value_head_groups, value_head_view
 
 INSTALL_HINT = 'pip install "hybrid-attention[fla]" (fla-core==0.6.0)'
@@ -71,7 +71,7 @@ def chunk_kda_fla(
             'inference mode); run under torch.no_grad(), or use backend="triton" or "torch"'
         )
     kwargs = dict(
-        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        scale=resolve_scale(scale, q.shape[-1], name="chunk_kda[fla]"),
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int64),

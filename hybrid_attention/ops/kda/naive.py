@@ -21,7 +21,9 @@ from collections.abc import Callable
 import torch
 
 from hybrid_attention.ops.kda.common import (
+    check_values,
     compute_dtype,
+    resolve_scale,
     sequence_bounds,
     validate_chunk_size,
     validate_kda_inputs,
@@ -55,7 +57,7 @@ def recurrent_kda(
         o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] (float32/float64) or None.
     """
     N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="recurrent_kda")
-    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale)
+    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale, "recurrent_kda")
     with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in half precision
         o, S = _per_sequence(lambda *x: _recurrent(*x, scale=scale), qc, kc, vc, gc, bc, S0, cu_seqlens)
     return o.to(v.dtype), (S if output_final_state else None)
@@ -80,19 +82,20 @@ def chunk_kda_torch(
     this is the readable reference, not the fast path."""
     N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="chunk_kda")
     validate_chunk_size(chunk_size, name="chunk_kda")
-    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale)
+    (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale, "chunk_kda")
     core = lambda *x: _chunkwise(*x, scale=scale, chunk_size=chunk_size)
     with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in half precision
         o, S = _per_sequence(core, qc, kc, vc, gc, bc, S0, cu_seqlens)
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def _prepare(q, k, v, g, beta, initial_state, N, scale):
+def _prepare(q, k, v, g, beta, initial_state, N, scale, name):
     """Cast to the compute dtype, default the scale, and build the start state [N, H, K, V]."""
     dtype = compute_dtype(q)
     _, _, H, K = q.shape
     V = v.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, K, name=name)
+    check_values(g, beta, name=name)
     if initial_state is None:
         S0 = torch.zeros(N, H, K, V, dtype=dtype, device=q.device)
     else:
@@ -162,6 +165,17 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
     q, k, v, g = (to_chunks(x) for x in (q, k, v, g))  # [B, H, NT, C, K] (v: [..., V])
     beta = to_chunks(beta)  # [B, H, NT, C]
 
+    # From the first token with a non-finite k, v, g or beta on, a chunk's outputs and the state after it are not
+    # finite (as in the recurrence). The products by lower triangular matrices below take zeros in those rows and
+    # put NaN back afterwards, so that 0 * NaN never carries a later row's NaN into an earlier row.
+    # g = -inf is a valid decay (exp(g) = 0 erases the state): only NaN and +inf there count.
+    finite = torch.isfinite(k.sum(-1) + v.sum(-1) + beta) & (g.sum(-1) < float("inf"))  # [B, H, NT, C]
+    bad = (~finite).cumsum(-1).bool().unsqueeze(-1)  # at or after the first non-finite row
+
+    def causal(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """m @ x for a lower triangular m, earlier rows never touched by later non-finite rows of x."""
+        return (m @ x.masked_fill(bad, 0.0)).masked_fill(bad, float("nan"))
+
     G = g.cumsum(dim=-2)  # G_t = sum_{s <= t in chunk} g_s, inclusive
     decay = _pairwise_log_decay(g).exp()  # exp(G_t - G_i) for i <= t, 0 above: [B, H, NT, C, C, K]
     q_tilde = q * G.exp()  # q~_t = q_t * exp(G_t)   (G <= 0: safe)
@@ -169,14 +183,14 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
     # k^_i = k_i * exp(-G_i) is never formed on its own (it can reach e^320); only the pairwise products are:
     # A_ti = k~_t . k^_i = sum_c k_tc exp(G_tc - G_ic) k_ic for i < t (strictly lower triangular).
     A = torch.einsum("...tc,...tic,...ic->...ti", k, decay, k).tril(-1)
-    # (Q~ K^^T masked to i <= t), the intra-chunk attention of the output; decay is already 0 above the diagonal.
-    QK = torch.einsum("...tc,...tic,...ic->...ti", q, decay, k)
+    # (Q~ K^^T masked to i <= t), the intra-chunk attention of the output (masked: a later k may be non-finite).
+    QK = torch.einsum("...tc,...tic,...ic->...ti", q, decay, k).tril()
 
     # Tm = T = (I + Diag(beta) A)^{-1} of docs/math.md: unit lower triangular, by a differentiable triangular solve.
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     Tm = torch.linalg.solve_triangular(eye + beta.unsqueeze(-1) * A, eye, upper=False, unitriangular=True)
-    U = Tm @ (beta.unsqueeze(-1) * v)  # U = T Diag(beta) V   [B, H, NT, C, V]
-    W = Tm @ (beta.unsqueeze(-1) * k_tilde)  # W = T Diag(beta) K~   [B, H, NT, C, K]
+    U = causal(Tm, beta.unsqueeze(-1) * v)  # U = T Diag(beta) V   [B, H, NT, C, V]
+    W = causal(Tm, beta.unsqueeze(-1) * k_tilde)  # W = T Diag(beta) K~   [B, H, NT, C, K]
 
     decay_last = G[..., -1, :].exp().unsqueeze(-1)  # exp(G_C): decay of the whole chunk [B, H, NT, K, 1]
     k_to_end = k * decay[..., -1, :, :]  # k_i * exp(G_C - G_i): key decayed to the chunk end [B, H, NT, C, K]
@@ -185,7 +199,9 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
     for n in range(NT):
         D = U[:, :, n] - W[:, :, n] @ S  # D = U - W S0, the new values   [B, H, C, V]
         # O = scale * (Q~ S0 + (Q~ K^^T masked to i <= t) D)
-        outputs.append(scale * (q_tilde[:, :, n] @ S + QK[:, :, n] @ D))
+        bad_n = bad[:, :, n]
+        O = q_tilde[:, :, n] @ S + (QK[:, :, n] @ D.masked_fill(bad_n, 0.0)).masked_fill(bad_n, float("nan"))
+        outputs.append(scale * O)
         # S_C = Diag(exp(G_C)) S0 + (K * exp(G_C - G))^T D
         S = decay_last[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ D
     o = torch.stack(outputs, dim=2).reshape(B, H, NT * C, V)[:, :, :T]

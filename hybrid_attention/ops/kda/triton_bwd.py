@@ -33,6 +33,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     seq_info,
     state_slice,
+    store_rows,
     store_state,
     store_tile,
     tuning_width,
@@ -83,7 +84,9 @@ def _state_bwd_kernel(
         store_state(dh0, n * H + h, dS, soffs, smask, K, V)
 
 
-@autotune([{"BV": 32}, {"BV": 64}], [(4, 3), (4, 2)], ["V"])  # pipelined loads: one stage leaves the loads exposed
+# The V tile is fixed (reduction_tile) and only warps and stages are tuned: the sums over V then run in one order
+# whatever the tuner picks, so the backward is bitwise repeatable from run to run. Pipelined loads beat one stage.
+@autotune([{}, {}], [(4, 3), (4, 2)], ["V"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _score_grad_kernel(
     do, vnew, dvnew, v, beta, tm, akk,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk
@@ -119,12 +122,17 @@ def _score_grad_kernel(
     dL = tl.where(r[:, None] > r[None, :], -dm_acc, 0.0)
     # beta's parts from v (above) and from L = Diag(beta) Akk: d beta_t += sum_i dL[t, i] Akk[t, i]
     dbv += tl.sum(dL * load_lower(akk + h.to(tl.int64) * T_tot * 64, t0, nv), 1)
-    tl.store(dbeta + (t0 + r) * H + h, dbv, mask=r < nv)
+    store_rows(dbeta + h, dbv, t0, nv, H, 64)
     # The q/k/g kernel multiplies dAqk and dAkk = Diag(beta) dL as dot operands: stored in that dtype.
     below = r[:, None] >= r[None, :]
     daq_h = daq + h.to(tl.int64) * T_tot * 64
     store_tile(daq_h, tl.where(below, daq_acc * scale, 0.0), t0, nv, 64, 0, 64, 64, 64)
     store_tile(dak + h.to(tl.int64) * T_tot * 64, dL * b[:, None], t0, nv, 64, 0, 64, 64, 64)
+
+
+def reduction_tile(V: int) -> int:
+    """The V tile of the kernels that sum over V (score gradients, dq/dk/dg): a function of V alone."""
+    return min(64, max(16, triton.next_power_of_2(V)))
 
 
 def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
@@ -163,6 +171,6 @@ def score_grad(saved, do, dvnew, v, beta, dbeta_v, layout, *, scale, dtypes):
         do, saved["vnew"], dvnew, v, beta, saved["tm"], saved["akk"],
         dv, dbeta_v, daq, dak,
         cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
-        H=H, V=V, VARLEN=layout.varlen, IO=IO, PREC=PREC, EMU=EMU,
+        H=H, V=V, BV=reduction_tile(V), VARLEN=layout.varlen, IO=IO, PREC=PREC, EMU=EMU,
     )  # fmt: skip
     return dv, daq, dak

@@ -8,25 +8,26 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     Aqk, Akk blocks (a, b) = rows (q, k) * 2^(G_a - c_a + SHIFT) times columns k_b * 2^(c_a - SHIFT - G_b)
       ->  dq, dk from dAqk, dAkk = beta * dL; each pair (t, i) adds x to dG_t and -x to dG_i, with x taken from
           the dots' own rounded operands so that the pairs cancel exactly in the reverse cumsum
-    dg = reverse cumulative sum of dG over the chunk + dGam (Gam is the sum of the whole chunk's g)
+    dg = reverse cumulative sum of dG over the chunk + the exclusive cumulative sum of the -G state terms
+         + d Gam's state-decay part (Gam is the sum of the whole chunk's g)
+    Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads).
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
-row: when one K tile holds the row (K <= the tile, HA_KDA_DQKG_BK, 64 by default) it is done here, otherwise dq, dk
+row: when one K tile holds the row (K <= DQKG_BK) it is done here, otherwise dq, dk
 leave this kernel in float32 and a small row kernel finishes them.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_bwd import score_grad, state_bwd
+from hybrid_attention.ops.kda.triton_bwd import reduction_tile, score_grad, state_bwd
 from hybrid_attention.ops.kda.triton_fwd import TL_DTYPES
 from hybrid_attention.ops.kda.triton_utils import (
     SHIFT,
+    WIDE,
     ChunkLayout,
     autotune,
     chunk_info,
@@ -41,8 +42,13 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_tile,
     mm,
     rows_or_one,
+    store_rows,
     store_tile,
 )
+
+# K tile of the dq/dk/dg kernel (a power of two, 16 to 256): 32 spills no registers, but 64 halves the number of
+# latency-bound programs and wins (docs/kernels.md); the l2norm backward runs inside it for K <= DQKG_BK.
+DQKG_BK = 64
 
 
 @triton.jit
@@ -55,8 +61,36 @@ def _l2_back(dxh, xh, r, FUSE: tl.constexpr):
         return dxh
 
 
-# Pipelined loads (stages 3 / 2) hide part of the latency of this register-bound kernel; 8 warps, as 4 spill.
-@autotune([{"BV": 32}, {"BV": 64}], [(8, 3), (8, 2)], ["K", "V", "GATE", "L2NORM"])
+@triton.jit
+def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
+    """Add the gradients of the diagonal-block pairs (t, j), j < t, of the wide rows t, pair by pair: the score
+    x_tj = sum_c y_tc k_jc 2^(G_tc - G_jc) (y = q with dAqk, y = k with dAkk) gives dy_t += dA_tj k_j e,
+    dk_j += dA_tj y_t e, and +-(dA_tj y_t k_j e) to dG_t and dG_j. One column token j per step; every exponent
+    is <= 0. [64, BK] float32 tiles, dA and dAk [64, 64] as stored (a column at a time goes to float32)."""
+    r = tl.arange(0, 64)
+    blk = r // 16
+    for j in range(64):
+        row_j = (r == j)[:, None]
+        kj = tl.sum(tl.where(row_j, kn, 0.0), 0)
+        Gj = tl.sum(tl.where(row_j, G, 0.0), 0)
+        pairs = wide & (r > j) & (blk == j // 16)
+        e = tl.exp2(tl.where(pairs[:, None], G - Gj[None, :], float("-inf")))
+        col_j = (r == j)[None, :]
+        aq = tl.sum(tl.where(col_j, dA.to(tl.float32), 0.0), 1)[:, None]
+        ak = tl.sum(tl.where(col_j, dAk.to(tl.float32), 0.0), 1)[:, None]
+        ekj = e * kj[None, :]
+        dq_s += aq * ekj
+        dk_s += ak * ekj
+        y = (aq * qn + ak * kn) * e  # [t, c]: the column side before k_j
+        x = y * kj[None, :]
+        dk_s += tl.where(row_j, tl.sum(y, 0)[None, :], 0.0)
+        dg_s += x - tl.where(row_j, tl.sum(x, 0)[None, :], 0.0)
+    return dq_s, dk_s, dg_s
+
+
+# Pipelined loads hide part of the latency of this register-bound kernel (one stage and 4 warps measured slower).
+# The V tile is fixed (triton_bwd.reduction_tile): the tuner's choice never changes the order of the sums.
+@autotune([{}, {}], [(8, 2), (8, 3)], ["K", "V", "GATE", "L2NORM"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
     q, k, g, beta, a_log, dt_bias, rq, rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
@@ -95,22 +129,41 @@ def _dqkg_kernel(
     # all four sub-chunks.
     dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv)  # stored in ADT by stage 2
     dAk = load_lower(dak + h.to(tl.int64) * T_tot * 64, t0, nv)
-    dq_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dq
-    dk_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dk, through the row (+G) and column (-G) factors
+    # The diagonal pairs (t, t) of Aqk carry no decay: they go straight to dq and dk, and add nothing to dG (through
+    # the dots they would add x and -x to the same row, leaving the rounding of two sums).
+    eye = r[:, None] == r[None, :]
+    dA_diag = tl.sum(tl.where(eye, dA.to(tl.float32), 0.0), 1)
+    # Wide rows (span from their sub-chunk's anchor above WIDE on this tile) take their diagonal-block pairs pair by
+    # pair below; the dots skip those pairs (their column factors are clamped to 2^SHIFT, finite).
+    wide = tl.zeros([64], dtype=tl.int1)
+    for a in range(4):
+        ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
+        wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
+    any_wide = tl.max(wide.to(tl.int32), 0) > 0
+    dq_s = dA_diag[:, None] * kn  # score part of dq
+    dk_s = dA_diag[:, None] * qn  # score part of dk, through the row (+G) and column (-G) factors
     dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
+    drop = eye
+    dAk_f = dAk
+    if any_wide:  # before the dots, so that only the masked dAqk and dAkk stay live through them
+        dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
+        pairs = wide[:, None] & (blk[:, None] == blk[None, :])
+        drop = drop | pairs
+        dAk_f = tl.where(pairs, 0.0, dAk.to(tl.float32)).to(dAk.dtype)
+    dA_f = tl.where(drop, 0.0, dA.to(tl.float32)).to(dA.dtype)
     for a in range(4):
         in_a = (blk == a)[:, None]
         ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
         # Row factor 2^(G_t - c_a + SHIFT) on the rows of a, column factor 2^(c_a - SHIFT - G_i) on the columns
         # up to a; elsewhere the exponent is -inf (a product with a mask could meet an overflowed inf).
         rowf = tl.exp2(tl.where(in_a, G - ca[None, :] + SHIFT, float("-inf")))
-        colf = tl.exp2(tl.where((blk <= a)[:, None], ca[None, :] - SHIFT - G, float("-inf")))
+        colf = tl.exp2(tl.where((blk <= a)[:, None], tl.minimum(ca[None, :] - SHIFT - G, SHIFT), float("-inf")))
         kc = dot_operand(kn * colf, ADT, PREC)
         qr = dot_operand(qn * rowf, ADT, PREC)
         kr = dot_operand(kn * rowf, ADT, PREC)
-        pq = mm(dA, kc, ADT, PREC, EMU)
-        pk = mm(dAk, kc, ADT, PREC, EMU)
-        pc = mm(tl.trans(dA), qr, ADT, PREC, EMU) + mm(tl.trans(dAk), kr, ADT, PREC, EMU)
+        pq = mm(dA_f, kc, ADT, PREC, EMU)
+        pk = mm(dAk_f, kc, ADT, PREC, EMU)
+        pc = mm(tl.trans(dA_f), qr, ADT, PREC, EMU) + mm(tl.trans(dAk_f), kr, ADT, PREC, EMU)
         dq_s += rowf * pq
         dk_s += rowf * pk + colf * pc
         # Each score pair (t, i) adds x to dG_t (row factor) and -x to dG_i (column factor). Built from the dots'
@@ -146,10 +199,14 @@ def _dqkg_kernel(
     pos = -b[:, None] * e * dr  # state parts of dk whose factor holds +G
     neg = decay * dkg  # and -G
     dqn = dq_s + dq_state
-    dG = dg_s + qn * dq_state + kn * (pos - neg)
-    dgam = tl.sum(kn * decay * dkg, 0) + de * tl.exp2(gam)
+    # The -G state terms k * dk enter every dg_s with s <= t through Gam = G_63 and dg_t through -G_t: their net is
+    # the sum over rows before t (an exclusive cumsum), tiny where the decay is strong; adding the whole sum to
+    # every row and taking it back per row would leave the rounding of O(1) terms in a small dg.
+    negk = kn * neg
+    dG = dg_s + qn * dq_state + kn * pos
+    dgam = (tl.cumsum(negk, 0) - negk) + (de * tl.exp2(gam))[None, :]
     cm = (kk + tl.arange(0, BK)) < K
-    dgl = tl.where((r < nv)[:, None] & cm[None, :], tl.cumsum(dG, 0, reverse=True) + dgam[None, :], 0.0)
+    dgl = tl.where((r < nv)[:, None] & cm[None, :], tl.cumsum(dG, 0, reverse=True) + dgam, 0.0)
     if GATE != 0:
         # dz = dg * (d g / d u), u = z + dt_bias; the per-chunk sums of dz and of dg * (d g / d A_log) feed dt_bias
         # and A_log. The gate's parts are recomputed from z here rather than kept from the start: fewer live tiles.
@@ -160,7 +217,7 @@ def _dqkg_kernel(
         tl.store(dbias + part, tl.sum(dz, 0), mask=cm)
         dgl = dz
     db = -tl.sum(kn * e * dr, 1)  # the k~ part of d beta: -rowsum(k~ * (R S0^T)) (its Akk part: stage 2)
-    tl.store(dbeta + (ik + 1).to(tl.int64) * T_tot * H + (t0 + r) * H + h, db, mask=r < nv)
+    store_rows(dbeta + (ik + 1).to(tl.int64) * T_tot * H + h, db, t0, nv, H, 64)
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dk + h * K, _l2_back(dk_s + pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dg + h * K, dgl, t0, nv, sk, kk, K, 64, BK)
@@ -190,13 +247,6 @@ def _l2norm_bwd(x, rstd, dy):
     return dx
 
 
-def _dqkg_k_tile() -> int:
-    value = os.environ.get("HA_KDA_DQKG_BK", "64")
-    if value not in ("16", "32", "64", "128", "256"):
-        raise ValueError(f"HA_KDA_DQKG_BK must be one of 16, 32, 64, 128, 256, got {value!r}")
-    return int(value)
-
-
 def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound,
             gate, l2norm):  # fmt: skip
     """All three backward stages. do [B, T, H, V], dht [N, H, K, V] f32 or None; inputs as `kda_fwd`.
@@ -217,9 +267,7 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
     dh0, dhbuf, dvnew = state_bwd(saved, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
 
-    # K tile of the dq/dk/dg kernel (tuning knob HA_KDA_DQKG_BK, 16 to 256): 32 spills no registers, but 64 halves
-    # the number of latency-bound programs and measures 1.4x faster on an H200 (docs/kernels.md).
-    BK = min(_dqkg_k_tile(), max(16, triton.next_power_of_2(K)))
+    BK = min(DQKG_BK, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
     f32 = torch.float32
     dbeta = empty(q, NK + 1, T_tot, H, dtype=f32)
@@ -239,7 +287,8 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
         do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dak,
         dq, dk, dg, dbeta, dalog, dbias,
         cu, chunk_seq, chunk_tok, scale, lower_bound, Tn, NT, T_tot,
-        H=H, K=K, V=V, BK=BK, NK=NK, VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, FUSE_L2=fuse_l2,
+        H=H, K=K, V=V, BK=BK, NK=NK, BV=reduction_tile(V), VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm,
+        FUSE_L2=fuse_l2,
         IO=dtypes[0], ADT=dtypes[1], PREC=prec, EMU=emu,
     )  # fmt: skip
     if l2norm and not fuse_l2:

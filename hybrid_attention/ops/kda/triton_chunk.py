@@ -5,9 +5,9 @@ The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd`
 Kernels: triton_prep.py + triton_fwd.py (forward, 2 kernels), triton_bwd.py + triton_bwd_chunk.py (backward,
 3 kernels, +1 with the fused l2norm); docs/kernels.md explains the organisation and what is saved.
 
-Optional fusions: the gate (gate="bounded" with A_log, dt_bias and lower_bound; g is then the raw logit z) and
-the q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). The kernels rely on g >= -5 per step (see
-triton_utils): with the bounded gate that holds for lower_bound >= -5; a precomputed g must respect it.
+Optional fusions: the gate (gate="bounded" or "softplus" with A_log, dt_bias and, bounded, lower_bound; g is then
+the raw logit z) and the q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). Exact for any decay g <= 0
+(triton_utils: anchored sub-chunk dots where the decay's span allows, pair by pair where it does not).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.kda.common import validate_chunk_size, validate_kda_inputs
-from hybrid_attention.ops.kda.gate import FORM_CODES, check_gate
+from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
+from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
 from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
@@ -81,8 +81,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *output[2:])
     ctx.meta = (scale, lower_bound, gate, l2norm, h0 is not None, final, save)
     ctx.mark_non_differentiable(*output[2:])
-    # Without this autograd would fill a zero gradient for every saved tensor (about 1 GB at 8 x 4096 x 16 x 128,
-    # 0.28 ms of memset per backward): the backward takes None for outputs that got no gradient.
+    # Without this autograd would fill a zero gradient for every saved tensor (about 1 GB at 8 x 4096 x 16 x 128):
+    # the backward takes None for outputs that got no gradient.
     ctx.set_materialize_grads(False)
 
 
@@ -126,9 +126,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log,
             raise ValueError(f'{_NAME}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
         return 0, 0.0
     lb = check_gate(gate, A_log, dt_bias, lower_bound, H=q.shape[2], K=K, name=_NAME, device=q.device,
-                    allowed=("bounded",))  # fmt: skip
-    if lb < -5.0:
-        raise ValueError(f"{_NAME}: lower_bound must be >= -5 (the kernels' gate range), got {lb!r}")
+                    allowed=FUSED_FORMS)  # fmt: skip
     return FORM_CODES[gate], lb
 
 
@@ -169,7 +167,7 @@ def chunk_kda_triton(
     """
     gate, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound)
     H, K = q.shape[2], q.shape[3]
-    scale = K**-0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, K, name=_NAME)
     dt = dt_bias.reshape(H, K) if gate else None
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)

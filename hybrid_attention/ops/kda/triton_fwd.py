@@ -10,14 +10,12 @@ For the backward it also stores S at the start of every chunk (`h`) and D (`v_ne
 Everything chunk-local was done by the parallel prep kernel, so this pass is four dots per chunk.
 
 The walk is as long as one program's: with few (sequence, head) pairs (one 64K-token sequence of 16 heads) it
-takes most of the forward, and O is half of every step (H200, B=1, T=64K: 2.89 ms with O, 1.54 ms without). With
+takes most of the forward, and O is about half of every step. With
 `split_output`, the walk leaves O out and stores S and D, and `_output_kernel` computes O for every chunk in
 parallel. Both ways multiply the same rounded operands (the dots round S and D to the io dtype, the stores too).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -45,7 +43,7 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 
 # Wide V tiles with few stages suit many (sequence, head) pairs; with few pairs the pass is as long as one program's
-# walk, and narrow tiles with deeper pipelining (loads two chunks ahead) win.
+# walk and narrow tiles with deeper pipelining (loads two chunks ahead) win.
 # WIDTH (the pairs, bucketed) is in the key so each regime tunes apart.
 @autotune(
     [{"BV": 64}, {"BV": 128}, {"BV": 32}, {"BV": 16}, {"BV": 32}, {"BV": 16}, {"BV": 16}],
@@ -120,13 +118,9 @@ def _output_kernel(
 
 
 def split_output(pairs: int) -> bool:
-    """Whether the forward computes O in the separate output pass: HA_KDA_SPLIT_OUTPUT=1 always, 0 never, "auto"
-    (the default) for at most 32 (sequence, head) pairs, where the walk is long and its programs few; with many pairs
-    the walk's programs already fill the GPU."""
-    mode = os.environ.get("HA_KDA_SPLIT_OUTPUT", "auto")
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"HA_KDA_SPLIT_OUTPUT must be 0, 1 or auto, got {mode!r}")
-    return mode == "1" or (mode == "auto" and tuning_width(pairs) <= 32)
+    """Whether the forward computes O in the separate output pass: for at most 32 (sequence, head) pairs, where the
+    walk is long and its programs few; with more pairs the walk's programs already fill the GPU."""
+    return tuning_width(pairs) <= 32
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -25,9 +25,14 @@ import triton.language as tl
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
     SHIFT,
+    WIDE,
+    all_finite,
     autotune,
     chunk_info,
     empty,
+    exact_diag,
+    finite,
+    first_bad_row,
     inv_unit_lower4,
     load_gate,
     load_lower,
@@ -36,6 +41,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     mm,
     mm32,
     rows_or_one,
+    store_rows,
     store_tile,
     tril,
 )
@@ -60,6 +66,47 @@ def _acc_pair(aq, ak, qr, kr, kb, Gb, ca, ADT: tl.constexpr, PREC: tl.constexpr,
     columns k_b * 2^(c_a - SHIFT - G_b). The product of the two factors is exactly 2^(G_t - G_i)."""
     kc = tl.trans(kb * tl.exp2(ca[None, :] - SHIFT - Gb))
     return aq + mm(qr, kc, ADT, PREC, EMU), ak + mm(kr, kc, ADT, PREC, EMU)
+
+
+@triton.jit
+def _acc_diag(aq, ak, q, k, qr, kr, G, ca, wide, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """Add one K tile to the diagonal block (a, a): the anchored dots, and for the rows whose span exceeds WIDE
+    (`wide`, [16]) the pair-by-pair block instead (those rows of the dots may hold inf or NaN, never used)."""
+    kc = tl.trans(k * tl.exp2(ca[None, :] - SHIFT - G))
+    fq = mm(qr, kc, ADT, PREC, EMU)
+    fk = mm(kr, kc, ADT, PREC, EMU)
+    if tl.max(wide.to(tl.int32), 0) > 0:
+        eq, ek = exact_diag(q, k, G)
+        fq = tl.where(wide[:, None], eq, fq)
+        fk = tl.where(wide[:, None], ek, fk)
+    return aq + fq, ak + fk
+
+
+@triton.jit
+def _wide_rows(G, ca):
+    """Rows whose span from the anchor, max_c (c_a - G_tc), exceeds WIDE on this K tile."""
+    return tl.max(ca[None, :] - G, 1) > WIDE
+
+
+@triton.jit
+def _clean(x, row0, f):
+    """Rows at or after f (the first token with a non-finite k, g or beta) set to zero: a dot by a lower triangular
+    matrix then multiplies them by exact zeros only, and earlier rows never see a NaN from later ones."""
+    return tl.where((row0 + tl.arange(0, 16) < f)[:, None], x, 0.0)
+
+
+@triton.jit
+def _diag(x):
+    """The diagonal of a [16, 16] block."""
+    r = tl.arange(0, 16)
+    return tl.sum(tl.where(r[:, None] == r[None, :], x, 0.0), 1)
+
+
+@triton.jit
+def _ok(akk_diag_block, b, up):
+    """Rows whose k, g and beta are usable: k_t . k_t finite (g enters through the anchors), beta in [0, 1] (false
+    for NaN), no decay above 0."""
+    return finite(_diag(akk_diag_block)) & (b >= 0.0) & (b <= 1.0) & (up == 0)
 
 
 @triton.jit
@@ -133,11 +180,22 @@ def _prep_kernel(
     ssk1 = ssq0
     ssk2 = ssq0
     ssk3 = ssq0
+    # Rows with a decay g > 0 (a precomputed g; the gates give g <= 0): the kernels do not synchronise with the host to
+    # raise, so such a row counts as a non-finite input (see fb below).
+    up0 = tl.zeros([16], dtype=tl.int1)
+    up1 = up0
+    up2 = up0
+    up3 = up0
     for kk in range(0, K, BKA):
         g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
         g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
         g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
         g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
+        if GATE == 0:
+            up0 = up0 | (tl.max(g0, 1) > 0)
+            up1 = up1 | (tl.max(g1, 1) > 0)
+            up2 = up2 | (tl.max(g2, 1) > 0)
+            up3 = up3 | (tl.max(g3, 1) > 0)
         c0 = tl.zeros([BKA], dtype=tl.float32)
         c1 = tl.sum(g0, 0)
         c2 = c1 + tl.sum(g1, 0)
@@ -167,6 +225,12 @@ def _prep_kernel(
             ssk1 += tl.sum(k1 * k1, 1)
             ssk2 += tl.sum(k2 * k2, 1)
             ssk3 += tl.sum(k3 * k3, 1)
+        # A row is "wide" when its span from the sub-chunk's anchor exceeds WIDE on some channel: the anchored
+        # factors could overflow, so its diagonal block row is computed pair by pair (depends on its prefix only).
+        w0 = _wide_rows(G0, c0)
+        w1 = _wide_rows(G1, c1)
+        w2 = _wide_rows(G2, c2)
+        w3 = _wide_rows(G3, c3)
         qr0 = q0 * f0
         qr1 = q1 * f1
         qr2 = q2 * f2
@@ -175,16 +239,16 @@ def _prep_kernel(
         kr1 = k1 * f1
         kr2 = k2 * f2
         kr3 = k3 * f3
-        aq00, ak00 = _acc_pair(aq00, ak00, qr0, kr0, k0, G0, c0, ADT, PREC, EMU)
+        aq00, ak00 = _acc_diag(aq00, ak00, q0, k0, qr0, kr0, G0, c0, w0, ADT, PREC, EMU)
         aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
-        aq11, ak11 = _acc_pair(aq11, ak11, qr1, kr1, k1, G1, c1, ADT, PREC, EMU)
+        aq11, ak11 = _acc_diag(aq11, ak11, q1, k1, qr1, kr1, G1, c1, w1, ADT, PREC, EMU)
         aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
         aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
-        aq22, ak22 = _acc_pair(aq22, ak22, qr2, kr2, k2, G2, c2, ADT, PREC, EMU)
+        aq22, ak22 = _acc_diag(aq22, ak22, q2, k2, qr2, kr2, G2, c2, w2, ADT, PREC, EMU)
         aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
         aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
         aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
-        aq33, ak33 = _acc_pair(aq33, ak33, qr3, kr3, k3, G3, c3, ADT, PREC, EMU)
+        aq33, ak33 = _acc_diag(aq33, ak33, q3, k3, qr3, kr3, G3, c3, w3, ADT, PREC, EMU)
 
     if L2NORM:  # 1 / norms kept for the backward, and read back below as whole-chunk vectors
         rq0 = _rstd(ssq0)
@@ -195,15 +259,14 @@ def _prep_kernel(
         rk1 = _rstd(ssk1)
         rk2 = _rstd(ssk2)
         rk3 = _rstd(ssk3)
-        r16 = tl.arange(0, 16)
-        tl.store(rq + (t0 + r16) * H + h, rq0, mask=r16 < n0)
-        tl.store(rq + (t0 + 16 + r16) * H + h, rq1, mask=r16 < n1)
-        tl.store(rq + (t0 + 32 + r16) * H + h, rq2, mask=r16 < n2)
-        tl.store(rq + (t0 + 48 + r16) * H + h, rq3, mask=r16 < n3)
-        tl.store(rk + (t0 + r16) * H + h, rk0, mask=r16 < n0)
-        tl.store(rk + (t0 + 16 + r16) * H + h, rk1, mask=r16 < n1)
-        tl.store(rk + (t0 + 32 + r16) * H + h, rk2, mask=r16 < n2)
-        tl.store(rk + (t0 + 48 + r16) * H + h, rk3, mask=r16 < n3)
+        store_rows(rq + h, rq0, t0, n0, H, 16)
+        store_rows(rq + h, rq1, t0 + 16, n1, H, 16)
+        store_rows(rq + h, rq2, t0 + 32, n2, H, 16)
+        store_rows(rq + h, rq3, t0 + 48, n3, H, 16)
+        store_rows(rk + h, rk0, t0, n0, H, 16)
+        store_rows(rk + h, rk1, t0 + 16, n1, H, 16)
+        store_rows(rk + h, rk2, t0 + 32, n2, H, 16)
+        store_rows(rk + h, rk3, t0 + 48, n3, H, 16)
         aq00, ak00 = _norm_pair(aq00, ak00, rq0, rk0, rk0)
         aq10, ak10 = _norm_pair(aq10, ak10, rq1, rk1, rk0)
         aq11, ak11 = _norm_pair(aq11, ak11, rq1, rk1, rk1)
@@ -214,6 +277,14 @@ def _prep_kernel(
         aq31, ak31 = _norm_pair(aq31, ak31, rq3, rk3, rk1)
         aq32, ak32 = _norm_pair(aq32, ak32, rq3, rk3, rk2)
         aq33, ak33 = _norm_pair(aq33, ak33, rq3, rk3, rk3)
+
+    # ---- fb: the first row with a non-finite k, g or beta (64 when none); its diagonal k_t . k_t is then non-finite
+    # (g enters through the anchors). From fb on, this chunk's outputs and the state after it are not finite; the
+    # dots by lower triangular matrices below take zeros there, so no earlier row sees a NaN or inf. ----
+    fb = first_bad_row(_ok(ak00, b0, up0), 0, 16)
+    fb = tl.minimum(fb, first_bad_row(_ok(ak11, b1, up1), 16, 16))
+    fb = tl.minimum(fb, first_bad_row(_ok(ak22, b2, up2), 32, 16))
+    fb = tl.minimum(fb, first_bad_row(_ok(ak33, b3, up3), 48, 16))
 
     aqk_h = aqk + h.to(tl.int64) * T_tot * 64
     _store_blk(aqk_h, tril(aq00, False) * scale, t0, n0, 0, 0)
@@ -257,13 +328,13 @@ def _prep_kernel(
     l31 = ak31 * b3[:, None]
     l32 = ak32 * b3[:, None]
     # T_ac = -T_aa sum_{c <= b < a} L_ab T_bc
-    t10 = -mm32(d1, mm32(l10, d0, PREC), PREC)
-    t21 = -mm32(d2, mm32(l21, d1, PREC), PREC)
-    t20 = -mm32(d2, mm32(l20, d0, PREC) + mm32(l21, t10, PREC), PREC)
-    t32 = -mm32(d3, mm32(l32, d2, PREC), PREC)
-    t31 = -mm32(d3, mm32(l31, d1, PREC) + mm32(l32, t21, PREC), PREC)
+    t10 = -mm32(d1, _clean(mm32(l10, d0, PREC), 16, fb), PREC)
+    t21 = -mm32(d2, _clean(mm32(l21, d1, PREC), 32, fb), PREC)
+    t20 = -mm32(d2, _clean(mm32(l20, d0, PREC) + mm32(l21, t10, PREC), 32, fb), PREC)
+    t32 = -mm32(d3, _clean(mm32(l32, d2, PREC), 48, fb), PREC)
+    t31 = -mm32(d3, _clean(mm32(l31, d1, PREC) + mm32(l32, t21, PREC), 48, fb), PREC)
     acc = mm32(l30, d0, PREC) + mm32(l31, t10, PREC) + mm32(l32, t20, PREC)
-    t30 = -mm32(d3, acc, PREC)
+    t30 = -mm32(d3, _clean(acc, 48, fb), PREC)
     # T goes to memory as a whole [64, 64] block-lower matrix and comes back as one tile, so that W and U are
     # single M = 64 dots per K / V tile (the barrier makes the other threads' stores visible).
     tm_h = tm + h.to(tl.int64) * T_tot * 64
@@ -282,29 +353,40 @@ def _prep_kernel(
     b = load_rows(beta + h, t0, n0, H, 64)
     r = tl.arange(0, 64)
 
+    # ---- U = T Diag(beta) v, per V tile ----
+    # From fb_all, the first row with a non-finite k, g, beta or v (v per V tile: x is v scaled by beta), W and U
+    # hold zeros, so D = U - W S is finite and the lower triangular Aqk multiplies only finite rows into earlier
+    # ones; the NaN goes into qg (the outputs from that row on) and Gam (the state after the chunk) instead.
+    u_h = u + h.to(tl.int64) * T_tot * V
+    fb_all = fb
+    for vv in range(0, V, BV):
+        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
+        fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
+        keep = (r < fv)[:, None]
+        ut = mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU)
+        store_tile(u_h, tl.where(keep, ut, 0.0), t0, n0, V, vv, V, 64, BV)
+        fb_all = tl.minimum(fb_all, fv)
+
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
     qg_h = qg + h.to(tl.int64) * T_tot * K
     kg_h = kg + h.to(tl.int64) * T_tot * K
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
+    good = (r < fb_all)[:, None]
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
-        store_tile(qg_h, qn * e * scale, t0, n0, K, kk, K, 64, BKW)
+        store_tile(qg_h, tl.where(good, qn * e * scale, float("nan")), t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        store_tile(w_h, mm(tmat, kn * e * b[:, None], IO, PREC, EMU), t0, n0, K, kk, K, 64, BKW)
+        wt = mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU)
+        store_tile(w_h, tl.where(good, wt, 0.0), t0, n0, K, kk, K, 64, BKW)
         cols = kk + tl.arange(0, BKW)
-        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
-
-    # ---- U = T Diag(beta) v, per V tile ----
-    u_h = u + h.to(tl.int64) * T_tot * V
-    for vv in range(0, V, BV):
-        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
-        store_tile(u_h, mm(tmat, x, IO, PREC, EMU), t0, n0, V, vv, V, 64, BV)
+        gam_s = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
+        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam_s, mask=cols < K)
 
 
 def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybrid_attention.ops.kda.common import resolve_scale
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
@@ -165,8 +166,8 @@ def fused_recurrent_kda_step(
         lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=K, name=name, device=state.device,
                         allowed=FUSED_FORMS)  # fmt: skip
         A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-    scale = K**-0.5 if scale is None else float(scale)
-    # The custom op's dispatch costs tens of microseconds of host time per call (79 us on a CI CPU), as long as the
-    # whole step at small batches, so eager calls launch the kernel directly; traced calls need the op.
+    scale = resolve_scale(scale, K, name=name)
+    # The custom op's dispatch costs tens of microseconds of host time per call, as long as the whole step at small
+    # batches, so eager calls launch the kernel directly; traced calls need the op.
     step = _step_op if torch.compiler.is_compiling() else _launch_step
     return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm))

@@ -5,16 +5,21 @@ Conventions used by every kernel (docs/kernels.md has the full story):
     (g * log2(e)) so every decay is an exp2; G is the inclusive cumulative sum of g inside the chunk.
   * Pairwise decays exp(G_t - G_i) are split into a row factor exp2(G_t - c_a + SHIFT) and a column factor
     exp2(c_a - SHIFT - G_i), where c_a is the cumulative gate just before sub-chunk a starts (it depends on
-    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range. With
-    g >= -5 per step a sub-chunk spans at most 16 * 5 / ln 2 = 115.4 in log2, so both factors stay within
-    2^(+-58): far from float32 (and bfloat16) overflow. Off-diagonal blocks only get smaller.
+    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range. Where a row's span
+    from its anchor, c_a - G_t, is at most WIDE = 2 SHIFT (always for g >= -5 per step), both factors stay within
+    2^(+-58) for every pair of that row: far from float32 (and bfloat16) overflow. Rows with a wider span take their
+    diagonal-block pairs one by one from exp2(G_t - G_i) with the exponent <= 0 (`exact_diag`), so any decay g <= 0
+    is exact; off-diagonal blocks only get smaller. Steps below 2^STEP_FLOOR are taken at the floor.
+  * From the first token of a chunk with a non-finite k, g, beta or v, a g > 0 or a beta outside [0, 1], the
+    chunk's outputs and the state after it are NaN (the prep writes NaN into qg and Gam); dots by lower triangular
+    matrices take zeros in those rows (W and U are zero there), so no earlier row ever meets them (0 * NaN).
   * Sequences are flattened to [T_total, H, *]; cu_seqlens (or B equal lengths) say where each starts.
     Chunks never straddle sequences; rows past a sequence end are masked to zero (g = 0, k = q = v = 0).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
 import triton
@@ -26,7 +31,12 @@ from hybrid_attention.ops.triton_support import interpreting
 CHUNK = 64
 MAX_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
-SHIFT = tl.constexpr(57.7)  # half of the largest in-sub-chunk exponent span (115.4 in log2 for g >= -5)
+SHIFT = tl.constexpr(58.0)  # centres the anchored factors: 2^(+-58) for spans up to WIDE
+# Decays below 2^-48 per step are taken as 2^-48: anything across such a step is then below 2^-48 of what it
+# would be undecayed, under float32 resolution either way, and the cumulative gate stays small enough to keep its
+# float32 rounding small (a step of -1000 would put every later G of the chunk near -1443).
+STEP_FLOOR = tl.constexpr(-48.0)
+WIDE = tl.constexpr(116.0)  # the largest in-sub-chunk span (log2) the anchored dots take; g >= -5 stays below it
 L2_EPS = tl.constexpr(1e-6)  # x / sqrt(sum x^2 + eps), as FLA's in-kernel l2norm
 # Fixed when triton is imported, as the interpreter itself is: selects the plain-Python fallback of inline PTX.
 INTERPRET = tl.constexpr(interpreting())
@@ -38,28 +48,38 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
     return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
 
 
+# Every autotuned KDA kernel, in definition order (see `first_configs_only`).
+TUNERS: list = []
+
+
 def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
     """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
-    them all, slowly) and when HA_KDA_AUTOTUNE=0 (read at call time: tests skip the tuning runs and compiles).
-    A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner. Every config stays
-    listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the interpreter).
-    The choices are kept on disk across processes (`ops/triton_cache.py`)."""
+    them all, slowly). A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner.
+    Every config stays listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the
+    interpreter). The choices are kept on disk across processes (`ops/triton_cache.py`)."""
     configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
 
-    def prune(configs, named_args, **kwargs):
-        return configs[:1] if os.environ.get("HA_KDA_AUTOTUNE", "1") == "0" else configs
-
     def decorate(fn):
-        tuner = triton.autotune(
-            configs=configs[:1] if interpreting() else configs,
-            key=key,
-            prune_configs_by={"early_config_prune": prune},
-            **AUTOTUNE_OPTIONS,
-        )(fn)
+        tuner = triton.autotune(configs=configs[:1] if interpreting() else configs, key=key, **AUTOTUNE_OPTIONS)(fn)
         tuner.all_configs = configs
+        TUNERS.append(tuner)
         return tuner
 
     return decorate
+
+
+@contextlib.contextmanager
+def first_configs_only():
+    """Inside: every autotuned KDA kernel runs its first config without timing the others (for tools and tests
+    that compile the kernels or check their results, where tuning would only add compilations)."""
+    saved = [(tuner, tuner.configs) for tuner in TUNERS]
+    for tuner in TUNERS:
+        tuner.configs = tuner.all_configs[:1]
+    try:
+        yield
+    finally:
+        for tuner, configs in saved:
+            tuner.configs = configs
 
 
 def tuning_width(pairs: int) -> int:
@@ -162,6 +182,13 @@ def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
 
 
 @triton.jit
+def store_rows(ptr, x, row0, nrows, stride, R: tl.constexpr):
+    """One value per row ([R], as load_rows reads them) into rows row0 + [0, R) below nrows."""
+    r = tl.arange(0, R)
+    tl.store(ptr + (row0 + r).to(tl.int64) * stride, x.to(ptr.dtype.element_ty), mask=r < nrows)
+
+
+@triton.jit
 def rows_or_one(ptr, row0, nrows, H, L2NORM: tl.constexpr):
     """1 / ||x|| per row with the fused l2norm, else ones ([64] float32)."""
     if L2NORM:
@@ -183,6 +210,12 @@ def fast_rcp(x):
 
 
 @triton.jit
+def floor_step(g2):
+    """A log2 decay raised to STEP_FLOOR where it is lower (NaN stays NaN: a comparison, not tl.maximum)."""
+    return tl.where(g2 < STEP_FLOOR, STEP_FLOOR, g2)
+
+
+@triton.jit
 def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
                R: tl.constexpr, C: tl.constexpr):  # fmt: skip
     """(log2 decay, d g / d u, d g / d A_log) of a tile, u = z + dt_bias (the last two for GATE only).
@@ -193,7 +226,7 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
     expand to about twenty instructions."""
     x = load_tile(g, row0, nrows, stride, col0, K, R, C)
     if GATE == 0:
-        return x * LOG2E, x, x
+        return floor_step(x * LOG2E), x, x
     else:
         r = tl.arange(0, R)
         c = col0 + tl.arange(0, C)
@@ -205,13 +238,13 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
             xx = rate * u
             s = fast_rcp(1.0 + tl.exp2(u * (-rate * LOG2E)))
             ds = lower_bound * s * (1.0 - s)  # d g / d x
-            return tl.where(valid, (lower_bound * LOG2E) * s, 0.0), ds * rate, ds * xx
+            return floor_step(tl.where(valid, (lower_bound * LOG2E) * s, 0.0)), ds * rate, ds * xx
         else:
             e = tl.exp2(tl.minimum(u, 20.0) * LOG2E)
             sp2 = tl.where(u > 20.0, u * LOG2E, tl.log2(1.0 + e))  # softplus(u) in log2 units
             s = e * fast_rcp(1.0 + e)  # sigmoid(u), the derivative of softplus
             g2 = tl.where(valid, -rate * sp2, 0.0)
-            return g2, -rate * tl.where(u > 20.0, 1.0, s), g2 * (1.0 / LOG2E)
+            return floor_step(g2), -rate * tl.where(u > 20.0, 1.0, s), g2 * (1.0 / LOG2E)
 
 
 @triton.jit
@@ -221,6 +254,43 @@ def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, G
     Zero outside the valid rows and columns."""
     decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, R, C)
     return decay
+
+
+@triton.jit
+def finite(x):
+    """|x| < inf: false for NaN and +-inf (an unordered comparison is false)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def all_finite(x):
+    """Per row of a 2-D tile: every element finite (no NaN, no inf)."""
+    return tl.min(finite(x).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def first_bad_row(ok, row0, R: tl.constexpr):
+    """The smallest row0 + r with ok[r] false, or 64 (past the chunk) when there is none."""
+    return tl.min(tl.where(ok, 64, row0 + tl.arange(0, R)), 0)
+
+
+@triton.jit
+def exact_diag(q, k, G):
+    """The diagonal score block computed pair by pair: [t, i] = sum_c x_tc k_ic 2^(G_tc - G_ic) for i <= t, for x = q
+    and x = k ([16, C] tiles, G the log2 cumulative gate). Every exponent is <= 0, so any decay is exact; the
+    anchored dots cover the rows whose span fits (WIDE), this the others."""
+    r = tl.arange(0, 16)
+    eq = tl.zeros([16, 16], dtype=tl.float32)
+    ek = tl.zeros([16, 16], dtype=tl.float32)
+    for j in range(16):
+        sel = (r == j)[:, None]
+        kj = tl.sum(tl.where(sel, k, 0.0), 0)
+        Gj = tl.sum(tl.where(sel, G, 0.0), 0)
+        kje = kj[None, :] * tl.exp2(tl.where((r >= j)[:, None], G - Gj[None, :], float("-inf")))
+        col = (r == j)[None, :]
+        eq = tl.where(col, tl.sum(q * kje, 1)[:, None], eq)
+        ek = tl.where(col, tl.sum(k * kje, 1)[:, None], ek)
+    return eq, ek
 
 
 @triton.jit
