@@ -82,6 +82,6 @@ def chunk_states_triton(
         states = h.view(B, -(-T // chunk_size), H, K, V)
     else:  # varlen allocates an upper bound of chunk slots; the sequences' chunks come first, in order
         states = h[: chunk_count(cu_seqlens, chunk_size)].unsqueeze(0)
-    # While training the backward reads the same buffer: hand out a copy, so that writing into it cannot alter the gradients.
+    # While training the backward reads the same buffer: hand out a copy, so writing into it cannot alter gradients.
     states = states.detach().to(torch.float32, copy=o.requires_grad)
     return o, (ht if output_final_state else None), states
