@@ -80,6 +80,30 @@ def test_low_precision_as_accurate_as_eager(dtype):
         assert_close("y", out, plain[0], 1e-6)
 
 
+def test_output_dtype_is_the_cast_of_the_float32_result():
+    # Written straight in float16 (the interpreter rounds to bf16 toward zero, so float16 stands in for it here):
+    # the float32 result rounded once, and the same gradients as through a cast.
+    x, w, dy = _inputs((13, 130), torch.float32, 19)
+    dy16 = dy.half()
+    low = _grads(lambda x, w: rms_norm_fused(x, w, 1e-6, torch.float16), x, w, dy16)
+    cast = _grads(lambda x, w: rms_norm_fused(x, w, 1e-6).half(), x, w, dy16)
+    assert low[0].dtype == torch.float16 and low[1].dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(low, cast, strict=True))
+
+
+def test_module_under_autocast_writes_the_autocast_dtype(monkeypatch):
+    import hybrid_attention.layers.norm as norm_mod
+
+    monkeypatch.setattr(norm_mod, "use_triton", lambda x, **kw: True)
+    norm = norm_mod.RMSNorm(48).to(DEV)
+    x, _, _ = _inputs((3, 48), torch.float32, 23)
+    with torch.autocast(DEV, dtype=torch.float16):
+        y = norm(x)
+        assert y.dtype == torch.float16 and torch.equal(y, rms_norm_fused(x, norm.weight, norm.eps).half())
+        assert norm(x.half()).dtype == torch.float16
+    assert norm(x).dtype == torch.float32
+
+
 def test_dw_is_deterministic():
     x, w, dy = _inputs((67, 48), torch.float32, 9)
     first = _grads(lambda x, w: rms_norm_fused(x, w, 1e-6), x, w, dy)
@@ -90,8 +114,9 @@ def test_dw_is_deterministic():
 def test_opcheck():
     x, w, dy = _inputs((5, 48), torch.float32, 11)
     ops = torch.ops.hybrid_attention
-    torch.library.opcheck(ops.rms_norm_fwd, (x.requires_grad_(), w.requires_grad_(), 1e-6))
-    rstd = ops.rms_norm_fwd(x, w, 1e-6)[1]
+    torch.library.opcheck(ops.rms_norm_fwd, (x.requires_grad_(), w.requires_grad_(), 1e-6, torch.float32))
+    torch.library.opcheck(ops.rms_norm_fwd, (x, w, 1e-6, torch.float16))
+    rstd = ops.rms_norm_fwd(x, w, 1e-6, torch.float32)[1]
     torch.library.opcheck(ops.rms_norm_bwd, (dy, x.detach(), w.detach(), rstd))
 
 

@@ -5,9 +5,11 @@
     dx = rstd (dy w - xh mean(dy w xh)),     dw = sum_rows dy xh,     xh = x rstd
 
 in float32 (float64 for float64 inputs), the roundings of the eager `ops.numerics.rms_norm` (docs/math.md,
-"RMSNorm"). The forward reads x once and writes y (x.dtype) and rstd (one number per row, float32); autograd keeps
-x and rstd only. The backward is one kernel for dx and per-program partial sums of dw; the partials are summed by
-torch in a fixed order, so dw is the same from run to run (no atomics). Eager PyTorch runs about seven elementwise
+"RMSNorm"). The forward reads x once and writes y (in x.dtype, or the dtype asked for: under autocast a float32
+residual stream is normalised straight into the bf16 that the next matmul reads, the rounding that matmul's cast
+would make) and rstd (one number per row, float32); autograd keeps x and rstd only. The backward is one kernel for
+dx and per-program partial sums of dw; the partials are summed by torch in a fixed order, so dw is the same from run
+to run (no atomics). Eager PyTorch runs about seven elementwise
 kernels forward and twelve backward, several over float32 copies of x.
 
 The ops have fake implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes.
@@ -104,12 +106,12 @@ def _bwd_programs(n_blocks: int, device: torch.device) -> int:
 
 
 @torch.library.custom_op("hybrid_attention::rms_norm_fwd", mutates_args=())
-def _fwd_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(y [..., D] in x.dtype, rstd [...] in the compute dtype)."""
+def _fwd_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
     D = x.shape[-1]
     x2 = _rows(x)
     n = x2.shape[0]
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=dtype)
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=compute_dtype(x))
     if n:
         br = rows_per_block(D)
@@ -121,8 +123,8 @@ def _fwd_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 @_fwd_op.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
+def _(x, weight, eps, dtype):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
 
 
 @torch.library.custom_op("hybrid_attention::rms_norm_bwd", mutates_args=())
@@ -152,7 +154,7 @@ def _(dy, x, weight, rstd):
 
 
 def _setup(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
 
@@ -160,7 +162,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _bwd_op(dy, x, weight, rstd)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -174,9 +176,10 @@ def rms_norm_fused_supported(x: Tensor) -> bool:
     return triton_runs_on(x) or (x.dtype == torch.float64 and x.device.type == "cpu" and interpreting())
 
 
-def rms_norm_fused(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [..., D] (each row with unit stride along D), weight [D] -> RMSNorm(x) * weight in x.dtype, as
-    `ops.numerics.rms_norm` computes it, differentiable in x and weight (the backward keeps x and 1/rms per row)."""
+def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., D] (each row with unit stride along D), weight [D] -> RMSNorm(x) * weight in `dtype` (default
+    x.dtype), as `ops.numerics.rms_norm(x, weight, eps).to(dtype)` computes it, differentiable in x and weight (the
+    backward keeps x and 1/rms per row; its dx is in x.dtype)."""
     if not rms_norm_fused_supported(x):
         raise ValueError(
             f"rms_norm_fused: needs triton and a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1) of float16, "
@@ -188,4 +191,6 @@ def rms_norm_fused(x: Tensor, weight: Tensor, eps: float) -> Tensor:
             f"rms_norm_fused: weight must be [{x.shape[-1]}] on {x.device}, got {tuple(weight.shape)} on "
             f"{weight.device}"
         )
-    return _fwd_op(x, weight, float(eps))[0]
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"rms_norm_fused: dtype must be a floating dtype or None, got {dtype}")
+    return _fwd_op(x, weight, float(eps), x.dtype if dtype is None else dtype)[0]
