@@ -12,7 +12,8 @@ dx and per-program partial sums of dw; the partials are summed by torch in a fix
 to run (no atomics). Eager PyTorch runs about seven elementwise
 kernels forward and twelve backward, several over float32 copies of x.
 
-The ops have fake implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes.
+Eager calls run an autograd Function; under `torch.compile` the same kernels run as custom ops with fake
+implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes.
 `layers.norm.RMSNorm` uses `rms_norm_fused` on CUDA (the rule of `hybrid_attention.backends`); its eager code is the
 reference.
 """
@@ -105,8 +106,7 @@ def _bwd_programs(n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, 4))
 
 
-@torch.library.custom_op("hybrid_attention::rms_norm_fwd", mutates_args=())
-def _fwd_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
     D = x.shape[-1]
     x2 = _rows(x)
@@ -122,13 +122,7 @@ def _fwd_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[
     return y, rstd
 
 
-@_fwd_op.register_fake
-def _(x, weight, eps, dtype):
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
-
-
-@torch.library.custom_op("hybrid_attention::rms_norm_bwd", mutates_args=())
-def _bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dx [..., D] in x.dtype, dw [D] in weight.dtype)."""
     D = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
@@ -146,6 +140,38 @@ def _bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor
         BD=triton.next_power_of_2(D), BR=br, CDT=_tl_dtype(x.dtype), num_warps=_warps(D),
     )  # fmt: skip
     return dx, dw_part.sum(0).to(weight.dtype)
+
+
+# Eager calls launch the kernels from an autograd Function (a custom op's dispatch costs more host time than these
+# kernels take on the GPU); torch.compile traces the custom ops below, which run the same two functions.
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, dtype):
+        y, rstd = _forward(x, weight, eps, dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = _backward_kernels(dy, *ctx.saved_tensors)
+        return dx, dw, None, None
+
+
+@torch.library.custom_op("hybrid_attention::rms_norm_fwd", mutates_args=())
+def _fwd_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
+    return _forward(x, weight, eps, dtype)
+
+
+@_fwd_op.register_fake
+def _(x, weight, eps, dtype):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
+
+
+@torch.library.custom_op("hybrid_attention::rms_norm_bwd", mutates_args=())
+def _bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx [..., D] in x.dtype, dw [D] in weight.dtype)."""
+    return _backward_kernels(dy, x, weight, rstd)
 
 
 @_bwd_op.register_fake
@@ -193,4 +219,7 @@ def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype | N
         )
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"rms_norm_fused: dtype must be a floating dtype or None, got {dtype}")
-    return _fwd_op(x, weight, float(eps), x.dtype if dtype is None else dtype)[0]
+    dtype = x.dtype if dtype is None else dtype
+    if torch.compiler.is_compiling():
+        return _fwd_op(x, weight, float(eps), dtype)[0]
+    return _RMSNormFn.apply(x, weight, float(eps), dtype)

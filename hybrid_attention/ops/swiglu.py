@@ -8,7 +8,8 @@ against the gate and up weights stacked. The backward writes da and db into one 
 matmul's output gradient as it is (separate a and b would need a concatenation). Autograd keeps the input only
 (eager autograd also keeps SiLU(a)); eager PyTorch runs two kernels forward and about eight backward.
 
-A torch custom op with a fake implementation, so `torch.compile(fullgraph=True)` traces it. `layers.mlp.SwiGLU`
+Eager calls run an autograd Function; under `torch.compile` the same kernels run as custom ops with fake
+implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes. `layers.mlp.SwiGLU`
 uses it in training on CUDA (the rule of `hybrid_attention.backends`); its eager code is the reference.
 """
 
@@ -55,8 +56,7 @@ def _grid(n: int, width: int) -> tuple[int, int]:
     return (n, triton.cdiv(width, BLOCK))
 
 
-@torch.library.custom_op("hybrid_attention::swiglu_fwd", mutates_args=())
-def _fwd_op(gate_up: Tensor) -> Tensor:
+def _forward(gate_up: Tensor) -> Tensor:
     """[..., 2F] -> [..., F] in gate_up's dtype."""
     width = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
@@ -69,13 +69,7 @@ def _fwd_op(gate_up: Tensor) -> Tensor:
     return y
 
 
-@_fwd_op.register_fake
-def _(gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-
-
-@torch.library.custom_op("hybrid_attention::swiglu_bwd", mutates_args=())
-def _bwd_op(dy: Tensor, gate_up: Tensor) -> Tensor:
+def _backward_kernel(dy: Tensor, gate_up: Tensor) -> Tensor:
     """[..., F], [..., 2F] -> d gate_up [..., 2F] in gate_up's dtype."""
     width = gate_up.shape[-1] // 2
     gu, g = _rows(gate_up), _rows(dy)
@@ -85,6 +79,36 @@ def _bwd_op(dy: Tensor, gate_up: Tensor) -> Tensor:
             gu, g, dgu, width, gu.stride(0), g.stride(0), BLOCK=BLOCK, CDT=_tl_dtype(gate_up.dtype)
         )
     return dgu
+
+
+# Eager calls launch the kernels from an autograd Function (a custom op's dispatch costs more host time than these
+# kernels take on the GPU); torch.compile traces the custom ops below, which run the same two functions.
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _forward(gate_up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward_kernel(dy, *ctx.saved_tensors)
+
+
+@torch.library.custom_op("hybrid_attention::swiglu_fwd", mutates_args=())
+def _fwd_op(gate_up: Tensor) -> Tensor:
+    """[..., 2F] -> [..., F] in gate_up's dtype."""
+    return _forward(gate_up)
+
+
+@_fwd_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("hybrid_attention::swiglu_bwd", mutates_args=())
+def _bwd_op(dy: Tensor, gate_up: Tensor) -> Tensor:
+    """[..., F], [..., 2F] -> d gate_up [..., 2F] in gate_up's dtype."""
+    return _backward_kernel(dy, gate_up)
 
 
 @_bwd_op.register_fake
@@ -120,4 +144,6 @@ def swiglu_fused(gate_up: Tensor) -> Tensor:
             f"bfloat16 or float32 (float64 under the interpreter) of shape [..., 2F]; got {gate_up.dtype} "
             f"{tuple(gate_up.shape)} on {gate_up.device}"
         )
-    return _fwd_op(gate_up)
+    if torch.compiler.is_compiling():
+        return _fwd_op(gate_up)
+    return _SwiGLUFn.apply(gate_up)
