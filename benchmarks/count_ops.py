@@ -345,8 +345,9 @@ def main(argv=None) -> dict:
         print(f"| {op} | {n} |")
     result = dict(preset=args.preset, residual=config.residual, batch=args.batch, seq_len=args.seq_len,
                   device=args.device, kernels=args.kernels, autocast=args.autocast, hidden=config.hidden_size,
-                  total=s["total"], chunk_op=s["chunk_op"], per_type=s["per_type"], rows=rows,
-                  by_op=dict(counter.by_op.most_common()))  # fmt: skip
+                  total=s["total"], chunk_op=s["chunk_op"], per_type=s["per_type"],
+                  rows={g: c for g, c in rows.items() if g.count(".") < 2 or g.endswith(CHUNK)},
+                  by_op=dict(counter.by_op.most_common(args.top)))  # fmt: skip
     print(json.dumps(result))
     return result
 
