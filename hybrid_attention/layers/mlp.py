@@ -1,4 +1,11 @@
-"""SwiGLU feed-forward: down(SiLU(gate(x)) * up(x))."""
+"""SwiGLU feed-forward: down(SiLU(gate(x)) * up(x)).
+
+In training on CUDA (the rule of `hybrid_attention.backends`) gate and up run as one matmul against their weights
+stacked, and SiLU(a) * b as one Triton kernel each way on that matmul's output (`ops.swiglu`): the backward then
+takes one matmul for dx and one for the stacked weights' gradient instead of two each and a sum. The parameters stay
+separate; stacking them costs one copy of the two weights per step, small next to the activations. Elsewhere the
+eager code below runs, the reference.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.backends import needs_grad, use_triton
 from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -41,6 +49,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, *, decode: PackedProjections | None = None) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]. `decode`: a decode step's packed projections (layers/packed.py)."""
+        if decode is None and use_triton(x) and needs_grad(x, self.gate_proj.weight, self.up_proj.weight):
+            from hybrid_attention.ops.swiglu import swiglu_fused  # imports triton
+
+            gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # [..., 2 intermediate]
+            return self.down_proj(swiglu_fused(gate_up))
         gate, up = project(self, x, decode)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_SiLUMul.apply(gate, up))

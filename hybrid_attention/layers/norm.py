@@ -1,7 +1,9 @@
 """RMSNorm and the sigmoid-gated RMSNorm used on the KDA output.
 
 Both normalise in float32 (float64 for float64 inputs) and return the input dtype: `torch.nn.RMSNorm`
-normalises in the input dtype, which loses precision for bf16 activations.
+normalises in the input dtype, which loses precision for bf16 activations. On CUDA each runs as one Triton kernel
+each way (`ops.rms_norm`, `ops.gated_norm`; the rule of `hybrid_attention.backends`); the eager code here is their
+reference, run on CPU and inside `use_reference()`.
 """
 
 from __future__ import annotations
@@ -43,8 +45,20 @@ class _RMSNormFn(torch.autograd.Function):
         )
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the fused norm writes: under autocast, a float32 x is normalised straight into the autocast dtype
+    (what reads a norm's output is a matmul, which would cast it to that dtype: the same numbers, one pass less);
+    else x.dtype."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension with a learnable scale (ones at init)."""
+    """RMSNorm over the last dimension with a learnable scale (ones at init). On CUDA: `ops.rms_norm.rms_norm_fused`
+    (the same roundings, one kernel each way), which under autocast returns a float32 input's result in the autocast
+    dtype, rounded as the matmul that reads it would round it."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -52,7 +66,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> [..., dim] in x.dtype (`rms_norm`; its backward keeps only x and 1/rms per row)."""
+        """x: [..., dim] -> [..., dim] in x.dtype (in the autocast dtype on CUDA under autocast; `rms_norm`; the
+        backward keeps only x and 1/rms per row)."""
+        if use_triton(x):
+            from hybrid_attention.ops.rms_norm import rms_norm_fused, rms_norm_fused_supported  # imports triton
+
+            if rms_norm_fused_supported(x):
+                return rms_norm_fused(x, self.weight, self.eps, _autocast_dtype(x))
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFn.apply(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

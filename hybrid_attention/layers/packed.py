@@ -18,6 +18,13 @@ hands it to every layer, whose products then go through `project`, `linear` and 
 (`decode=None`, every other call) those are the plain modules and eager ops. Nothing is installed on the modules.
 The copies cost the packed weights' memory once more (for k3-scaled about 0.23 GB in bf16);
 `DecodeStep(pack_projections=False)` skips them, and the decode kernels with them.
+
+In training on CUDA (the rule of `hybrid_attention.backends`, gradients needed) `project` also runs one matmul,
+against the weights concatenated afresh in every step (one copy of the weights, no state), so that autograd needs
+one matmul for dx and one for the weights' gradient instead of one each per projection plus a sum over them. The
+outputs are split into contiguous tensors: a consumer that keeps its input for the backward then keeps its own
+columns, not the whole packed product. Parameters sharded by FSDP (DTensors, gathered by the first projection's own
+call) take the separate calls.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import check_backend, use_triton
+from hybrid_attention.backends import check_backend, needs_grad, use_triton
 from hybrid_attention.ops.triton_support import triton_available
 
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
@@ -112,16 +119,41 @@ class PackedProjections:
         )
 
 
+def _sharded(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
+    """One matmul for `linears` in training (see the module docstring): several bias-free projections, the rule of
+    `hybrid_attention.backends`, a gradient needed, no sharded weight."""
+    weights = [lin.weight for lin in linears]
+    return (
+        len(linears) > 1
+        and all(lin.bias is None for lin in linears)
+        and use_triton(x)
+        and needs_grad(x, *weights)
+        and not any(_sharded(w) for w in weights)
+    )
+
+
 def project(module: nn.Module, x: torch.Tensor, decode: PackedProjections | None) -> tuple[torch.Tensor, ...]:
     """The outputs of `module.packed_linears()` (in that order) on x: one call each, or one packed product in a
-    decode step."""
+    decode step and in training on CUDA."""
     if decode is not None:
         return decode.inputs(module, x)
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
         # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
         x = x.to(torch.get_autocast_dtype(device))
-    return tuple(lin(x) for lin in module.packed_linears())
+    linears = module.packed_linears()
+    if _stack_in_training(x, linears):
+        y = F.linear(x, torch.cat([lin.weight for lin in linears]))
+        return tuple(t.contiguous() for t in y.split([lin.out_features for lin in linears], dim=-1))
+    return tuple(lin(x) for lin in linears)
 
 
 def linear(lin: nn.Linear, x: torch.Tensor, decode: PackedProjections | None) -> torch.Tensor:

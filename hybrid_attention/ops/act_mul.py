@@ -3,7 +3,8 @@
 Eager PyTorch runs each as two elementwise kernels (the activation, then the product), each a full pass over the
 activations; at batch-1 decoding, where launches set the step's time, they are two launches per layer. Rounding
 follows the eager ops: act(a) is rounded to the input dtype before the product, and the product to the output
-dtype, both computed in float32. No autograd: the layers use it only without gradients.
+dtype, both computed in float32 (float64 for float64 inputs, under the interpreter). No autograd: the layers use it
+only without gradients; `ops.swiglu` is the differentiable SwiGLU product built on the same kernel.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ ACTS = ("silu", "sigmoid")
 
 
 @triton.jit
-def _act_mul_kernel(a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(a, b, y, width, stride_a, stride_b, stride_y, SILU: tl.constexpr, BLOCK: tl.constexpr,
+                    CDT: tl.constexpr = tl.float32):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     av = tl.load(a + row * stride_a + cols, mask=ok, other=0.0)
-    bv = tl.load(b + row * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
-    af = av.to(tl.float32)
+    bv = tl.load(b + row * stride_b + cols, mask=ok, other=0.0).to(CDT)
+    af = av.to(CDT)
     act = af * tl.sigmoid(af) if SILU else tl.sigmoid(af)
-    act = act.to(av.dtype).to(tl.float32)
-    tl.store(y + row * width + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
+    act = act.to(av.dtype).to(CDT)
+    tl.store(y + row * stride_y + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
 
 
 def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
@@ -43,5 +45,5 @@ def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     if y.numel():
         block = min(1024, triton.next_power_of_2(width))
         grid = (a2.shape[0], triton.cdiv(width, block))
-        _act_mul_kernel[grid](a2, b2, y, width, a2.stride(0), b2.stride(0), SILU=act == "silu", BLOCK=block)
+        _act_mul_kernel[grid](a2, b2, y, width, a2.stride(0), b2.stride(0), width, SILU=act == "silu", BLOCK=block)
     return y

@@ -3,7 +3,7 @@
     loss = mean over tokens n with labels[n] != ignore_index of  lse_n - z_n[labels[n]],     z_n = W h_n
 
 `F.cross_entropy(F.linear(h, W), labels)` keeps the whole logit matrix for the backward, in float32 for a bf16
-model ([N, vocab] x 4 bytes: 256 MiB at 8 x 2048 tokens and a vocabulary of 8192). Here the forward walks the
+model ([N, vocab] x 4 bytes: 512 MiB at 8 x 2048 tokens and a vocabulary of 8192). Here the forward walks the
 tokens in chunks, keeps only the per-token log-sum-exp, and the backward recomputes each chunk's logits:
 
     dz_n = (softmax(z_n) - onehot(labels[n])) * dloss / count,     dh = dz W,     dW = dz^T h
@@ -22,8 +22,10 @@ import torch
 
 from hybrid_attention.ops.numerics import compute_dtype
 
-# Logit elements per chunk: 2^23 keeps a chunk's float32 softmax at 32 MiB whatever the vocabulary.
-CHUNK_ELEMENTS = 1 << 23
+# Logit elements per chunk: 2^24 keeps a chunk's float32 softmax at 64 MiB whatever the vocabulary (2048 tokens at a
+# vocabulary of 8192): few chunks, so few launches, while the chunk's blocks (they sit on top of the step's peak,
+# when every activation is kept) stay far below the whole logits.
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -42,17 +44,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h = h.to(dtype)  # kept for the backward in the matmul dtype, as F.linear under autocast keeps its input
         w = weight.to(dtype)
         N = h.shape[0]
+        valid = labels != ignore_index
+        index = labels.clamp(min=0).unsqueeze(1)  # (N, 1); ignored rows read class 0 and are masked out below
         lse = torch.empty(N, device=h.device, dtype=acc)
-        total = torch.zeros((), device=h.device, dtype=acc)
+        target = torch.empty(N, 1, device=h.device, dtype=acc)
+        # Per chunk only what needs the chunk's logits (written into lse and target in place): few ops per chunk.
         for start in range(0, N, chunk):
-            hc = h[start : start + chunk]
-            y = labels[start : start + chunk]
-            z = (hc @ w.t()).to(acc)  # (C, V)
-            lse_c = torch.logsumexp(z, dim=-1)
-            target = z.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total = total + torch.where(y != ignore_index, lse_c - target, 0.0).sum()
-            lse[start : start + chunk] = lse_c
-        count = (labels != ignore_index).sum()
+            end = min(N, start + chunk)
+            z = (h[start:end] @ w.t()).to(acc)  # (C, V)
+            torch.logsumexp(z, dim=-1, out=lse[start:end])
+            torch.gather(z, 1, index[start:end], out=target[start:end])
+            del z  # freed before the next chunk's logits are made
+        total = torch.where(valid, lse - target.squeeze(1), 0.0).sum()
+        count = valid.sum()
         ctx.save_for_backward(h, weight, labels, lse, count)
         ctx.ignore_index, ctx.chunk, ctx.h_dtype = ignore_index, chunk, h_dtype
         # 0 / 0 = NaN when every label is ignored, as F.cross_entropy gives.
@@ -66,21 +70,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         # No valid label: every row below is masked to zero, so any finite scale does.
         scale = grad.to(acc) / count.clamp(min=1)
+        valid = (labels != ctx.ignore_index).to(acc).unsqueeze(1)  # (N, 1)
+        index = labels.clamp(min=0).unsqueeze(1)
+        minus_onehot, row_scale, lse = -valid, valid * scale, lse.unsqueeze(1)
         dh = torch.empty(h.shape, device=h.device, dtype=dtype) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if ctx.needs_input_grad[1] else None
         N = h.shape[0]
         for start in range(0, N, chunk):
-            hc = h[start : start + chunk]
-            y = labels[start : start + chunk]
-            valid = y != ctx.ignore_index
+            end = min(N, start + chunk)
+            hc = h[start:end]
             # In place on the fresh (C, V) block: one float32 block per chunk, not one per elementwise op.
-            p = (hc @ w.t()).to(acc).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()  # softmax
-            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -valid.to(acc).unsqueeze(1))  # - onehot(label)
-            dz = p.mul_((valid.to(acc) * scale).unsqueeze(1)).to(dtype)
+            p = (hc @ w.t()).to(acc).sub_(lse[start:end]).exp_()  # softmax
+            p.scatter_add_(1, index[start:end], minus_onehot[start:end])  # - onehot(label)
+            dz = p.mul_(row_scale[start:end]).to(dtype)
             if dh is not None:
-                dh[start : start + chunk] = dz @ w
+                torch.mm(dz, w, out=dh[start:end])
             if dw is not None:
                 dw += (dz.t() @ hc).to(acc)
+            del p, dz  # freed before the next chunk's logits are made
         dh = None if dh is None else dh.to(ctx.h_dtype)
         dw = None if dw is None else dw.to(weight.dtype)
         return dh, dw, None, None, None, None
