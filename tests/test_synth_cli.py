@@ -24,7 +24,7 @@ def test_synth_tiny_grid_logs_plots_and_resumes(tmp_path):
     assert {(r["task"], r["model"]) for r in summary["best"]} == {
         (t, m) for t in ("mqar", "palindrome") for m in ("mla", "gdn")
     }
-    assert all(0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 3 for r in summary["best"])
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 3 and r["optimizer"] == "adamw" for r in summary["best"])
     rows = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert sum(r.get("final", 0) for r in rows) == 8  # 2 tasks x 2 models x 2 learning rates
     assert (tmp_path / "out" / "accuracy.png").stat().st_size > 0
@@ -36,6 +36,10 @@ def test_synth_tiny_grid_logs_plots_and_resumes(tmp_path):
 def test_synth_rejects_a_bad_grid(tmp_path):
     done = _run(["-m", "hybrid_attention.synth", "--grid", "mqar/32/transformer", "--device", "cpu"], tmp_path)
     assert done.returncode == 1 and "unknown model 'transformer'" in done.stderr
+    args = ["--grid", "stack/64/mla;mqar/32/mla", "--mqar-queries", "5", "--device", "cpu", "--out", "out"]
+    done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
+    assert done.returncode == 1 and "queries must be an integer in [1, 4]" in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before the first run
 
 
 def test_ablations_quick(tmp_path):

@@ -27,9 +27,11 @@ def test_palindrome_reverses_after_the_separator():
     assert (y[:, : n + 1] == IGNORE).all() and (y[:, n + 1 :] != IGNORE).all()
 
 
-def test_mqar_answers_are_the_queried_values():
-    task = Task("mqar", 64, num_symbols=20)
+@pytest.mark.parametrize("seq_len, queries", [(64, None), (37, 4), (32, 1)])
+def test_mqar_answers_are_the_queried_values(seq_len, queries):
+    task = Task("mqar", seq_len, num_symbols=20, queries=queries)
     P, Q = task.num_pairs, task.num_queries
+    assert Q == (P // 2 if queries is None else queries)
     x, y = task.batch(6, seed=1, step=2)
     for row, labels in zip(x.tolist(), y.tolist(), strict=True):
         pairs = dict(zip(row[0 : 2 * P : 2], row[1 : 2 * P : 2], strict=True))
@@ -90,5 +92,10 @@ def test_bad_arguments_name_the_problem():
         Task("copy", 32)
     with pytest.raises(ValueError, match="seq_len"):
         Task("mqar", 4)
+    with pytest.raises(ValueError, match="queries applies to mqar only"):
+        Task("stack", 32, queries=2)
+    for queries in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match=r"queries must be an integer in \[1, 4\]"):
+            Task("mqar", 32, queries=queries)
     with pytest.raises(ValueError, match="split"):
         Task("mqar", 32).batch(1, seed=0, step=0, split="test")

@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lrs", type=_lrs, default=_lrs(DEFAULT_LRS), help=f"learning rates swept (default {DEFAULT_LRS})")
     p.add_argument("--batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
     p.add_argument("--num-symbols", type=positive_int, default=64, help="alphabet of the random content (default 64)")
+    p.add_argument("--mqar-queries", type=positive_int, help="keys queried per MQAR sequence (default: half the pairs)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the data and the initialisation")
     p.add_argument("--eval-every", type=positive_int, help="evaluate every N steps (default: 20 points per run)")
     p.add_argument("--eval-batches", type=positive_int, default=4, help="fixed evaluation batches (default 4)")
@@ -39,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=positive_int, default=2, help="heads per mixer (default 2)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="channels per head (default 128)")
     p.add_argument("--residual", choices=("standard", "attnres", "block_attnres"), default="standard")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw, or muon for the hidden matrices and adamw for the rest (default adamw)")  # fmt: skip
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--out", default="runs/synth", help="directory of log.jsonl and accuracy.png (default runs/synth)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -50,12 +53,16 @@ def run(args) -> int:
     from hybrid_attention.device import resolve_device
     from hybrid_attention.synth.plots import plot_accuracy
     from hybrid_attention.synth.run import Settings, best_by_lr, grid_runs, read_rows, run_grid
+    from hybrid_attention.synth.tasks import Task
 
     runs = grid_runs(args.grid, args.lrs, steps=args.steps)
-    settings = Settings(batch_size=args.batch_size, num_symbols=args.num_symbols, seed=args.seed,
-                        eval_every=args.eval_every, eval_batches=args.eval_batches, num_layers=args.layers,
-                        num_heads=args.heads, head_dim=args.head_dim, residual=args.residual,
-                        weight_decay=args.weight_decay, kda_backend=args.kda_backend)  # fmt: skip
+    for length in sorted({spec.seq_len for spec in runs if spec.task == "mqar"}):
+        Task("mqar", length, args.num_symbols, args.mqar_queries)  # a bad --mqar-queries fails before any run
+    settings = Settings(batch_size=args.batch_size, num_symbols=args.num_symbols, mqar_queries=args.mqar_queries,
+                        seed=args.seed, eval_every=args.eval_every, eval_batches=args.eval_batches,
+                        num_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim, residual=args.residual,
+                        optimizer=args.optimizer, weight_decay=args.weight_decay,
+                        kda_backend=args.kda_backend)  # fmt: skip
     device = resolve_device(args.device)
     budget = args.time_budget * 60 if args.time_budget else None
     finals, skipped = run_grid(runs, settings, args.out, device=device, dtype=args.dtype, budget_s=budget)

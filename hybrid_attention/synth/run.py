@@ -1,10 +1,11 @@
 """Training on the synthetic tasks: one run (`train_run`), and a grid of runs under a time budget (`run_grid`).
 
-A run trains a fresh model of `models.model_config` on batches `Task.batch(seed, step)` with the project's optimizer
-and schedule (`optim.py`: AdamW, linear warm-up for a tenth of the run, cosine decay to a tenth of the peak) and
-evaluates answer accuracy on fixed batches of the "eval" stream. Every evaluation appends one row to
-`OUT/log.jsonl`; a run's last row carries "final": 1. A grid rerun in the same directory skips the runs whose final
-row is there (so a grid cut by its time budget continues where it stopped) and drops the rows of unfinished ones.
+A run trains a fresh model of `models.model_config` on batches `Task.batch(seed, step)` with the project's optimizers
+and schedule (`optim.py`: AdamW, or Muon for the hidden matrices; linear warm-up for a tenth of the run, cosine decay
+to a tenth of the peak) and evaluates answer accuracy on fixed batches of the "eval" stream. Every evaluation
+appends one row to `OUT/log.jsonl`; a run's last row carries "final": 1. A grid rerun in the same directory skips
+the runs whose final row is there (so a grid cut by its time budget continues where it stopped) and drops the rows
+of unfinished ones.
 
 Grid spec: cells separated by ";", each TASKS/LENGTHS/MODELS[/STEPS] with comma lists, for example
 "mqar,palindrome/512,1024/kda,gdn,mla/2000;stack/256/kda,gdn". Cells run in order; within a cell lengths, then
@@ -49,6 +50,7 @@ class Settings:
 
     batch_size: int = 64
     num_symbols: int = 64
+    mqar_queries: int | None = None  # None: half of the pairs (Task.queries)
     seed: int = 0
     eval_every: int | None = None  # None: a twentieth of the run
     eval_batches: int = 4
@@ -56,6 +58,7 @@ class Settings:
     num_heads: int = 2
     head_dim: int = 128
     residual: str = "standard"
+    optimizer: str = "adamw"  # or "muon" (hidden matrices), as optim.build_optimizers
     weight_decay: float = 0.1
     clip: float = 1.0
     kda_backend: str = "auto"
@@ -116,17 +119,17 @@ def evaluate(model, task: Task, s: Settings, device, autocast) -> float:
 
 def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_dir=None) -> dict:
     """Train one model on one task; returns the final row (accuracy, loss, seconds per step, diverged)."""
-    task = Task(spec.task, spec.seq_len, s.num_symbols)
+    task = Task(spec.task, spec.seq_len, s.num_symbols, s.mqar_queries if spec.task == "mqar" else None)
     config = model_config(spec.model, task.vocab_size, num_layers=s.num_layers, num_heads=s.num_heads,
                           head_dim=s.head_dim, residual=s.residual, kda_backend=s.kda_backend)  # fmt: skip
     torch.manual_seed(s.seed)
     model = HybridLM(config).to(device)
-    optimizers = build_optimizers(model, optimizer="adamw", lr=spec.lr, weight_decay=s.weight_decay)
+    optimizers = build_optimizers(model, optimizer=s.optimizer, lr=spec.lr, weight_decay=s.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=spec.steps // 10, steps=spec.steps, min_ratio=0.1)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, dtype)
     eval_every = s.eval_every or max(1, spec.steps // 20)
-    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size}
+    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer}
     row, start, loss_sum, losses = None, time.perf_counter(), 0.0, 0
     model.train()
     with flush_denormals():

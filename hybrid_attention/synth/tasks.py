@@ -8,7 +8,8 @@ alone. Token ids: 0 pad, 1 separator, 2 push, 3 pop, then the task's symbols fro
 - Palindrome: n = (T - 1) // 2 random symbols, the separator, then the same symbols in reverse (the answers).
 - MQAR (multi-query associative recall): P key-value pairs (distinct keys, keys and values from disjoint symbol
   ranges), then Q of the keys again, a random subset in random order, each followed by its value (the answers), at
-  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair.
+  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair. Q is half of
+  the pairs unless `queries` says otherwise (`queries=P`: every key is queried, as in Zoology's MQAR).
 - Stack: T // 2 operations, "push x" or "pop y", where y is the value on top of the stack (the answers); a pop is
   drawn only on a non-empty stack, with probability 1/2.
 """
@@ -29,11 +30,13 @@ SPLITS = ("train", "eval")
 
 @dataclass(frozen=True)
 class Task:
-    """One task at one sequence length. `num_symbols`: the alphabet of the random content (values)."""
+    """One task at one sequence length. `num_symbols`: the alphabet of the random content (values). `queries`:
+    MQAR only, the keys queried per sequence (None: half of the pairs)."""
 
     name: str
     seq_len: int
     num_symbols: int = 64
+    queries: int | None = None
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -43,6 +46,14 @@ class Task:
             raise ValueError(f"{self.name}: seq_len must be an integer >= {minimum}, got {self.seq_len!r}")
         if not isinstance(self.num_symbols, int) or self.num_symbols < 2:
             raise ValueError(f"{self.name}: num_symbols must be an integer >= 2, got {self.num_symbols!r}")
+        if self.queries is not None:
+            if self.name != "mqar":
+                raise ValueError(f"{self.name}: queries applies to mqar only, got queries={self.queries!r}")
+            # Queries ask distinct keys; the (seq_len - 2 P) // 2 query slots always outnumber the P pairs.
+            whole = isinstance(self.queries, int) and not isinstance(self.queries, bool)
+            if not whole or not 1 <= self.queries <= self.num_pairs:
+                raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {self.num_pairs}] "
+                                 f"(the key-value pairs), got {self.queries!r}")  # fmt: skip
 
     @property
     def num_pairs(self) -> int:
@@ -51,8 +62,8 @@ class Task:
 
     @property
     def num_queries(self) -> int:
-        """MQAR: keys queried after the context (half of them)."""
-        return max(1, self.num_pairs // 2)
+        """MQAR: keys queried after the context (`queries`, else half of the pairs)."""
+        return self.queries if self.queries is not None else max(1, self.num_pairs // 2)
 
     @property
     def num_keys(self) -> int:
