@@ -20,6 +20,8 @@ reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,9 +43,10 @@ def _warps(width: int) -> int:
     return 8 if triton.next_power_of_2(width) >= 4096 else 4
 
 
+@functools.lru_cache(maxsize=64)
 def _split(x: float) -> tuple[float, float]:
     """x = hi + lo as two float32 kernel arguments: a float64 kernel adds them back (one float32 argument would
-    round eps)."""
+    round eps). Cached: eps is one constant per model, and the rounding goes through a CPU tensor."""
     hi = float(torch.tensor(x, dtype=torch.float32))
     return hi, float(x) - hi
 
