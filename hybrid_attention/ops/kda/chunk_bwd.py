@@ -23,12 +23,7 @@ from hybrid_attention.ops.kda.kernels.dqkg import _dqkg_kernel
 from hybrid_attention.ops.kda.kernels.l2norm_bwd import _l2norm_bwd_kernel
 from hybrid_attention.ops.kda.kernels.score_grad import _score_grad_kernel
 from hybrid_attention.ops.kda.kernels.state_bwd import _state_bwd_kernel
-from hybrid_attention.ops.kda.triton_utils import (
-    ChunkLayout,
-    dot_setup,
-    empty,
-    tuning_width,
-)
+from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, tuning_width
 
 # K tile of the dq/dk/dg kernel (a power of two, 16 to 256): 32 spills no registers, but 64 halves the number of
 # latency-bound programs and wins (docs/kernels.md); the l2norm backward runs inside it for K <= DQKG_BK.

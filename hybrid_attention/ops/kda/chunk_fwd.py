@@ -18,12 +18,7 @@ import triton.language as tl
 from hybrid_attention.ops.kda.kernels.output import _output_kernel
 from hybrid_attention.ops.kda.kernels.prep import _prep_kernel
 from hybrid_attention.ops.kda.kernels.state_fwd import _state_fwd_kernel
-from hybrid_attention.ops.kda.triton_utils import (
-    ChunkLayout,
-    dot_setup,
-    empty,
-    tuning_width,
-)
+from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, tuning_width
 
 
 def split_output(pairs: int) -> bool:
