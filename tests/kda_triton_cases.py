@@ -125,23 +125,23 @@ def round_bfloat16_like_the_gpu(monkeypatch) -> None:
 def autotuned_kernels() -> dict:
     """Every autotuned KDA kernel by name (the output pass runs only when `split_output` says so); each tuner lists
     its configs in `all_configs`."""
-    from hybrid_attention.ops.kda import triton_bwd, triton_bwd_chunk, triton_fwd, triton_prep
+    from hybrid_attention.ops.kda.kernels import dqkg, output, prep, score_grad, state_bwd, state_fwd
 
     return {
-        "prep": triton_prep._prep_kernel,
-        "state_fwd": triton_fwd._state_fwd_kernel,
-        "output": triton_fwd._output_kernel,
-        "state_bwd": triton_bwd._state_bwd_kernel,
-        "score_grad": triton_bwd._score_grad_kernel,
-        "dqkg": triton_bwd_chunk._dqkg_kernel,
+        "prep": prep._prep_kernel,
+        "state_fwd": state_fwd._state_fwd_kernel,
+        "output": output._output_kernel,
+        "state_bwd": state_bwd._state_bwd_kernel,
+        "score_grad": score_grad._score_grad_kernel,
+        "dqkg": dqkg._dqkg_kernel,
     }
 
 
 def force_output_pass(monkeypatch, split: bool) -> None:
     """Compute O inside the state walk (split False) or in the separate output pass (True), whatever the size."""
-    from hybrid_attention.ops.kda import triton_fwd
+    from hybrid_attention.ops.kda import chunk_fwd
 
-    monkeypatch.setattr(triton_fwd, "split_output", lambda pairs: split)
+    monkeypatch.setattr(chunk_fwd, "split_output", lambda pairs: split)
 
 
 def force_config(monkeypatch, kernel: str, index: int):

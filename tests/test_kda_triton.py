@@ -100,9 +100,9 @@ def test_fused_gate_and_l2norm(K):
 def test_backward_k_tile(monkeypatch, k_tile):
     # DQKG_BK is the K tile of the dq/dk/dg kernel: 16 gives five tiles at K = 80, 128 one masked tile (and the
     # l2norm backward fused into that kernel); both must match the reference like the default.
-    from hybrid_attention.ops.kda import triton_bwd_chunk
+    from hybrid_attention.ops.kda import chunk_bwd
 
-    monkeypatch.setattr(triton_bwd_chunk, "DQKG_BK", k_tile)
+    monkeypatch.setattr(chunk_bwd, "DQKG_BK", k_tile)
     compare(make_inputs(1, 40, 1, 80, 16, gate=True, l2norm=True, seed=7), TOL32, TOL32, l2norm=True)
 
 
@@ -162,7 +162,7 @@ def test_softplus_gate_in_the_kernels(l2norm):
 
 @pytest.mark.parametrize("pairs, split", [(1, True), (32, True), (33, False), (4096, False)])
 def test_split_output_choice(pairs, split):
-    from hybrid_attention.ops.kda.triton_fwd import split_output
+    from hybrid_attention.ops.kda.chunk_fwd import split_output
 
     assert split_output(pairs) is split
 

@@ -120,8 +120,8 @@ def main() -> None:
     driver.set_active(CompileOnlyDriver())
     JITFunction.run = _compile_only_run
 
-    from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
-    from hybrid_attention.ops.kda.triton_fwd import kda_fwd
+    from hybrid_attention.ops.kda.chunk_bwd import kda_bwd
+    from hybrid_attention.ops.kda.chunk_fwd import kda_fwd
     from hybrid_attention.ops.kda.triton_utils import first_configs_only
 
     gate, l2 = not args.no_gate, not args.no_l2norm

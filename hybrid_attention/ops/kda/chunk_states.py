@@ -10,7 +10,7 @@ and carry no gradient: they are a cache, and the outputs stay differentiable.
 
     torch   `chunk_kda_torch` one chunk at a time, each call starting from the state the previous one returned
             (the same arithmetic as the whole-sequence call, which carries the state from chunk to chunk too)
-    triton  the states the forward's state pass already stores for the backward (`h` in triton_fwd.py), kept in
+    triton  the states the forward's state pass already stores for the backward (`h` in chunk_fwd.py), kept in
             the input dtype: for 16-bit inputs they are the state rounded as the kernels' products read it
 """
 

@@ -2,8 +2,9 @@
 
 The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd` / `kda_chunk_bwd`) with fake
 (meta) implementations and a registered autograd formula, so a compiled model sees one opaque node each way.
-Kernels: triton_prep.py + triton_fwd.py (forward, 2 kernels), triton_bwd.py + triton_bwd_chunk.py (backward,
-3 kernels, +1 with the fused l2norm); docs/kernels.md explains the organisation and what is saved.
+The drivers chunk_fwd.py (forward, 2 kernels, +1 output pass for few long sequences) and chunk_bwd.py (backward,
+3 kernels, +1 with the fused l2norm) launch the kernels of kernels/; docs/kernels.md explains the organisation and
+what is saved.
 
 Optional fusions: the gate (gate="bounded" or "softplus" with A_log, dt_bias and, bounded, lower_bound; g is then
 the raw logit z) and the q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). Exact for any decay g <= 0
@@ -15,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hybrid_attention.ops.kda.chunk_bwd import kda_bwd
+from hybrid_attention.ops.kda.chunk_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
-from hybrid_attention.ops.kda.triton_bwd_chunk import kda_bwd
-from hybrid_attention.ops.kda.triton_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
 from hybrid_attention.ops.triton_support import triton_runs_on
 

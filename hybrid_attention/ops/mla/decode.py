@@ -3,8 +3,9 @@
 Gated MLA with NoPE is MQA with one shared KV head (docs/math.md, "Absorbed decode"): the cache holds one row
 [c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
 keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
-output. The fast path is the flash-decoding Triton kernel in `triton_decode.py`; `mla_decode_torch` is the readable
-reference (`naive.absorbed_attention` with per-sequence lengths) for machines without Triton/CUDA and for autograd.
+output. The fast path is flash decoding in Triton (`triton_decode.py`, its kernels in `kernels/`); `mla_decode_torch`
+is the readable reference (`naive.absorbed_attention` with per-sequence lengths) for machines without Triton/CUDA
+and for autograd.
 
 Length conventions (a preallocated cache, as in FlashMLA's `cache_seqlens`): only the first seq_lens[b] rows of
 sequence b are valid, the rest may hold anything (NaN included) and are never read. Query i of Tq sits at position

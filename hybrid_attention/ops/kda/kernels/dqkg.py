@@ -1,5 +1,5 @@
-"""KDA backward, stage 3 of 3: dq, dk, dg (or dz, dA_log, dt_bias with the fused gate) and beta's k-part,
-one program per (K tile, chunk, head); then the host function that runs all three stages.
+"""KDA chunk backward, stage 3: dq, dk, dg (or dz, dA_log, dt_bias with the fused gate) and beta's k-part,
+one program per (K tile, chunk, head).
 
 With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) and R = T^T dD (stage 2):
 
@@ -13,27 +13,21 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads).
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
-row: when one K tile holds the row (K <= DQKG_BK) it is done here, otherwise dq, dk
-leave this kernel in float32 and a small row kernel finishes them.
+row: when one K tile holds the row (FUSE_L2) it is done here, otherwise dq, dk leave this kernel in float32 and
+the row kernel of kernels/l2norm_bwd.py finishes them.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_bwd import reduction_tile, score_grad, state_bwd
-from hybrid_attention.ops.kda.triton_fwd import TL_DTYPES
 from hybrid_attention.ops.kda.triton_utils import (
     SHIFT,
     WIDE,
-    ChunkLayout,
     autotune,
     chunk_info,
     dot_operand,
-    dot_setup,
-    empty,
     gate_parts,
     load_gate,
     load_lower,
@@ -45,10 +39,6 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_rows,
     store_tile,
 )
-
-# K tile of the dq/dk/dg kernel (a power of two, 16 to 256): 32 spills no registers, but 64 halves the number of
-# latency-bound programs and wins (docs/kernels.md); the l2norm backward runs inside it for K <= DQKG_BK.
-DQKG_BK = 64
 
 
 @triton.jit
@@ -89,7 +79,7 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
 
 
 # Pipelined loads hide part of the latency of this register-bound kernel (one stage and 4 warps measured slower).
-# The V tile is fixed (triton_bwd.reduction_tile): the tuner's choice never changes the order of the sums.
+# The V tile is fixed (chunk_bwd.reduction_tile): the tuner's choice never changes the order of the sums.
 @autotune([{}, {}], [(8, 2), (8, 3)], ["K", "V", "GATE", "L2NORM"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
@@ -221,81 +211,3 @@ def _dqkg_kernel(
     store_tile(dq + h * K, _l2_back(dqn, qn, rqn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dk + h * K, _l2_back(dk_s + pos + neg, kn, rkn, FUSE_L2), t0, nv, sk, kk, K, 64, BK)
     store_tile(dg + h * K, dgl, t0, nv, sk, kk, K, 64, BK)
-
-
-@triton.jit
-def _l2norm_bwd_kernel(x, rstd, dy, dx, n_rows, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """y = x * rstd, rstd = 1 / sqrt(|x|^2 + eps)  ->  dx = rstd * (dy - y (y . dy)), per row of K."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BK)
-    mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    r = tl.load(rstd + rows, mask=rows < n_rows, other=0.0)
-    y = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32) * r[:, None]
-    d = tl.load(dy + offs, mask=mask, other=0.0)
-    tl.store(dx + offs, (r[:, None] * (d - y * tl.sum(y * d, 1)[:, None])).to(dx.dtype.element_ty), mask=mask)
-
-
-def _l2norm_bwd(x, rstd, dy):
-    """x [..., K] (input dtype), rstd [...] f32, dy [..., K] f32 -> dx [..., K] in x.dtype."""
-    K = x.shape[-1]
-    n_rows = x.numel() // K
-    dx = empty(x, *x.shape)
-    BK = max(16, triton.next_power_of_2(K))
-    BR = max(1, 4096 // BK)
-    _l2norm_bwd_kernel[(triton.cdiv(n_rows, BR),)](x, rstd, dy, dx, n_rows, K=K, BR=BR, BK=BK, num_warps=4)
-    return dx
-
-
-def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound,
-            gate, l2norm):  # fmt: skip
-    """All three backward stages. do [B, T, H, V], dht [N, H, K, V] f32 or None; inputs as `kda_fwd`.
-
-    Returns dq, dk, dv, dg (dz with the gate), dbeta in the dtypes of their inputs, dh0 [N, H, K, V] f32
-    (empty unless h0_needed), and dA_log [H], d dt_bias [H, K] float32 (empty without the gate).
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    T_tot = B * T
-    io = v.dtype
-    q, k, v, g = (x.reshape(T_tot, H, x.shape[-1]).contiguous() for x in (q, k, v, g))
-    beta = beta.reshape(T_tot, H).contiguous()
-    do = do.reshape(T_tot, H, V).to(io).contiguous()
-    dht = None if dht is None else dht.float().contiguous()
-    layout = ChunkLayout(B, T, q.device, cu_seqlens)
-    prec, emu, a32 = dot_setup(io)
-    dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
-    dh0, dhbuf, dvnew = state_bwd(saved, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
-
-    BK = min(DQKG_BK, max(16, triton.next_power_of_2(K)))
-    NK = triton.cdiv(K, BK)
-    f32 = torch.float32
-    dbeta = empty(q, NK + 1, T_tot, H, dtype=f32)
-    dv, daq, dak = score_grad(saved, do, dvnew, v, beta, dbeta[0], layout, scale=scale, dtypes=dtypes)
-
-    fuse_l2 = l2norm and NK == 1  # one K tile holds the whole row: the l2norm backward runs in the same kernel
-    dq = empty(q, T_tot, H, K, dtype=f32 if (l2norm and not fuse_l2) else q.dtype)
-    dk = empty(k, T_tot, H, K, dtype=f32 if (l2norm and not fuse_l2) else k.dtype)
-    dg = empty(g, *g.shape)
-    none = empty(q, 0, dtype=f32)
-    parts = (lambda: torch.zeros(layout.n_chunks, H, K, device=q.device, dtype=f32)) if gate else (lambda: none)
-    dalog, dbias = parts(), parts()
-    cu, chunk_seq, chunk_tok, _, Tn, NT = layout.args()
-    _dqkg_kernel[(layout.n_chunks * NK, H)](
-        q, k, g, beta, a_log if gate else none, dt_bias if gate else none,
-        saved["rq"] if l2norm else none, saved["rk"] if l2norm else none,
-        do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dak,
-        dq, dk, dg, dbeta, dalog, dbias,
-        cu, chunk_seq, chunk_tok, scale, lower_bound, Tn, NT, T_tot,
-        H=H, K=K, V=V, BK=BK, NK=NK, BV=reduction_tile(V), VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm,
-        FUSE_L2=fuse_l2,
-        IO=dtypes[0], ADT=dtypes[1], PREC=prec, EMU=emu,
-    )  # fmt: skip
-    if l2norm and not fuse_l2:
-        dq = _l2norm_bwd(q, saved["rq"], dq)
-        dk = _l2norm_bwd(k, saved["rk"], dk)
-    shape = lambda x: x.view(B, T, H, x.shape[-1])
-    dbeta = dbeta.sum(0).view(B, T, H).to(beta.dtype)
-    da_log = dalog.sum((0, 2)) if gate else none
-    ddt = dbias.sum(0) if gate else none
-    return shape(dq), shape(dk), shape(dv), shape(dg), dbeta, dh0, da_log, ddt

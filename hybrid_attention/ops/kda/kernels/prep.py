@@ -1,4 +1,4 @@
-"""KDA forward, stage 1 of 2: the chunk-local "prep" kernel (one program per chunk and head, all in parallel).
+"""KDA chunk forward, stage 1: the chunk-local "prep" kernel (one program per chunk and head, all in parallel).
 
 For a chunk of 64 tokens (docs/math.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
 
@@ -18,7 +18,6 @@ q and k, and the blocks are scaled by the norms afterwards, summed from the same
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -29,7 +28,6 @@ from hybrid_attention.ops.kda.triton_utils import (
     all_finite,
     autotune,
     chunk_info,
-    empty,
     exact_diag,
     finite,
     first_bad_row,
@@ -387,27 +385,3 @@ def _prep_kernel(
         cols = kk + tl.arange(0, BKW)
         gam_s = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
         tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam_s, mask=cols < K)
-
-
-def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
-    """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
-    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk (see allocate_fwd);
-    `dtypes` = (IO, ADT, PREC, EMU)."""
-    T_tot, H, K = q.shape
-    V = v.shape[-1]
-    IO, ADT, PREC, EMU = dtypes
-    BKA = min(32, max(16, triton.next_power_of_2(K)))
-    # Whole [64, 128] tiles for W, U, qg, kg: fewer, larger dots.
-    BKW = min(128, max(16, triton.next_power_of_2(K)))
-    BV = min(128, max(16, triton.next_power_of_2(V)))
-    cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
-    _prep_kernel[(layout.n_chunks, H)](
-        q, k, v, g, beta, a_log, dt_bias,
-        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["akk"],
-        empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32),
-        cu, chunk_seq, chunk_tok,
-        scale, lower_bound, T, NT, T_tot,
-        H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
-        VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, SAVE=save,
-        IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
-    )  # fmt: skip

@@ -1,0 +1,142 @@
+"""MLA flash decode, stage 1: attention of every query row of a sequence over one range of its latent cache.
+
+Gated MLA with NoPE decodes as multi-query attention (docs/math.md, "Absorbed decode"): each cached token is
+one row [c ; k_s] of D = d_c + d_s numbers, head h's absorbed query q'_h = [W_UK,h^T q_n,h ; q_s,h] has D entries,
+the keys are the rows and the values are their first `value_dim` columns. Since every head reads the same KV head,
+one program holds all Tq * H query rows of a sequence and scores them against each block of cache rows it loads:
+a decode step reads the cache once for all heads.
+
+The valid context of sequence b (its first seq_lens[b] rows) is cut into `num_splits` ranges of whole key blocks,
+one program each (grid [B, num_splits, row blocks]). A program runs an online softmax (running max m, sum l,
+unnormalised output acc, all fp32) over its range and writes (m, l, acc) for the merge (kernels/merge.py); with one
+split (SINGLE) it normalises and writes the output itself. Scores live in base 2 (scale * log2(e) is one
+multiplier). A query row that sees no key (only when seq_lens[b] < Tq) gets zeros.
+
+D need not be a power of two (288 = 256 + 32): a row is read as a value part [:value_dim] and a tail
+[value_dim:D], each padded to a power of two under a load mask, so nothing is padded when both are powers of two.
+
+Inputs: q [B, Tq, H, D], rows [B, max_len, D], seq_lens [B] int32. Outputs: m, l [B, Tq * H, num_splits] fp32 and
+acc [B, Tq * H, num_splits, DV] fp32, or with SINGLE the output [B, Tq, H, DV].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 inputs must not be rounded to tf32 (the fp32 path is checked to 1e-5); 16-bit inputs use tensor cores.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,  # [B, Tq, H, D]
+    rows_ptr,  # [B, max_len, D]
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B, Tq, H, DV] (written only when SINGLE)
+    m_ptr,  # [B, Tq * H, num_splits] fp32, base-2 running max
+    l_ptr,  # [B, Tq * H, num_splits] fp32
+    acc_ptr,  # [B, Tq * H, num_splits, DV] fp32
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_rb,
+    stride_rn,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    max_len,
+    num_splits,
+    qk_scale,  # scale * log2(e)
+    TQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    SINGLE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    m_block = tl.program_id(2)
+
+    # Query rows are (t, h) pairs flattened t-major; row t sits at position seq_len - TQ + t (bottom-right causal).
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < TQ * H
+    t = offs_m // H
+    h = offs_m % H
+    # Clamped so a bad length can never read outside the cache; checked on the host when it costs no sync.
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b), 0), max_len)
+    last_key = seq_len - TQ + t  # [BLOCK_M]
+
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < DV
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_v = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+    if HAS_TAIL:
+        offs_t = DV + tl.arange(0, BLOCK_DT)
+        t_ok = offs_t < D
+        q_t = tl.load(q_rows[:, None] + offs_t[None, :], mask=row_ok[:, None] & t_ok[None, :], other=0.0)
+
+    # This split's key range: whole blocks, so every split but the last of a sequence is unmasked.
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    rows_b = rows_ptr + b.to(tl.int64) * stride_rb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        r_ptrs = rows_b + offs_n.to(tl.int64)[:, None] * stride_rn  # [BLOCK_N, 1]
+        # Rows at or past seq_len may hold garbage or NaN: they are never loaded (other=0), so 0 * NaN cannot occur.
+        if BLOCK_DV == DV:
+            k_v = tl.load(r_ptrs + offs_v[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_v = tl.load(r_ptrs + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
+        s = _dot(q_v, tl.trans(k_v), IEEE)  # [BLOCK_M, BLOCK_N]
+        if HAS_TAIL:
+            k_t = tl.load(r_ptrs + offs_t[None, :], mask=n_ok[:, None] & t_ok[None, :], other=0.0)
+            s += _dot(q_t, tl.trans(k_t), IEEE)
+        visible = n_ok[None, :] & (offs_n[None, :] <= last_key[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf) = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(k_v.dtype), k_v, IEEE)
+        m_i = m_new
+
+    if SINGLE:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_rows = out_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        tl.store(
+            o_rows[:, None] + offs_v[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & v_ok[None, :],
+        )
+    else:
+        part = (b.to(tl.int64) * (TQ * H) + offs_m) * num_splits + split  # [BLOCK_M] index into [B, Tq*H, splits]
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+        # Rows that saw no key in this split (l = 0) skip the write; the merge never reads them.
+        tl.store(
+            acc_ptr + part[:, None] * DV + offs_v[None, :],
+            acc,
+            mask=(row_ok & (l_i > 0))[:, None] & v_ok[None, :],
+        )
