@@ -358,7 +358,11 @@ def test_fake_implementations():
     args = (q, k, v, g, beta, h0, None, A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, True, True)
     torch.library.opcheck(_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 1, 1, 16, 16, gate=True, seed=16)
-    args = (q, k, v, g, beta, h0.clone(), A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True)
+    args = (q, k, v, g, beta, h0.clone(), A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, None)
+    torch.library.opcheck(_step_op, args, test_utils=("test_schema", "test_faketensor"))
+    pool = torch.randn(5, *h0.shape[1:], device=DEV)
+    rows = torch.tensor([3, -1], device=DEV)
+    args = (q, k, v, g, beta, pool, A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, rows)
     torch.library.opcheck(_step_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -387,3 +391,8 @@ def test_bad_inputs():
         fused_recurrent_kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], h0.double())
     with pytest.raises(ValueError, match="beta"):
         fused_recurrent_kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta, h0.clone())
+    one = (q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1])
+    with pytest.raises(ValueError, match=r"state_indices must be an int64 \[B\] = \[1\]"):
+        fused_recurrent_kda_step(*one, h0.clone(), state_indices=torch.tensor([0, 1], device=DEV))
+    with pytest.raises(ValueError, match=r"state must be a contiguous float32 \[P, H, K, V\]"):
+        fused_recurrent_kda_step(*one, h0[:, :, :8].clone(), state_indices=torch.tensor([0], device=DEV))

@@ -10,11 +10,11 @@ place) it takes:
   * beta as logits (`use_beta_sigmoid`: beta = sigmoid(logits), computed here);
   * the PyTorch reference as a backend ("torch": `recurrent_kda`), the spec the kernel is tested against.
 
-The pool is served by gathering the addressed rows into a batch, stepping that batch, and writing it back with one
-`index_copy_`, with no host sync (so it can be captured in a CUDA graph). Padding slots step a copy of a real row
-(the first valid slot's) and write back that slot's result, so that every write to one row carries the same value
-whatever order the writes land in. This costs two passes over the addressed rows beyond the step's own; reading
-the index inside the step kernel would save them.
+The Triton step reads the index itself: each program loads its sequence's row number and reads and writes that
+row of the pool, so the state moves once. The PyTorch reference gathers the addressed rows into a batch, steps it,
+and writes it back with one `index_copy_` (padding slots step a copy of the first valid slot's row and write back
+that slot's result, so every write to one row carries the same value whatever order the writes land in). Neither
+syncs with the host, so both can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def kda_decode_step(
                 state.copy_(new)
             return o
         rows, valid, first = _pool_rows(state, state_indices, q, v)
+        if backend == "triton":
+            return _triton_step(q, k, v, g, beta, state, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm,
+                                state_indices.long())  # fmt: skip
         o, new = step(state.index_select(0, rows))
         # Padding slots write their anchor row's result: the first valid slot's new row, or (none valid) the row as
         # it was, so all writes to one row agree. Indexing by tensors throughout: no host sync.
@@ -91,11 +94,8 @@ def kda_decode_step(
 def _step(backend, q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm):
     """(o, state after the tokens) from S [B, Hv, K, V]; the Triton step updates S in place and returns it."""
     if backend == "triton":
-        from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
-
-        kw = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if gate is not None else {}
         S = S if S.is_contiguous() else S.contiguous()
-        return fused_recurrent_kda_step(q, k, v, g, beta, S, scale=scale, use_qk_l2norm=use_qk_l2norm, **kw), S
+        return _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm), S
     if gate is not None:
         if A_log is None or dt_bias is None:
             raise ValueError(f"{_NAME}: gate={gate!r} needs A_log and dt_bias")
@@ -105,6 +105,16 @@ def _step(backend, q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     return recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=S, output_final_state=True)
+
+
+def _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm, state_indices=None):
+    """The fused Triton step on S (a batch of states, or a pool addressed by state_indices), updated in place."""
+    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+
+    kw = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if gate is not None else {}
+    return fused_recurrent_kda_step(
+        q, k, v, g, beta, S, scale=scale, use_qk_l2norm=use_qk_l2norm, state_indices=state_indices, **kw
+    )
 
 
 def _pool_rows(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -25,6 +25,7 @@ def value_tile(V: int) -> int:
 def _launch_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
     dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool,
+    state_indices: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The kernel launch (also the custom op's body); arguments checked by fused_recurrent_kda_step."""
     B, T, H, K = q.shape
@@ -35,7 +36,9 @@ def _launch_step(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     _step_kernel[(triton.cdiv(V, BV), B, H)](
         q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: an unused pointer
-        scale, lower_bound, T, H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, num_warps=4 if BK <= 128 else 8,
+        state if state_indices is None else state_indices, scale, lower_bound, T,
+        H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, INDEXED=state_indices is not None,
+        num_warps=4 if BK <= 128 else 8,
     )  # fmt: skip
     return o
 
@@ -43,13 +46,13 @@ def _launch_step(
 @torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
 def _step_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
-    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool,
+    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool, state_indices: Tensor | None,
 ) -> Tensor:  # fmt: skip
-    return _launch_step(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm)
+    return _launch_step(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm, state_indices)
 
 
 @_step_op.register_fake
-def _(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm):
+def _(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm, state_indices):
     return empty(v, *v.shape)
 
 
@@ -67,13 +70,16 @@ def fused_recurrent_kda_step(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
+    state_indices: Tensor | None = None,
 ) -> Tensor:
     """Advance `state` by T tokens (T small: decoding) and return their outputs; forward only.
 
     Args:
         q, k, g: [B, T, H, K] (g the natural-log decay, or with gate "bounded" / "softplus" the raw logits z, as
             in chunk_kda).  v: [B, T, H, V].  beta: [B, T, H].  K, V <= 256.
-        state: [B, H, K, V] float32, contiguous; updated in place.
+        state: [B, H, K, V] float32, contiguous; updated in place. With state_indices, a pool [P, H, K, V].
+        state_indices: int64 [B] or None: sequence b reads and writes pool row state_indices[b] (distinct rows); a
+            negative entry is a padding slot, whose outputs are zeros and which touches no row.
         scale: defaults to K ** -0.5.  use_qk_l2norm: L2-normalise q and k inside the kernel.
     Returns:
         o: [B, T, H, V] in v.dtype.
@@ -92,10 +98,20 @@ def fused_recurrent_kda_step(
     V = v.shape[3]
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"{name}: beta must be [B, T, H] = {(B, T, H)}, got shape {tuple(beta.shape)}")
-    if tuple(state.shape) != (B, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
+    rows = B if state_indices is None else "P"
+    if state_indices is not None and (
+        state_indices.dtype != torch.int64 or tuple(state_indices.shape) != (B,) or state_indices.device != state.device
+    ):
         raise ValueError(
-            f"{name}: state must be a contiguous float32 [B, H, K, V] = {(B, H, K, V)} tensor (it is updated in "
-            f"place), got {state.dtype} {tuple(state.shape)}{'' if state.is_contiguous() else ' non-contiguous'}"
+            f"{name}: state_indices must be an int64 [B] = [{B}] tensor on {state.device}, got "
+            f"{state_indices.dtype} {tuple(state_indices.shape)} on {state_indices.device}"
+        )
+    state_rows = B if state_indices is None else (state.shape[0] if state.dim() == 4 else -1)
+    if tuple(state.shape) != (state_rows, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(
+            f"{name}: state must be a contiguous float32 [{rows}, H, K, V] = [{rows}, {H}, {K}, {V}] tensor (it is "
+            f"updated in place), got {state.dtype} {tuple(state.shape)}"
+            f"{'' if state.is_contiguous() else ' non-contiguous'}"
         )
     if K > MAX_DIM or V < 1 or V > MAX_DIM:
         raise ValueError(f"{name}: K and V must be in [1, {MAX_DIM}], got K = {K}, V = {V}")
@@ -118,4 +134,5 @@ def fused_recurrent_kda_step(
     # The custom op's dispatch costs tens of microseconds of host time per call, as long as the whole step at small
     # batches, so eager calls launch the kernel directly; traced calls need the op.
     step = _step_op if torch.compiler.is_compiling() else _launch_step
-    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm))
+    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm),
+                state_indices)  # fmt: skip
