@@ -77,10 +77,11 @@ def kda_decode_step(
             if new is not state:
                 state.copy_(new)
             return o
-        rows, valid, first = _pool_rows(state, state_indices, q, v)
+        _check_pool(state, state_indices, q, v)
         if backend == "triton":
             return _triton_step(q, k, v, g, beta, state, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm,
                                 state_indices.long())  # fmt: skip
+        rows, valid, first = _pool_rows(state_indices)
         o, new = step(state.index_select(0, rows))
         # Padding slots write their anchor row's result: the first valid slot's new row, or (none valid) the row as
         # it was, so all writes to one row agree. Indexing by tensors throughout: no host sync.
@@ -117,8 +118,8 @@ def _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, 
     )
 
 
-def _pool_rows(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Check the pool and its indices; return (row read by each slot [B], valid slots [B], first valid slot [1])."""
+def _check_pool(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> None:
+    """The pool [P, Hv, K, V] and its indices [B] (int32 or int64, on the pool's device) fit q and v."""
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{_NAME}: state_indices must be an int32 or int64 tensor, got {getattr(idx, 'dtype', idx)}")
     B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
@@ -136,6 +137,11 @@ def _pool_rows(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor
             f"{_NAME}: state must be a pool [P, Hv, K, V] = [P, {', '.join(map(str, row))}], "
             f"got {tuple(getattr(state, 'shape', ()))}"
         )
+
+
+def _pool_rows(idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(row read by each slot [B], valid slots [B], first valid slot [1]) for the reference's gather; a padding slot
+    reads the first valid slot's row (row 0 when none is valid)."""
     idx = idx.long()
     valid = idx >= 0
     first = valid.to(torch.uint8).argmax().view(1)  # slot 0 when none is valid
