@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hybrid_attention.ops.numerics import compute_dtype
-from hybrid_attention.ops.triton_support import interpreting, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
 MAX_WIDTH = 16384  # widest row a program holds in registers
 ROW_ELEMENTS = 4096  # elements of x a program holds at once: rows per block = ROW_ELEMENTS // width, at most 16
@@ -96,12 +96,6 @@ def _rms_norm_bwd_kernel(dy, x, w, rstd_in, dx, dw_part, n_rows, rows_per_progra
     tl.store(dw_part + pid.to(tl.int64) * D + d, dw_acc, mask=d_ok)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """[..., D] -> [N, D] with unit stride along D (a view when the rows are evenly strided)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
-
-
 def _bwd_programs(n_blocks: int, device: torch.device) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -112,7 +106,7 @@ def _bwd_programs(n_blocks: int, device: torch.device) -> int:
 def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
     D = x.shape[-1]
-    x2 = _rows(x)
+    x2 = as_rows(x, D)
     n = x2.shape[0]
     y = torch.empty(x.shape, device=x.device, dtype=dtype)
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=compute_dtype(x))
@@ -128,7 +122,7 @@ def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple
 def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dx [..., D] in x.dtype, dw [D] in weight.dtype)."""
     D = x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = as_rows(x, D), as_rows(dy, D)
     n = x2.shape[0]
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if n == 0:

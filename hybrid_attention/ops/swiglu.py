@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hybrid_attention.ops.act_mul import _act_mul_kernel
-from hybrid_attention.ops.triton_support import interpreting, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
 BLOCK = 1024  # columns per program
 
@@ -47,11 +47,6 @@ def _swiglu_bwd_kernel(gu, dy, dgu, width, stride_gu, stride_dy, BLOCK: tl.const
     tl.store(out + width, (g * silu).to(dgu.dtype.element_ty), mask=ok)
 
 
-def _rows(t: Tensor) -> Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
-
-
 def _grid(n: int, width: int) -> tuple[int, int]:
     return (n, triton.cdiv(width, BLOCK))
 
@@ -59,7 +54,7 @@ def _grid(n: int, width: int) -> tuple[int, int]:
 def _forward(gate_up: Tensor) -> Tensor:
     """[..., 2F] -> [..., F] in gate_up's dtype."""
     width = gate_up.shape[-1] // 2
-    gu = _rows(gate_up)
+    gu = as_rows(gate_up, 2 * width)
     y = gate_up.new_empty(*gate_up.shape[:-1], width)
     if y.numel():
         _act_mul_kernel[_grid(gu.shape[0], width)](
@@ -72,7 +67,7 @@ def _forward(gate_up: Tensor) -> Tensor:
 def _backward_kernel(dy: Tensor, gate_up: Tensor) -> Tensor:
     """[..., F], [..., 2F] -> d gate_up [..., 2F] in gate_up's dtype."""
     width = gate_up.shape[-1] // 2
-    gu, g = _rows(gate_up), _rows(dy)
+    gu, g = as_rows(gate_up, 2 * width), as_rows(dy, width)
     dgu = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
     if dgu.numel():
         _swiglu_bwd_kernel[_grid(gu.shape[0], width)](
