@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybrid_attention.ops.attnres.rows import compute_tl_dtype, split_scalar
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
@@ -43,16 +44,8 @@ def _warps(width: int) -> int:
     return 8 if triton.next_power_of_2(width) >= 4096 else 4
 
 
-@functools.lru_cache(maxsize=64)
-def _split(x: float) -> tuple[float, float]:
-    """x = hi + lo as two float32 kernel arguments: a float64 kernel adds them back (one float32 argument would
-    round eps). Cached: eps is one constant per model, and the rounding goes through a CPU tensor."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(x) - hi
-
-
-def _tl_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+# eps is one constant per model, and split_scalar rounds it through a CPU tensor: cached off the per-call path.
+_split = functools.lru_cache(maxsize=64)(split_scalar)
 
 
 @triton.jit
@@ -114,7 +107,7 @@ def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple
         br = rows_per_block(D)
         _rms_norm_fwd_kernel[(triton.cdiv(n, br),)](
             x2, weight, y, rstd, n, x2.stride(0), *_split(eps), D=D, BD=triton.next_power_of_2(D), BR=br,
-            CDT=_tl_dtype(x.dtype), num_warps=_warps(D),
+            CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
         )  # fmt: skip
     return y, rstd
 
@@ -134,7 +127,7 @@ def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
     dw_part = torch.empty(programs, D, device=x.device, dtype=rstd.dtype)
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, rstd, dx, dw_part, n, rows_per_program, dy2.stride(0), x2.stride(0), D=D,
-        BD=triton.next_power_of_2(D), BR=br, CDT=_tl_dtype(x.dtype), num_warps=_warps(D),
+        BD=triton.next_power_of_2(D), BR=br, CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
     )  # fmt: skip
     return dx, dw_part.sum(0).to(weight.dtype)
 

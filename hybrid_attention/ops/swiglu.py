@@ -21,13 +21,10 @@ import triton.language as tl
 from torch import Tensor
 
 from hybrid_attention.ops.act_mul import _act_mul_kernel
+from hybrid_attention.ops.attnres.rows import compute_tl_dtype
 from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
 BLOCK = 1024  # columns per program
-
-
-def _tl_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 @triton.jit
@@ -59,7 +56,7 @@ def _forward(gate_up: Tensor) -> Tensor:
     if y.numel():
         _act_mul_kernel[_grid(gu.shape[0], width)](
             gu, gu[:, width:], y, width, gu.stride(0), gu.stride(0), width, SILU=True, BLOCK=BLOCK,
-            CDT=_tl_dtype(gate_up.dtype),
+            CDT=compute_tl_dtype(gate_up.dtype),
         )  # fmt: skip
     return y
 
@@ -71,7 +68,7 @@ def _backward_kernel(dy: Tensor, gate_up: Tensor) -> Tensor:
     dgu = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
     if dgu.numel():
         _swiglu_bwd_kernel[_grid(gu.shape[0], width)](
-            gu, g, dgu, width, gu.stride(0), g.stride(0), BLOCK=BLOCK, CDT=_tl_dtype(gate_up.dtype)
+            gu, g, dgu, width, gu.stride(0), g.stride(0), BLOCK=BLOCK, CDT=compute_tl_dtype(gate_up.dtype)
         )
     return dgu
 
