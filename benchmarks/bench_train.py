@@ -89,6 +89,21 @@ def _reference_sizes(sizes: dict) -> dict:
     )
 
 
+def _reference_case(model: nn.Module, s: dict, kind: str, **mixing) -> tuple[nn.Module, Callable, Callable]:
+    """Another library's causal LM as a case's (model, loss, FLOPs per token): its FLOPs are those of `s["layers"]`
+    layers of our `kind` with the `mixing` sizes (see `_FlopsProxy`)."""
+    proxy_config = HybridConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["ffn"],
+        layer_types=(kind,) * s["layers"],
+        **mixing,
+    )
+    proxy = _FlopsProxy(model, proxy_config)
+    loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
+    return model, loss, lambda T: flops_per_token(proxy, T)
+
+
 def _llama(sizes: dict) -> Callable:
     def build():
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,20 +121,15 @@ def _llama(sizes: dict) -> Callable:
             tie_word_embeddings=False,
             attn_implementation="sdpa",
         )
-        model = LlamaForCausalLM(config)
-        proxy_config = HybridConfig(
-            vocab_size=s["vocab"],
-            hidden_size=s["hidden"],
-            intermediate_size=s["ffn"],
-            layer_types=("mla",) * s["layers"],
+        return _reference_case(
+            LlamaForCausalLM(config),
+            s,
+            "mla",
             mla_num_heads=s["heads"],
             mla_qk_nope_head_dim=s["head_dim"],
             mla_qk_shared_head_dim=0,
             mla_v_head_dim=s["head_dim"],
         )
-        proxy = _FlopsProxy(model, proxy_config)
-        loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
-        return model, loss, lambda T: flops_per_token(proxy, T)
 
     return build
 
@@ -145,18 +155,7 @@ def _fla_kda(sizes: dict) -> Callable:
             safe_gate=True,
             lower_bound=-5.0,
         )
-        model = KDAForCausalLM(config)
-        proxy_config = HybridConfig(
-            vocab_size=s["vocab"],
-            hidden_size=s["hidden"],
-            intermediate_size=s["ffn"],
-            layer_types=("kda",) * s["layers"],
-            kda_num_heads=s["heads"],
-            kda_head_dim=s["head_dim"],
-        )
-        proxy = _FlopsProxy(model, proxy_config)
-        loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
-        return model, loss, lambda T: flops_per_token(proxy, T)
+        return _reference_case(KDAForCausalLM(config), s, "kda", kda_num_heads=s["heads"], kda_head_dim=s["head_dim"])
 
     return build
 
