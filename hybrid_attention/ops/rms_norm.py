@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import compute_tl_dtype, split_scalar
+from hybrid_attention.ops.attnres.rows import compute_tl_dtype, next_power_of_2, split_scalar
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
@@ -37,11 +37,11 @@ BWD_PROGRAMS_PER_SM = 4  # backward programs walk many rows each, so their dw pa
 
 
 def rows_per_block(width: int) -> int:
-    return max(1, min(16, ROW_ELEMENTS // triton.next_power_of_2(width)))
+    return max(1, min(16, ROW_ELEMENTS // next_power_of_2(width)))
 
 
 def _warps(width: int) -> int:
-    return 8 if triton.next_power_of_2(width) >= 4096 else 4
+    return 8 if next_power_of_2(width) >= 4096 else 4
 
 
 # eps is one constant per model, and split_scalar rounds it through a CPU tensor: cached off the per-call path.
@@ -106,7 +106,7 @@ def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple
     if n:
         br = rows_per_block(D)
         _rms_norm_fwd_kernel[(triton.cdiv(n, br),)](
-            x2, weight, y, rstd, n, x2.stride(0), *_split(eps), D=D, BD=triton.next_power_of_2(D), BR=br,
+            x2, weight, y, rstd, n, x2.stride(0), *_split(eps), D=D, BD=next_power_of_2(D), BR=br,
             CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
         )  # fmt: skip
     return y, rstd
@@ -127,7 +127,7 @@ def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
     dw_part = torch.empty(programs, D, device=x.device, dtype=rstd.dtype)
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, rstd, dx, dw_part, n, rows_per_program, dy2.stride(0), x2.stride(0), D=D,
-        BD=triton.next_power_of_2(D), BR=br, CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
+        BD=next_power_of_2(D), BR=br, CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
     )  # fmt: skip
     return dx, dw_part.sum(0).to(weight.dtype)
 
