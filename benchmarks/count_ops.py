@@ -21,7 +21,6 @@ so keep the widths tiny. Table on stdout, JSON as the last line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import Counter, defaultdict
@@ -303,6 +302,7 @@ def main(argv=None) -> dict:
     import torch
 
     import hybrid_attention.backends as backends
+    from benchmarks.bench_common import emit_json
     from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
     from hybrid_attention.ops.triton_support import triton_runs_on
 
@@ -348,7 +348,7 @@ def main(argv=None) -> dict:
                   total=s["total"], chunk_op=s["chunk_op"], per_type=s["per_type"],
                   rows={g: c for g, c in rows.items() if g.count(".") < 2 or g.endswith(CHUNK)},
                   by_op=dict(counter.by_op.most_common(args.top)))  # fmt: skip
-    print(json.dumps(result))
+    emit_json(result, None)
     return result
 
 

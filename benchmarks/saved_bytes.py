@@ -28,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.bench_common import emit_json  # noqa: E402
 from hybrid_attention.model import RESIDUALS, HybridConfig, HybridLM  # noqa: E402
 
 
@@ -155,9 +156,7 @@ def main(argv=None) -> dict:
         bytes_per_token=slope,
         total_bytes_per_token=total,
     )
-    import json
-
-    print(json.dumps(result))
+    emit_json(result, None)
     return result
 
 
