@@ -108,6 +108,7 @@ def test_module_takes_the_op_in_training(monkeypatch):
     lifted so the interpreter runs it), with the eager module's output and gradients; without gradients it keeps
     the eager path."""
     import hybrid_attention.layers.mlp as mlp_mod
+    import hybrid_attention.layers.packed as packed_mod
     import hybrid_attention.ops.swiglu as op_mod
 
     calls = []
@@ -119,7 +120,7 @@ def test_module_takes_the_op_in_training(monkeypatch):
     dy = torch.randn(2, 5, 12, dtype=F64)
     results = {}
     for fused in (True, False):
-        monkeypatch.setattr(mlp_mod, "use_triton", lambda x, fused=fused, **kw: fused)
+        monkeypatch.setattr(packed_mod, "use_triton", lambda x, fused=fused, **kw: fused)
         y = mlp(x)
         results[fused] = (y, *torch.autograd.grad(y, [x, *mlp.parameters()], dy))
     assert calls == [(2, 5, 42)]

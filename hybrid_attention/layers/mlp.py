@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import needs_grad, use_triton
-from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
+from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project, stack_in_training
 from hybrid_attention.ops.numerics import compute_dtype
 
 
@@ -49,7 +48,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, *, decode: PackedProjections | None = None) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]. `decode`: a decode step's packed projections (layers/packed.py)."""
-        if decode is None and use_triton(x) and needs_grad(x, self.gate_proj.weight, self.up_proj.weight):
+        if decode is None and stack_in_training(x, self.packed_linears()):
             from hybrid_attention.ops.swiglu import swiglu_fused  # imports triton
 
             gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # [..., 2 intermediate]

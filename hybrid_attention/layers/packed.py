@@ -127,7 +127,7 @@ def _sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
+def stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
     """One matmul for `linears` in training (see the module docstring): several bias-free projections, the rule of
     `hybrid_attention.backends`, a gradient needed, no sharded weight."""
     weights = [lin.weight for lin in linears]
@@ -150,7 +150,7 @@ def project(module: nn.Module, x: torch.Tensor, decode: PackedProjections | None
         # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
         x = x.to(torch.get_autocast_dtype(device))
     linears = module.packed_linears()
-    if _stack_in_training(x, linears):
+    if stack_in_training(x, linears):
         y = F.linear(x, torch.cat([lin.weight for lin in linears]))
         return tuple(t.contiguous() for t in y.split([lin.out_features for lin in linears], dim=-1))
     return tuple(lin(x) for lin in linears)
