@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_attention.ops.triton_support import TRITON_DTYPES, interpreting, triton_available
+from hybrid_attention.ops.triton_support import interpreting, triton_available, triton_runs_on
 
 try:
     import triton
@@ -33,11 +33,11 @@ TABLE_CACHE = 1024  # pointer tables kept: a training step asks for the same one
 def fused_train_supported(x: torch.Tensor) -> bool:
     """The training kernels can take sources like `x` [..., D]: triton installed, CUDA (or CPU under the
     interpreter, where float64 works too, for tests), a supported dtype and D <= MAX_ROW."""
-    if not triton_available() or x.shape[-1] > MAX_ROW:
+    if x.shape[-1] > MAX_ROW:
         return False
-    if x.is_cuda:
-        return x.dtype in TRITON_DTYPES
-    return x.device.type == "cpu" and interpreting() and (x.dtype in TRITON_DTYPES or x.dtype == torch.float64)
+    if x.dtype == torch.float64:
+        return triton_available() and x.device.type == "cpu" and interpreting()
+    return triton_runs_on(x)
 
 
 def check_sources(name: str, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
