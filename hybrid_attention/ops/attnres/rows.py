@@ -58,7 +58,7 @@ def check_sources(name: str, sources: Sequence[torch.Tensor]) -> list[torch.Tens
             f"float32 (float64 under the interpreter) with D <= {MAX_ROW}; got {s0.dtype} {tuple(s0.shape)} on "
             f"{s0.device}; use the references in ops.attnres.naive"
         )
-    return [as_rows(s) for s in sources]
+    return [s.contiguous() for s in sources]
 
 
 def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
@@ -70,11 +70,6 @@ def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
 def compute_tl_dtype(dtype: torch.dtype):
     """float64 math for float64 tensors (interpreter tests), float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> a contiguous tensor (a no-op for the outputs of linear layers and the embedding)."""
-    return x if x.is_contiguous() else x.contiguous()
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
