@@ -91,7 +91,7 @@ def params(*shape):
 
 
 def op_cases(B, T):
-    """(name, {variant: (fn, is_fwd_only)}) for the op part."""
+    """(name, {variant: fn}) for the op part."""
     cases = []
     for S in (2, 14, 27):
         src = sources(S, B, T)
@@ -101,10 +101,10 @@ def op_cases(B, T):
         h = torch.randn(B, T, D, device="cuda").requires_grad_()
         std = lambda h=h, y=src[-1], nw=nw: rms_norm(h + y, nw, 1e-6)
         variants = {
-            "fused fwd": (lambda f=fused: f(), True),
-            "fused fwd+bwd": (fwd_bwd(fused, [*src, q, kw, nw]), False),
-            "reference fwd+bwd": (fwd_bwd(ref, [*src, q, kw, nw]), False),
-            "standard fwd+bwd": (fwd_bwd(std, [h, src[-1], nw]), False),
+            "fused fwd": fused,
+            "fused fwd+bwd": fwd_bwd(fused, [*src, q, kw, nw]),
+            "reference fwd+bwd": fwd_bwd(ref, [*src, q, kw, nw]),
+            "standard fwd+bwd": fwd_bwd(std, [h, src[-1], nw]),
         }
         cases.append((f"full S={S}", variants))
     for N in (2, 8):
@@ -113,8 +113,8 @@ def op_cases(B, T):
         fused = lambda blk=blk, qs=qs, kws=kws: attn_res_partial_train(blk, qs, kws)[0]
         ref = lambda blk=blk, qs=qs, kws=kws: torch.stack([attn_res_partial(blk, qs[i], kws[i])[0] for i in range(4)])
         variants = {
-            "fused fwd+bwd": (fwd_bwd(fused, [*blk, qs, kws]), False),
-            "reference fwd+bwd": (fwd_bwd(ref, [*blk, qs, kws]), False),
+            "fused fwd+bwd": fwd_bwd(fused, [*blk, qs, kws]),
+            "reference fwd+bwd": fwd_bwd(ref, [*blk, qs, kws]),
         }
         cases.append((f"phase 1 N={N} Q=4", variants))
     blk = sources(4, B, T)
@@ -125,12 +125,8 @@ def op_cases(B, T):
     fused = lambda: attn_res_merge_norm_train(out, lse, blk[3], q, kw, nw)
     ref = lambda: rms_norm(attn_res_merge(out, lse, blk[3], q, kw), nw, 1e-6)
     inputs = [out, lse, blk[3], q, kw, nw]
-    cases.append(
-        (
-            "phase 2 + norm",
-            {"fused fwd+bwd": (fwd_bwd(fused, inputs), False), "reference fwd+bwd": (fwd_bwd(ref, inputs), False)},
-        )
-    )
+    variants = {"fused fwd+bwd": fwd_bwd(fused, inputs), "reference fwd+bwd": fwd_bwd(ref, inputs)}
+    cases.append(("phase 2 + norm", variants))
     return cases
 
 
@@ -182,7 +178,7 @@ def stream_cases(B, T):
         f"block {BLOCK} reference": lambda: reference_stream(emb16, steps, BLOCK),
     }
     inputs = lambda name: [emb16 if "reference" in name else emb, *ps]
-    return [("stream fwd+bwd", {k: (fwd_bwd(f, inputs(k)), False) for k, f in variants.items()})]
+    return [("stream fwd+bwd", {k: fwd_bwd(f, inputs(k)) for k, f in variants.items()})]
 
 
 def main(argv) -> None:
@@ -204,7 +200,7 @@ def main(argv) -> None:
                 log(f"{part} {B}x{T}: {e!r}")
                 continue
             for case, variants in cases:
-                for variant, (fn, _) in variants.items():
+                for variant, fn in variants.items():
                     try:
                         ms = bench(fn)
                         host = host_ms(fn)

@@ -25,7 +25,6 @@ from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.ops.attnres.full_train import attn_res_norm_step, attn_res_norm_train
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial, attn_res_weights
-from hybrid_attention.ops.attnres.rows import as_rows
 
 # One step of a residual stream: (the AttnRes that builds the input, the RMSNorm that reads it, the sublayer g
 # taking the normalised input to its output); the final step has g None (its norm is the output norm).
@@ -99,15 +98,15 @@ def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Ten
     x = attn_res_norm_train([embedding], res.query, res.key_norm.weight, norm.weight, res.eps, norm.eps)
     if g is None:
         return x
-    y = as_rows(g(x))
+    y = g(x).contiguous()
     # The first output fixes the sources' dtype (the autocast dtype under autocast).
-    sources, carrier = [as_rows(embedding.to(y.dtype)), y], None
+    sources, carrier = [embedding.to(y.dtype).contiguous(), y], None
     for res, norm, g in rest:
         args = (res.query, res.key_norm.weight, norm.weight, res.eps, norm.eps)
         if g is None:
             return attn_res_norm_step(sources, carrier, *args, last=True)
         x, carrier = attn_res_norm_step(sources, carrier, *args)
-        sources.append(as_rows(g(x).to(y.dtype)))
+        sources.append(g(x).to(y.dtype).contiguous())
     raise AssertionError("unreachable: the last step has g None")
 
 

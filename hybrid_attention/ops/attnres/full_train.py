@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import as_rows, check_sources, check_vectors
+from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
 from hybrid_attention.ops.attnres.triton_full import full_bwd_, full_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -53,7 +53,7 @@ def _bwd_op(
 ) -> Tensor:  # fmt: skip
     """Adds (accumulate) or writes every source's gradient into acc [S, ..., D]; returns the gradients of query,
     key_weight and norm_weight as one [3, D] tensor in the query's dtype."""
-    return full_bwd_(as_rows(dout), sources, acc, query, key_weight, norm_weight, stats, eps, accumulate)
+    return full_bwd_(dout.contiguous(), sources, acc, query, key_weight, norm_weight, stats, eps, accumulate)
 
 
 @_bwd_op.register_fake
@@ -69,7 +69,7 @@ def _fwd(*args):
 def _bwd(dout, *args):
     if torch.compiler.is_compiling():
         return _bwd_op._opoverload(dout, *args)
-    return full_bwd_(as_rows(dout), *args)
+    return full_bwd_(dout.contiguous(), *args)
 
 
 class _AttnResNorm(torch.autograd.Function):
@@ -98,7 +98,7 @@ class _AttnResNorm(torch.autograd.Function):
         else:
             accumulate = dcarrier is not None
             if accumulate:
-                acc = as_rows(dcarrier)
+                acc = dcarrier.contiguous()
             else:
                 s0 = sources[0]
                 acc = torch.empty(S, *s0.shape, device=s0.device, dtype=s0.dtype)

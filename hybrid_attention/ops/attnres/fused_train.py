@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import as_rows, check_sources, check_vectors
+from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
 from hybrid_attention.ops.attnres.triton_block import merge_norm_bwd, merge_norm_fwd, partial_bwd, partial_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -58,7 +58,7 @@ def _partial_bwd_op(
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
     shape, Q, D = blocks[0].shape, queries.shape[0], queries.shape[1]
     dblk, du = partial_bwd(
-        as_rows(dout).view(Q, -1, D), as_rows(dlse).view(Q, -1), _flat(blocks), queries, key_weights,
+        dout.contiguous().view(Q, -1, D), dlse.contiguous().view(Q, -1), _flat(blocks), queries, key_weights,
         out.view(Q, -1, D), lse.view(Q, -1), eps,
     )  # fmt: skip
     return dblk.view(len(blocks), *shape), du
@@ -94,9 +94,9 @@ def _merge_fwd_op(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(x [..., D] in `dtype`, rho [...] in the compute dtype)."""
     shape, D = out.shape, out.shape[-1]
-    flat_partial = None if partial is None else as_rows(partial).view(-1, D)
+    flat_partial = None if partial is None else partial.contiguous().view(-1, D)
     x, rho = merge_norm_fwd(
-        as_rows(out).view(-1, D), as_rows(lse).view(-1), flat_partial, query, key_weight, norm_weight, eps,
+        out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query, key_weight, norm_weight, eps,
         norm_eps, dtype,
     )  # fmt: skip
     return x.view(shape), rho.view(shape[:-1])
@@ -114,10 +114,10 @@ def _merge_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(d out, d lse, d partial, dL/du [D], d norm_weight [D]); without `partial` the 2nd to 4th are empty."""
     shape, D = out.shape, out.shape[-1]
-    flat_partial = None if partial is None else as_rows(partial).view(-1, D)
+    flat_partial = None if partial is None else partial.contiguous().view(-1, D)
     dout, dlse, dpartial, du, dnw = merge_norm_bwd(
-        as_rows(dx).view(-1, D), as_rows(out).view(-1, D), as_rows(lse).view(-1), flat_partial, query, key_weight,
-        norm_weight, rho.view(-1), eps,
+        dx.contiguous().view(-1, D), out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query,
+        key_weight, norm_weight, rho.view(-1), eps,
     )  # fmt: skip
     if partial is None:
         return dout.view(shape), _distinct_empty(lse), _distinct_empty(out), _distinct_empty(out), dnw

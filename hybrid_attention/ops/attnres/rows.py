@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_attention.ops.triton_support import TRITON_DTYPES, interpreting, triton_available
+from hybrid_attention.ops.triton_support import interpreting, triton_available, triton_runs_on
 
 try:
     import triton
@@ -33,11 +33,11 @@ TABLE_CACHE = 1024  # pointer tables kept: a training step asks for the same one
 def fused_train_supported(x: torch.Tensor) -> bool:
     """The training kernels can take sources like `x` [..., D]: triton installed, CUDA (or CPU under the
     interpreter, where float64 works too, for tests), a supported dtype and D <= MAX_ROW."""
-    if not triton_available() or x.shape[-1] > MAX_ROW:
+    if x.shape[-1] > MAX_ROW:
         return False
-    if x.is_cuda:
-        return x.dtype in TRITON_DTYPES
-    return x.device.type == "cpu" and interpreting() and (x.dtype in TRITON_DTYPES or x.dtype == torch.float64)
+    if x.dtype == torch.float64:
+        return triton_available() and x.device.type == "cpu" and interpreting()
+    return triton_runs_on(x)
 
 
 def check_sources(name: str, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,7 +58,7 @@ def check_sources(name: str, sources: Sequence[torch.Tensor]) -> list[torch.Tens
             f"float32 (float64 under the interpreter) with D <= {MAX_ROW}; got {s0.dtype} {tuple(s0.shape)} on "
             f"{s0.device}; use the references in ops.attnres.naive"
         )
-    return [as_rows(s) for s in sources]
+    return [s.contiguous() for s in sources]
 
 
 def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
@@ -70,11 +70,6 @@ def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
 def compute_tl_dtype(dtype: torch.dtype):
     """float64 math for float64 tensors (interpreter tests), float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> a contiguous tensor (a no-op for the outputs of linear layers and the embedding)."""
-    return x if x.is_contiguous() else x.contiguous()
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()

@@ -27,6 +27,7 @@ from hybrid_attention.ops.attnres.rows import (
     row_programs,
     split_scalar,
 )
+from hybrid_attention.ops.numerics import compute_dtype
 
 try:
     import triton
@@ -246,7 +247,7 @@ def partial_fwd(blocks, queries, key_weights, eps):
     """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out [Q, M, D], lse [Q, M])
     in the compute dtype."""
     N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
-    cdt = torch.float64 if blocks[0].dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(blocks[0])
     out = torch.empty(Q, M, D, device=blocks[0].device, dtype=cdt)
     lse = torch.empty(Q, M, device=blocks[0].device, dtype=cdt)
     if M > 0:

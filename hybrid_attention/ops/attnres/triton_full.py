@@ -25,6 +25,7 @@ from hybrid_attention.ops.attnres.rows import (
     split_scalar,
     tuned_over_sources,
 )
+from hybrid_attention.ops.numerics import compute_dtype
 
 try:
     import triton
@@ -212,7 +213,7 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
     s0 = sources[0]
     D = s0.shape[-1]
     M = s0.numel() // D if D else 0
-    cdt = torch.float64 if s0.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(s0)
     out = torch.empty_like(s0)
     stats = torch.empty(2, *s0.shape[:-1], device=s0.device, dtype=cdt)
     if M > 0:
