@@ -165,11 +165,7 @@ def chunk_kda(
         except ImportError as exc:
             raise ValueError(f'chunk_kda: backend="triton" is unavailable: {exc!r}') from exc
         fused = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm)
-        if return_chunk_states:
-            from hybrid_attention.ops.kda.chunk_states import chunk_states_triton
-
-            return chunk_states_triton(q, k, v, g, beta, **fused, **kwargs)
-        return chunk_kda_triton(q, k, v, g, beta, **fused, **kwargs)
+        return chunk_kda_triton(q, k, v, g, beta, **fused, **kwargs, return_chunk_states=return_chunk_states)
     # The other backends take the decay and normalised q, k: compute them here, with autograd.
     if gate is not None:
         g = kda_gate(g, A_log, dt_bias.reshape(-1), lower_bound, form=gate)

@@ -10,8 +10,9 @@ and carry no gradient: they are a cache, and the outputs stay differentiable.
 
     torch   `chunk_kda_torch` one chunk at a time, each call starting from the state the previous one returned
             (the same arithmetic as the whole-sequence call, which carries the state from chunk to chunk too)
-    triton  the states the forward's state pass already stores for the backward (`h` in chunk_fwd.py), kept in
-            the input dtype: for 16-bit inputs they are the state rounded as the kernels' products read it
+    triton  `chunk_kda_triton(..., return_chunk_states=True)`: the states the forward's state pass already stores for
+            the backward (`h` in chunk_fwd.py), kept in the input dtype: for 16-bit inputs they are the state rounded
+            as the kernels' products read it
 """
 
 from __future__ import annotations
@@ -60,28 +61,3 @@ def chunk_states_torch(
         states = torch.cat(states, dim=0).unsqueeze(0)  # NT_total x [1, H, K, V] -> [1, NT_total, H, K, V]
     final = torch.cat([S.to(compute_dtype(q)) for S in finals], dim=0)
     return o, (final if output_final_state else None), states
-
-
-def chunk_states_triton(
-    q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate, A_log, dt_bias,
-    lower_bound, use_qk_l2norm,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
-    """`chunk_kda_triton` with its chunk states: the forward op run with its saved tensors kept (they hold the
-    states), the same call `chunk_kda_triton` makes when a gradient is needed. Arguments as `chunk_kda_triton`."""
-    from hybrid_attention.ops.kda.triton_chunk import _SAVED, _check, _fwd_op
-
-    code, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
-    dt = dt_bias.reshape(H, K) if code else None
-    o, ht, *saved = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if code else None, dt, scale, lb, code,
-                            bool(use_qk_l2norm), bool(output_final_state), True)  # fmt: skip
-    h = saved[_SAVED.index("h")]  # [chunk slots, H, K, V]: the state at the start of each chunk
-    if cu_seqlens is None:
-        states = h.view(B, -(-T // chunk_size), H, K, V)
-    else:  # varlen allocates an upper bound of chunk slots; the sequences' chunks come first, in order
-        states = h[: chunk_count(cu_seqlens, chunk_size)].unsqueeze(0)
-    # While training the backward reads the same buffer: hand out a copy, so writing into it cannot alter gradients.
-    states = states.detach().to(torch.float32, copy=o.requires_grad)
-    return o, (ht if output_final_state else None), states
