@@ -172,11 +172,7 @@ def chunk_kda(
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if backend == "torch":
-        if return_chunk_states:
-            from hybrid_attention.ops.kda.chunk_states import chunk_states_torch
-
-            return chunk_states_torch(q, k, v, g, beta, **kwargs)
-        return chunk_kda_torch(q, k, v, g, beta, **kwargs)
+        return chunk_kda_torch(q, k, v, g, beta, **kwargs, return_chunk_states=return_chunk_states)
     from hybrid_attention.ops.kda.fla_backend import chunk_kda_fla
 
     return chunk_kda_fla(q, k, v, g, beta, use_beta_sigmoid=use_beta_sigmoid, return_chunk_states=return_chunk_states,
