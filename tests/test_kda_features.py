@@ -316,6 +316,14 @@ def test_decode_bad_indices():
         kda_decode_step(q, k, v, g, beta, pool[:, :, :4], state_indices=torch.tensor([0, 1]), backend="torch")
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_decode_gate_parameters_without_gate(backend):
+    """A_log without a gate is an error on every backend, never silently dropped."""
+    q, k, v, g, beta, h0 = make(2, 1, 1, 1, 16, 16, seed=19, dtype=torch.float32, device=DEV)
+    with pytest.raises(ValueError, match="A_log, dt_bias and lower_bound need gate"):
+        kda_decode_step(q, k, v, g, beta, h0.clone(), A_log=torch.zeros(1, device=DEV), backend=backend)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Beta as logits.
 

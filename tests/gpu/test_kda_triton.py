@@ -138,29 +138,19 @@ def test_every_autotune_config(kernel, index, size, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["T4097", "varlen"])
-def test_split_output_pass(case, monkeypatch):
-    """The forward with O in the separate per-chunk pass, bf16, against the reference."""
-    force_output_pass(monkeypatch, True)
+@pytest.mark.parametrize("split", [True, False], ids=["split", "walk"])
+def test_output_pass(split, case, monkeypatch):
+    """The forward with O in the separate per-chunk pass (split) or inside the state walk (walk, the default above
+    32 (sequence, head) pairs), bf16, against the reference."""
+    force_output_pass(monkeypatch, split)
+    mode, seed = ("split", 21) if split else ("walk", 23)
     if case == "varlen":
         cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
-        inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=21)
-        check(compare("split output varlen", inputs, cu_seqlens=cu, l2norm=True))
+        inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=seed)
+        check(compare(f"{mode} output varlen", inputs, cu_seqlens=cu, l2norm=True))
     else:
-        inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=22)
-        check(compare("split output B1 T4097 H2", inputs, l2norm=True))
-
-
-@pytest.mark.parametrize("case", ["T4097", "varlen"])
-def test_walk_output_pass(case, monkeypatch):
-    """The forward with O inside the state walk (the default above 32 (sequence, head) pairs), bf16."""
-    force_output_pass(monkeypatch, False)
-    if case == "varlen":
-        cu = torch.tensor([0, 15, 100, 300, 1200, 2000], device="cuda")
-        inputs = make_inputs(1, 2000, 4, 128, 128, dtype=BF16, N=5, gate=True, l2norm=True, seed=23)
-        check(compare("walk output varlen", inputs, cu_seqlens=cu, l2norm=True))
-    else:
-        inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=24)
-        check(compare("walk output B1 T4097 H2", inputs, l2norm=True))
+        inputs = make_inputs(1, 4097, 2, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=seed + 1)
+        check(compare(f"{mode} output B1 T4097 H2", inputs, l2norm=True))
 
 
 def test_gate_at_bound_16k_stays_finite():

@@ -165,22 +165,14 @@ def chunk_kda(
         except ImportError as exc:
             raise ValueError(f'chunk_kda: backend="triton" is unavailable: {exc!r}') from exc
         fused = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm)
-        if return_chunk_states:
-            from hybrid_attention.ops.kda.chunk_states import chunk_states_triton
-
-            return chunk_states_triton(q, k, v, g, beta, **fused, **kwargs)
-        return chunk_kda_triton(q, k, v, g, beta, **fused, **kwargs)
+        return chunk_kda_triton(q, k, v, g, beta, **fused, **kwargs, return_chunk_states=return_chunk_states)
     # The other backends take the decay and normalised q, k: compute them here, with autograd.
     if gate is not None:
         g = kda_gate(g, A_log, dt_bias.reshape(-1), lower_bound, form=gate)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if backend == "torch":
-        if return_chunk_states:
-            from hybrid_attention.ops.kda.chunk_states import chunk_states_torch
-
-            return chunk_states_torch(q, k, v, g, beta, **kwargs)
-        return chunk_kda_torch(q, k, v, g, beta, **kwargs)
+        return chunk_kda_torch(q, k, v, g, beta, **kwargs, return_chunk_states=return_chunk_states)
     from hybrid_attention.ops.kda.fla_backend import chunk_kda_fla
 
     return chunk_kda_fla(q, k, v, g, beta, use_beta_sigmoid=use_beta_sigmoid, return_chunk_states=return_chunk_states,

@@ -8,80 +8,20 @@ the layout of FLA's `return_intermediate_states`. Row j of a sequence is the sta
 (row 0 is the initial state). The states are float32 (float64 for float64 inputs), ready to be an `initial_state`,
 and carry no gradient: they are a cache, and the outputs stay differentiable.
 
-    torch   `chunk_kda_torch` one chunk at a time, each call starting from the state the previous one returned
-            (the same arithmetic as the whole-sequence call, which carries the state from chunk to chunk too)
-    triton  the states the forward's state pass already stores for the backward (`h` in chunk_fwd.py), kept in
-            the input dtype: for 16-bit inputs they are the state rounded as the kernels' products read it
+    torch   `chunk_kda_torch(..., return_chunk_states=True)`: the state the chunkwise loop carries, recorded at
+            the start of each chunk (the outputs are those of the plain call)
+    triton  `chunk_kda_triton(..., return_chunk_states=True)`: the states the forward's state pass already stores for
+            the backward (`h` in chunk_fwd.py), kept in the input dtype: for 16-bit inputs they are the state rounded
+            as the kernels' products read it
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.kda.common import sequence_bounds, validate_chunk_size, validate_kda_inputs
-from hybrid_attention.ops.kda.naive import chunk_kda_torch
-from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.kda.common import sequence_bounds
 
 
 def chunk_count(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
     """Rows of the packed chunk-state layout: sum over the sequences of ceil(length / chunk_size) (one host sync)."""
     return sum(-(-(e - s) // chunk_size) for s, e in sequence_bounds(cu_seqlens))
-
-
-def chunk_states_torch(
-    q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The PyTorch reference with its chunk states: arguments and (o, final state) as `chunk_kda_torch`, plus the
-    states in the layout of the module docstring."""
-    N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="chunk_kda")
-    validate_chunk_size(chunk_size, name="chunk_kda")
-    B, T, H, K = q.shape
-    S0 = initial_state
-    if S0 is None:
-        S0 = torch.zeros(N, H, K, v.shape[-1], dtype=compute_dtype(q), device=q.device)
-    # (token range, start state) of each independent run: the whole batch, or one packed sequence.
-    bounds = [(0, T)] if cu_seqlens is None else sequence_bounds(cu_seqlens)
-    outputs, states, finals = [], [], []
-    for n, (s, e) in enumerate(bounds):
-        S = S0 if cu_seqlens is None else S0[n : n + 1]
-        for t in range(s, e, chunk_size):
-            u = min(t + chunk_size, e)
-            states.append(S.detach().to(compute_dtype(q)))
-            o, S = chunk_kda_torch(
-                q[:, t:u], k[:, t:u], v[:, t:u], g[:, t:u], beta[:, t:u], scale=scale,
-                initial_state=S, output_final_state=True, chunk_size=chunk_size,
-            )  # fmt: skip
-            outputs.append(o)
-        finals.append(S)
-    o = torch.cat(outputs, dim=1)
-    if cu_seqlens is None:
-        states = torch.stack(states, dim=1)  # NT x [B, H, K, V] -> [B, NT, H, K, V]
-    else:
-        states = torch.cat(states, dim=0).unsqueeze(0)  # NT_total x [1, H, K, V] -> [1, NT_total, H, K, V]
-    final = torch.cat([S.to(compute_dtype(q)) for S in finals], dim=0)
-    return o, (final if output_final_state else None), states
-
-
-def chunk_states_triton(
-    q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate, A_log, dt_bias,
-    lower_bound, use_qk_l2norm,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
-    """`chunk_kda_triton` with its chunk states: the forward op run with its saved tensors kept (they hold the
-    states), the same call `chunk_kda_triton` makes when a gradient is needed. Arguments as `chunk_kda_triton`."""
-    from hybrid_attention.ops.kda.triton_chunk import _SAVED, _check, _fwd_op
-
-    code, lb = _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
-    dt = dt_bias.reshape(H, K) if code else None
-    o, ht, *saved = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if code else None, dt, scale, lb, code,
-                            bool(use_qk_l2norm), bool(output_final_state), True)  # fmt: skip
-    h = saved[_SAVED.index("h")]  # [chunk slots, H, K, V]: the state at the start of each chunk
-    if cu_seqlens is None:
-        states = h.view(B, -(-T // chunk_size), H, K, V)
-    else:  # varlen allocates an upper bound of chunk slots; the sequences' chunks come first, in order
-        states = h[: chunk_count(cu_seqlens, chunk_size)].unsqueeze(0)
-    # While training the backward reads the same buffer: hand out a copy, so writing into it cannot alter gradients.
-    states = states.detach().to(torch.float32, copy=o.requires_grad)
-    return o, (ht if output_final_state else None), states

@@ -112,10 +112,10 @@ def _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, 
     """The fused Triton step on S (a batch of states, or a pool addressed by state_indices), updated in place."""
     from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 
-    kw = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if gate is not None else {}
     return fused_recurrent_kda_step(
-        q, k, v, g, beta, S, scale=scale, use_qk_l2norm=use_qk_l2norm, state_indices=state_indices, **kw
-    )
+        q, k, v, g, beta, S, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm, state_indices=state_indices,
+    )  # fmt: skip
 
 
 def _check_pool(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> None:

@@ -75,18 +75,28 @@ def chunk_kda_torch(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """KDA in chunks of `chunk_size` tokens (docs/math.md, "Chunkwise form"); same arguments and results as
     `recurrent_kda`. Any T works (the last chunk is zero-padded internally); chunk_size is 16, 32 or 64.
     Differentiable by plain autograd. Memory grows as T * chunk_size * K per head (the pairwise decays):
-    this is the readable reference, not the fast path."""
+    this is the readable reference, not the fast path.
+
+    return_chunk_states: also return the state at the start of every chunk, without gradient, in the layout of
+    chunk_states.py: [B, NT, H, K, V], or [1, NT_total, H, K, V] with cu_seqlens."""
     N = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, name="chunk_kda")
     validate_chunk_size(chunk_size, name="chunk_kda")
     (qc, kc, vc, gc, bc), S0, scale = _prepare(q, k, v, g, beta, initial_state, N, scale, "chunk_kda")
-    core = lambda *x: _chunkwise(*x, scale=scale, chunk_size=chunk_size)
+    states = [] if return_chunk_states else None
+    core = lambda *x: _chunkwise(*x, scale=scale, chunk_size=chunk_size, states=states)
     with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in half precision
         o, S = _per_sequence(core, qc, kc, vc, gc, bc, S0, cu_seqlens)
-    return o.to(v.dtype), (S if output_final_state else None)
+    o, S = o.to(v.dtype), (S if output_final_state else None)
+    if not return_chunk_states:
+        return o, S
+    if cu_seqlens is None:
+        return o, S, torch.stack(states, dim=1)  # NT x [B, H, K, V] -> [B, NT, H, K, V]
+    return o, S, torch.cat(states, dim=0).unsqueeze(0)  # NT_total x [1, H, K, V] -> [1, NT_total, H, K, V]
 
 
 def _prepare(q, k, v, g, beta, initial_state, N, scale, name):
@@ -144,8 +154,9 @@ def _pairwise_log_decay(g: torch.Tensor) -> torch.Tensor:
     return L.masked_fill(~ones.tril()[:, :, None], float("-inf"))
 
 
-def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
+def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int, states: list | None = None):
     """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> o [B, T, H, V], S.
+    `states`, when a list, receives the state at the start of each chunk (detached).
 
     The chunk-local quantities (A, T, U, W) are computed for all chunks at once; only the state is
     carried from chunk to chunk (D, O, S_C), as in docs/math.md.
@@ -197,6 +208,8 @@ def _chunkwise(q, k, v, g, beta, S, *, scale: float, chunk_size: int):
 
     outputs = []
     for n in range(NT):
+        if states is not None:
+            states.append(S.detach())
         D = U[:, :, n] - W[:, :, n] @ S  # D = U - W S0, the new values   [B, H, C, V]
         # O = scale * (Q~ S0 + (Q~ K^^T masked to i <= t) D)
         bad_n = bad[:, :, n]

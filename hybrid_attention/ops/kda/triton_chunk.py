@@ -18,6 +18,7 @@ from torch import Tensor
 
 from hybrid_attention.ops.kda.chunk_bwd import kda_bwd
 from hybrid_attention.ops.kda.chunk_fwd import allocate_fwd, kda_fwd
+from hybrid_attention.ops.kda.chunk_states import chunk_count
 from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
@@ -148,7 +149,8 @@ def chunk_kda_triton(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    return_chunk_states: bool = False,
+) -> tuple[Tensor, ...]:
     """Chunkwise KDA on the Triton kernels; the same results as `recurrent_kda`.
 
     Args:
@@ -161,8 +163,10 @@ def chunk_kda_triton(
         gate: None, "bounded" or "softplus".  A_log: [H].  dt_bias: [H*K] (or [H, K]).
         lower_bound: finite and < 0, "bounded" only (None: -5).
         use_qk_l2norm: L2-normalise q and k per head inside the kernels.
+        return_chunk_states: also return the state at the start of every chunk, in the layout of chunk_states.py.
     Returns:
-        o [B, T, H, V] in v.dtype, and the final state [N, H, K, V] float32 or None.
+        o [B, T, H, V] in v.dtype, the final state [N, H, K, V] float32 or None, and with return_chunk_states the
+        chunk states float32 [B, NT, H, K, V] (or [1, NT_total, H, K, V] with cu_seqlens).
     Inputs float16, bfloat16 or float32, on CUDA (or CPU under TRITON_INTERPRET=1). Differentiable in q, k, v,
     g (z), beta, initial_state, A_log and dt_bias.
     """
@@ -171,7 +175,18 @@ def chunk_kda_triton(
     scale = resolve_scale(scale, K, name=_NAME)
     dt = dt_bias.reshape(H, K) if gate else None
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    o, ht, *_ = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale, lb, gate,
-                        bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
-    return o, (ht if output_final_state else None)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    # The chunk states are the `h` the forward saves for the backward: keep the saved tensors to return them.
+    save = grad or return_chunk_states
+    o, ht, *saved = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale, lb, gate,
+                            bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
+    ht = ht if output_final_state else None
+    if not return_chunk_states:
+        return o, ht
+    h = saved[_SAVED.index("h")]  # [chunk slots, H, K, V], in the input dtype
+    if cu_seqlens is None:
+        states = h.view(q.shape[0], -(-q.shape[1] // chunk_size), H, K, v.shape[-1])
+    else:  # varlen allocates an upper bound of chunk slots; the sequences' chunks come first, in order
+        states = h[: chunk_count(cu_seqlens, chunk_size)].unsqueeze(0)
+    # While training the backward reads the same buffer: hand out a copy, so writing into it cannot alter gradients.
+    return o, ht, states.detach().to(torch.float32, copy=grad)
