@@ -130,7 +130,7 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     autocast = autocast_for(device, dtype)
     eval_every = s.eval_every or max(1, spec.steps // 20)
     base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer}
-    row, start, loss_sum, losses = None, time.perf_counter(), 0.0, 0
+    row, start = None, time.perf_counter()
     model.train()
     with flush_denormals():
         for step in range(1, spec.steps + 1):
@@ -151,7 +151,6 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
             diverged = not math.isfinite(value)
             seconds = time.perf_counter() - start
             accuracy = 0.0 if diverged else evaluate(model, task, s, device, autocast)
-            loss_sum, losses = loss_sum + (0.0 if diverged else value), losses + 1
             row = {**base, "step": step, "loss": value if not diverged else None, "accuracy": accuracy,
                    "seconds": seconds, "s_per_step": seconds / step}  # fmt: skip
             final = step == spec.steps or diverged
