@@ -188,9 +188,9 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     device = par.device if par.sharded else resolve_device(config.device)
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
-        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
         try:
             model_config = HybridConfig.from_dict({**saved["model"], **backend})
         except ValueError as e:
@@ -200,7 +200,6 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
         else:
             tokenizer = ByteTokenizer()
-        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
         overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size, **backend}
         model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
