@@ -14,7 +14,6 @@ tasks, then learning rates, then models, so a budget cut leaves whole comparison
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention.checkpoint import append_log, write_log
+from hybrid_attention.checkpoint import append_log, read_json_lines, write_log
 from hybrid_attention.device import autocast_for, flush_denormals
 from hybrid_attention.model import HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
@@ -165,16 +164,7 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
 
 def read_rows(out: str | Path) -> list[dict]:
     """The rows of OUT/log.jsonl ([] when there is none); a last line cut short by a kill is dropped."""
-    path = Path(out) / LOG
-    if not path.is_file():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n")[:-1], start=1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
-    return rows
+    return read_json_lines(Path(out) / LOG)
 
 
 def row_key(row: dict) -> tuple:
