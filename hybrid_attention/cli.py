@@ -179,6 +179,8 @@ _MEMORY_ADVICE = {
     "generate": "try a smaller --max-new-tokens or a shorter prompt",
     "eval": "try a smaller --batch-size or --seq-len",
     "info": "",
+    "export": "",
+    "synth": "try a smaller --batch-size or shorter lengths in --grid",
 }
 
 
