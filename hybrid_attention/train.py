@@ -431,6 +431,7 @@ def _train(
     tokens_per_s = timed_tokens / timed_s if timed_s else (rows[-1]["tokens_per_s"] if rows else 0.0)
     fpt = flops_per_token(model, config.seq_len)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    memory = peak_memory(device)
     peak = peak_flops(device_name)
     summary = {
         "run_dir": str(run_dir),
@@ -448,8 +449,8 @@ def _train(
         "flops_per_token": fpt,
         # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
         "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "memory": peak_memory(device),  # allocated, reserved and the card's total bytes; None off CUDA
+        "peak_memory_bytes": memory["allocated"] if memory else None,
+        "memory": memory,  # allocated, reserved and the card's total bytes; None off CUDA
         "device": device_name,
         "torch": torch.__version__,
         "world_size": par.world_size,
