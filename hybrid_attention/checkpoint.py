@@ -430,19 +430,28 @@ def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ log.jsonl
+def read_json_lines(path: str | Path) -> list:
+    """The values of the JSON lines of `path` ([] when it does not exist). A last line without its newline (an append
+    cut short) is dropped; any other line that is not JSON raises ValueError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    values = []
+    for number, line in enumerate(path.read_bytes().split(b"\n")[:-1], start=1):  # [-1]: after the last newline
+        try:
+            values.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
+    return values
+
+
 def read_log(run_dir: str | Path, *, up_to_step: int | None = None) -> list[dict]:
     """The rows of log.jsonl, keeping only steps <= `up_to_step` when given. A last line without its newline (an
     append cut short) is dropped; any other line that is not a JSON object with an integer step and finite numbers
     raises ValueError naming the file and line."""
     path = Path(run_dir) / LOG
-    if not path.is_file():
-        return []
     rows = []
-    for number, line in enumerate(path.read_bytes().split(b"\n")[:-1], start=1):  # [-1]: after the last newline
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
+    for number, row in enumerate(read_json_lines(path), start=1):
         ok = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
         ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row.values())
         if not ok:

@@ -179,6 +179,8 @@ _MEMORY_ADVICE = {
     "generate": "try a smaller --max-new-tokens or a shorter prompt",
     "eval": "try a smaller --batch-size or --seq-len",
     "info": "",
+    "export": "",
+    "synth": "try a smaller --batch-size or shorter lengths in --grid",
 }
 
 
@@ -226,7 +228,9 @@ def _train(args) -> int:
             f"continue with `{resume_command}`",
             file=sys.stderr,
         )
-        return 130 if s["stopped_by"] == "SIGINT" else 143
+        from hybrid_attention.interrupts import exit_code
+
+        return exit_code(s["stopped_by"])
     minutes, seconds = divmod(time.perf_counter() - start, 60)
     print(f"done: step {s['step']}/{s['steps']} in {int(minutes)}m{seconds:04.1f}s, {s['tokens_per_s']:,.0f} tokens/s")
     if s["step"] < s["steps"]:

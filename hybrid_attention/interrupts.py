@@ -39,7 +39,7 @@ class StopRequests:
             signal.signal(s, handler)
         self._previous = {}
 
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal number, the shell's convention for a job ended by a signal."""
-        return 128 + int(getattr(signal, self.signal)) if self.signal else 0
+
+def exit_code(name: str) -> int:
+    """128 + the number of the signal `name` (e.g. "SIGINT" -> 130), the shell's convention for a job it ended."""
+    return 128 + int(signal.Signals[name])

@@ -8,7 +8,7 @@ with the same tokenizer would repeat it. So `encode_corpus` keeps one safetensor
   tokenizers JSON), so a changed corpus or tokenizer never reads another one's entry.
 - The file holds `train` and `val` (uint16 when the vocabulary fits, else int32) and, as metadata, the key and a
   sha256 of the token bytes. A file that does not load, names another key or fails its checksum is rebuilt, never
-  trusted. It is written to a temporary file and renamed, so an interrupted write leaves no entry behind.
+  trusted. It is written atomically (`checkpoint.atomic_write`), so an interrupted write leaves no entry behind.
 - Byte-tokenized corpora are not cached: their encoding is a copy of the text.
 
 Encoding runs in groups of documents through the tokenizer's batch encoder (parallel over the machine's cores),
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hybrid_attention.checkpoint import atomic_write
 from hybrid_attention.data import Corpus
 
 FORMAT = "hybrid-attention tokens v1"
@@ -104,14 +104,7 @@ def _store(path: Path, key: str, train: torch.Tensor, val: torch.Tensor, vocab_s
     train, val = train.to(dtype), val.to(dtype)
     meta = {"format": FORMAT, "key": key, "checksum": _checksum(train, val)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"train": train, "val": val}, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: save_file({"train": train, "val": val}, tmp, metadata=meta))
 
 
 def encode_corpus(tokenizer, corpus: Corpus, *, cache: Path | None = None, progress: bool = True) -> TokenizedCorpus:

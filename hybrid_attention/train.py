@@ -188,9 +188,9 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     device = par.device if par.sharded else resolve_device(config.device)
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
-        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
         try:
             model_config = HybridConfig.from_dict({**saved["model"], **backend})
         except ValueError as e:
@@ -200,7 +200,6 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
         else:
             tokenizer = ByteTokenizer()
-        backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
         overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size, **backend}
         model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
@@ -432,6 +431,7 @@ def _train(
     tokens_per_s = timed_tokens / timed_s if timed_s else (rows[-1]["tokens_per_s"] if rows else 0.0)
     fpt = flops_per_token(model, config.seq_len)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    memory = peak_memory(device)
     peak = peak_flops(device_name)
     summary = {
         "run_dir": str(run_dir),
@@ -449,8 +449,8 @@ def _train(
         "flops_per_token": fpt,
         # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
         "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "memory": peak_memory(device),  # allocated, reserved and the card's total bytes; None off CUDA
+        "peak_memory_bytes": memory["allocated"] if memory else None,
+        "memory": memory,  # allocated, reserved and the card's total bytes; None off CUDA
         "device": device_name,
         "torch": torch.__version__,
         "world_size": par.world_size,

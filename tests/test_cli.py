@@ -178,6 +178,15 @@ def test_out_of_memory_is_one_line_and_leaves_the_directory_reusable(tmp_path, c
     assert not checkpoint.holds_run(out)  # a plain re-run may use the directory
 
 
+def test_out_of_memory_in_every_command_has_advice(tmp_path, capsys):
+    argv = ["synth", "--grid", "mqar/8/kda/1", "--batch-size", 10**12, "--out", tmp_path / "s", "--device", "cpu"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    error = err.strip().split("\n")[-1]
+    assert error.startswith("hybrid-attention synth: error: out of memory (") and "--batch-size" in error, err
+    assert set(cli._MEMORY_ADVICE) == set(cli.build_parser()._subparsers._group_actions[0].choices)
+
+
 def test_non_utf8_prompt_on_stdin_is_one_line(run_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
     code, _, err = run_cli(["generate", "--ckpt", run_dir], capsys)

@@ -28,7 +28,7 @@ def test_validation_schedule_starts_at_step_1_and_runs_every_tenth_of_the_run():
 
 
 def test_epochs_and_the_warning_past_one_epoch():
-    assert epochs(360, 32768, 75_000_000) == 360 * 32768 / 75_000_000
+    assert epochs(360, 32768, 75_000_000) == 0.1572864 and epochs(10, 100, 1000) == 1.0  # 11,796,480 / 75e6
     line, warning = epoch_report(360, 32768, 75_000_000)
     assert warning is None and "0.16 epochs of the 75,000,000-token training split" in line
     assert "11,796,480 tokens" in line

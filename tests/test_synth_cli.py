@@ -40,6 +40,9 @@ def test_synth_rejects_a_bad_grid(tmp_path):
     done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
     assert done.returncode == 1 and "queries must be an integer in [1, 4]" in done.stderr
     assert not (tmp_path / "out").exists()  # refused before the first run
+    done = _run(["-m", "hybrid_attention.synth", "--seed", str(2**64), "--device", "cpu", "--out", "out"], tmp_path)
+    assert done.returncode == 2 and "argument --seed: expected a value" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_ablations_quick(tmp_path):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
 
 import triton
 
@@ -40,13 +39,13 @@ class CompileNotice:
         self.cache_dir = cache_dir
         self.announced: set[str] = set()
         self._lock = threading.Lock()
-        self._running: dict[str, float] = {}  # name -> start time of its compilation
+        self._running: set[str] = set()  # names whose compilation has started and not ended
         self._timers: dict[str, threading.Timer] = {}
         self._first = True
 
     def start(self, name: str) -> None:
         with self._lock:
-            self._running[name] = time.perf_counter()
+            self._running.add(name)
             if name not in self.announced and name not in self._timers:
                 timer = threading.Timer(self.after_s, self._announce, args=(name,))
                 timer.daemon = True
@@ -55,7 +54,7 @@ class CompileNotice:
 
     def end(self, name: str) -> None:
         with self._lock:
-            self._running.pop(name, None)
+            self._running.discard(name)
             timer = self._timers.pop(name, None)
         if timer is not None:
             timer.cancel()

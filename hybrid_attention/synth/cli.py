@@ -22,7 +22,7 @@ def _lrs(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybrid_attention.cli import non_negative_float, non_negative_int, positive_float, positive_int
+    from hybrid_attention.cli import non_negative_float, positive_float, positive_int, seed_int
 
     p.add_argument("--grid", default=DEFAULT_GRID, help="cells TASKS/LENGTHS/MODELS[/STEPS] separated by ';' "
                    "(tasks: palindrome, mqar, stack; models: kda, gdn, mla; default: all three tasks and models at "
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
     p.add_argument("--num-symbols", type=positive_int, default=64, help="alphabet of the random content (default 64)")
     p.add_argument("--mqar-queries", type=positive_int, help="keys queried per MQAR sequence (default: half the pairs)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the data and the initialisation")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the data and the initialisation")
     p.add_argument("--eval-every", type=positive_int, help="evaluate every N steps (default: 20 points per run)")
     p.add_argument("--eval-batches", type=positive_int, default=4, help="fixed evaluation batches (default 4)")
     p.add_argument("--time-budget", type=positive_float, help="minutes: skip the runs that would not fit any more")

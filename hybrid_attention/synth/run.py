@@ -14,7 +14,6 @@ tasks, then learning rates, then models, so a budget cut leaves whole comparison
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention.checkpoint import append_log, write_log
+from hybrid_attention.checkpoint import append_log, read_json_lines, write_log
 from hybrid_attention.device import autocast_for, flush_denormals
 from hybrid_attention.model import HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
@@ -130,7 +129,7 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     autocast = autocast_for(device, dtype)
     eval_every = s.eval_every or max(1, spec.steps // 20)
     base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer}
-    row, start, loss_sum, losses = None, time.perf_counter(), 0.0, 0
+    row, start = None, time.perf_counter()
     model.train()
     with flush_denormals():
         for step in range(1, spec.steps + 1):
@@ -151,7 +150,6 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
             diverged = not math.isfinite(value)
             seconds = time.perf_counter() - start
             accuracy = 0.0 if diverged else evaluate(model, task, s, device, autocast)
-            loss_sum, losses = loss_sum + (0.0 if diverged else value), losses + 1
             row = {**base, "step": step, "loss": value if not diverged else None, "accuracy": accuracy,
                    "seconds": seconds, "s_per_step": seconds / step}  # fmt: skip
             final = step == spec.steps or diverged
@@ -166,16 +164,7 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
 
 def read_rows(out: str | Path) -> list[dict]:
     """The rows of OUT/log.jsonl ([] when there is none); a last line cut short by a kill is dropped."""
-    path = Path(out) / LOG
-    if not path.is_file():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n")[:-1], start=1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
-    return rows
+    return read_json_lines(Path(out) / LOG)
 
 
 def row_key(row: dict) -> tuple:
