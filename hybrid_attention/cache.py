@@ -86,26 +86,26 @@ class HybridCache:
         """
         self.seqlens.set(lengths)
 
+    def _recurrent_tensors(self) -> list[torch.Tensor]:
+        """The KDA states and conv tails: what a step overwrites, as opposed to the MLA rows it appends."""
+        return [t for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)]
+
     def reset(self) -> None:
         """Forget every sequence: zero the KDA states and conv tails and the lengths (MLA rows are left as they are:
         nothing past a sequence's length is ever read)."""
-        for layer in self.layers:
-            if isinstance(layer, KDACache):
-                for t in _tensors(layer):
-                    t.zero_()
+        for t in self._recurrent_tensors():
+            t.zero_()
         self.set_lengths(0)
 
     def snapshot(self) -> tuple[list[int], list[torch.Tensor]]:
         """What a decoding step changes besides the rows past each sequence's length: the lengths (host ints) and
         copies of the KDA states and conv tails. `restore` puts them back (DecodeStep captures on a filled cache)."""
-        return self.host_lengths, [
-            t.clone() for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)
-        ]
+        return self.host_lengths, [t.clone() for t in self._recurrent_tensors()]
 
     def restore(self, snapshot: tuple[list[int], list[torch.Tensor]]) -> None:
         """Undo every decoding step since `snapshot` (MLA rows written past the lengths are never read)."""
         lengths, saved = snapshot
-        mine = [t for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)]
+        mine = self._recurrent_tensors()
         if len(mine) != len(saved) or any(a.shape != b.shape for a, b in zip(mine, saved, strict=True)):
             raise ValueError("HybridCache.restore: the snapshot was taken from a cache of another shape")
         for t, copy in zip(mine, saved, strict=True):
