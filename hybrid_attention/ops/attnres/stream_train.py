@@ -28,7 +28,8 @@ its own.
 
 The kernels are custom ops with fake implementations and declared mutations of the tables, so
 `torch.compile(fullgraph=True)` traces a whole training step; eager calls the ops' bodies directly. Every sum has a
-fixed order (no atomics): the gradients are bitwise the same from run to run. The readable reference for step k is
+fixed order (no atomics): with the same launch shapes (the autotuner's choice, kept for the process), the gradients
+are bitwise the same from run to run. The readable reference for step k is
 `rms_norm(naive.attn_res(sources, queries[k], key_weights[k], eps), norm_weight, norm_eps)`.
 """
 
