@@ -1,16 +1,18 @@
-"""Differentiable fused AttnRes (`ops.attnres.fused_train`): the Triton kernels (interpreter on CPU, float64) against
-the readable references in `ops.attnres.naive` for the outputs and every gradient, with NaN-poisoned output
-buffers, zero and non-zero pseudo-queries, and the custom ops through `torch.library.opcheck`."""
+"""Differentiable fused AttnRes (`ops.attnres.full_train`, `ops.attnres.stream_train`, `ops.attnres.fused_train`):
+the Triton kernels (interpreter on CPU, float64) against the readable references in `ops.attnres.naive` for the
+outputs and every gradient, with NaN-poisoned output buffers, zero and non-zero pseudo-queries, bitwise repeatable
+stream gradients, and the custom ops through `torch.library.opcheck`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres import triton_full
-from hybrid_attention.ops.attnres.full_train import attn_res_norm_step, attn_res_norm_train
+from hybrid_attention.ops.attnres import triton_full, triton_stream
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
+from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.conftest import DEV
@@ -119,11 +121,13 @@ def test_full_low_precision_sources(dtype, tol):
 def run_chain(src, params, start, used):
     """Steps l = start .. S of a Full AttnRes stream over the leaves `src` (step l reads src[:l]), step l with its
     own (query, key_weight, norm_weight) params[l - start]; -> the outputs of the steps in `used` (step numbers)."""
+    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
     outs, carrier = [], None
     for i, l in enumerate(range(start, len(src) + 1)):
-        last = l == len(src)
-        res = attn_res_norm_step(src[:l], carrier, *params[i], EPS, NORM_EPS, last=last)
-        x, carrier = (res, None) if last else res
+        if carrier is None:
+            x, carrier = attn_res_norm_stream_start(src[:l], queries, key_weights, params[i][2], EPS, NORM_EPS)
+        else:
+            x, carrier = attn_res_norm_step(src[:l], carrier, params[i][2], NORM_EPS)
         outs += [x] if l in used else []
     return tuple(outs)
 
@@ -142,13 +146,14 @@ def reference_chain(src, params, start, used):
         (2, 1, "all"),
         (7, 1, "all"),
         (7, 3, "all"),  # the stream starts with three sources
-        (9, 2, (2, 3, 5, 6)),  # some outputs unused, the last among them: steps pass the accumulator on or start it
+        (9, 2, (2, 3, 5, 6)),  # some outputs unused, the last ones too: steps pass the tables on or start them
         (27, 2, "all"),  # the k3-scaled depth (on one row: the interpreter runs every program in Python)
     ],
 )
 def test_chain_matches_reference(S, start, used, poisoned):
-    """A Full AttnRes stream of chained steps sharing one gradient accumulator (`attn_res_norm_step`) against the
-    reference step by step: every output and the gradient of every source and every step's parameters."""
+    """A Full AttnRes stream (`attn_res_norm_stream_start`, `attn_res_norm_step`), whose backwards assemble each
+    source's gradient once, against the reference step by step: every output and the gradient of every source and
+    every step's parameters."""
     D = 16
     used = range(start, S + 1) if used == "all" else used
     src = sources(S, D, seed=S + start, shape=(1, 1) if S > 9 else SHAPE)
@@ -161,25 +166,70 @@ def test_chain_matches_reference(S, start, used, poisoned):
     flat, flat64 = [p for ps in params for p in ps], [p for ps in params64 for p in ps]
     labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(start, S + 1) for n in "wgn"]
     fused_grads, ref_grads = grads(outs, src + flat), grads(refs, src64 + flat64)
-    unused = [i for i, g in enumerate(fused_grads) if g is None]
-    assert unused == [i for i, g in enumerate(ref_grads) if g is None], "unused inputs differ from the reference's"
+    # Queries and key-norm weights reach their gradients through one stack: an unused step's are zero, not None
+    # (check_grads asserts that).
+    stacked = {len(src) + 3 * k + j for k in range(len(params)) for j in (0, 1)}
+    unused = [i for i, g in enumerate(fused_grads) if g is None and i not in stacked]
+    ref_unused = [i for i, g in enumerate(ref_grads) if g is None and i not in stacked]
+    assert unused == ref_unused, "unused inputs differ from the reference's"
     check_grads(f"chain S={S}", fused_grads, ref_grads, labels)
 
 
-def block_s_values():
-    tuners = (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel)
-    return sorted({c.kwargs["BLOCK_S"] for t in tuners for c in t.all_configs})
+def test_chain_gradients_repeat_bitwise():
+    """Two backwards of the same stream give bitwise equal gradients (fixed summation orders, no atomics)."""
+    S, D = 7, 16
+    src = sources(S, D, seed=61)
+    params = [vectors(D, 3, seed=61 + l) for l in range(2, S + 1)]
+    inputs = src + [p for ps in params for p in ps]
+    first, second = (grads(run_chain(src, params, 2, range(2, S + 1)), inputs) for _ in range(2))
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        assert torch.equal(a, b), f"gradient of input {i} differs between two runs"
 
 
-@pytest.mark.parametrize("block_s", block_s_values())
+def tile_values(tuners, block):
+    return sorted({c.kwargs[block] for t in tuners for c in t.all_configs})
+
+
+def only_config(monkeypatch, tuner, block, value):
+    """Let `tuner` run the config with `block` == value alone (the nearest one when it has none)."""
+    config = next((c for c in tuner.all_configs if c.kwargs[block] == value), None)
+    if config is None:
+        config = min(tuner.all_configs, key=lambda c: abs(c.kwargs[block] - value))
+    monkeypatch.setattr(tuner, "configs", [config])
+
+
+SOURCE_TILED = (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel)
+
+
+@pytest.mark.parametrize("block_s", tile_values(SOURCE_TILED, "BLOCK_S"))
 def test_every_tile_height(block_s, monkeypatch):
     """The forward and backward kernels with each source-tile height of their tuned configs (sources split across
-    tiles, a partial last tile), alone, on a short stream against the reference."""
-    for tuner in (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel):
-        config = next((c for c in tuner.all_configs if c.kwargs["BLOCK_S"] == block_s), None)
-        if config is None:
-            config = min(tuner.all_configs, key=lambda c: abs(c.kwargs["BLOCK_S"] - block_s))
-        monkeypatch.setattr(tuner, "configs", [config])
+    tiles, a partial last tile), alone: one AttnRes, and a short stream, against the reference."""
+    for tuner in SOURCE_TILED:
+        only_config(monkeypatch, tuner, "BLOCK_S", block_s)
+    S, D = 7, 16
+    src = sources(S, D, seed=52)
+    query, key_w, norm_w = vectors(D, 3, seed=52)
+    out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
+    src64, (q64, k64, n64) = f64(src), f64([query, key_w, norm_w])
+    ref = rms_norm(attn_res(src64, q64, k64, EPS), n64, NORM_EPS)
+    assert_close(f"BLOCK_S={block_s} one AttnRes", out, ref, TOL)
+    labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
+    inputs = [*src, query, key_w, norm_w]
+    check_grads(f"BLOCK_S={block_s}", grads(out, inputs), grads(ref, [*src64, q64, k64, n64]), labels)
+    check_stream(f"BLOCK_S={block_s}")
+
+
+@pytest.mark.parametrize("block_m", tile_values([triton_stream._stream_bwd_kernel], "BLOCK_M"))
+def test_every_row_block(block_m, monkeypatch):
+    """The stream's backward kernel with each row-block height of its tuned configs (a partial last block, programs
+    with no rows), alone, on a short stream against the reference."""
+    only_config(monkeypatch, triton_stream._stream_bwd_kernel, "BLOCK_M", block_m)
+    check_stream(f"BLOCK_M={block_m}")
+
+
+def check_stream(name):
+    """Steps 2 .. 7 of a stream over 7 sources against the reference: outputs and every gradient."""
     S, D = 7, 16
     src = sources(S, D, seed=51)
     params = [vectors(D, 3, seed=51 + l) for l in range(2, S + 1)]
@@ -187,15 +237,15 @@ def test_every_tile_height(block_s, monkeypatch):
     src64, params64 = f64(src), [f64(p) for p in params]
     refs = reference_chain(src64, params64, 2, range(2, S + 1))
     for l, out, ref in zip(range(2, S + 1), outs, refs, strict=True):
-        assert_close(f"BLOCK_S={block_s} step {l}", out, ref, TOL)
+        assert_close(f"{name} step {l}", out, ref, TOL)
     flat, flat64 = [p for ps in params for p in ps], [p for ps in params64 for p in ps]
     labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(2, S + 1) for n in "wgn"]
-    check_grads(f"BLOCK_S={block_s}", grads(outs, src + flat), grads(refs, src64 + flat64), labels)
+    check_grads(name, grads(outs, src + flat), grads(refs, src64 + flat64), labels)
 
 
 def test_chain_low_precision():
-    """bf16 sources, float32 parameters: the accumulator sums each source's gradient in bf16 steps; the float64
-    reference within bf16 rounding."""
+    """bf16 sources, float32 parameters (dh stored in bf16, dz r as two bf16 parts for the dL/du product): the
+    float64 reference within bf16 rounding."""
     S, D = 6, 32
     src64 = sources(S, D, seed=41, dtype=torch.float64)
     src = [s.detach().bfloat16().requires_grad_() for s in src64]
@@ -284,10 +334,20 @@ def test_opcheck():
     src0 = [s.detach() for s in src0]
     torch.library.opcheck(ops.attn_res_norm_fwd, (src0, *params0, EPS, NORM_EPS))
     x, stats = ops.attn_res_norm_fwd(src0, *params0, EPS, NORM_EPS)
-    for accumulate in (False, True):
-        acc = torch.randn(3, *src0[0].shape, dtype=F64, device=DEV)
-        args = (torch.randn_like(x), src0, acc, *params0, stats, EPS, accumulate)
-        torch.library.opcheck(ops.attn_res_norm_bwd_accumulate, args)
+    torch.library.opcheck(ops.attn_res_norm_bwd, (torch.randn_like(x), src0, *params0, stats, EPS))
+    # A stream of K = 3 steps: step 1's forward, then its backward (newest source) into tables that step 2 filled.
+    queries, key_ws = (torch.stack([p, p.flip(0)]).repeat(2, 1)[:3].contiguous() for p in params0[:2])
+    torch.library.opcheck(ops.attn_res_stream_fwd, (src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS))
+    x, h, stats = ops.attn_res_stream_fwd(src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS)
+    shape = src0[0].shape
+    for dx in (torch.randn_like(x), None):
+        tables = (
+            torch.randn(3, *shape, dtype=F64, device=DEV),
+            torch.randn(3, 2, *shape[:-1], dtype=F64, device=DEV),
+            torch.randn(2, 3, D, dtype=F64, device=DEV),
+        )
+        args = (dx, h, stats, queries, key_ws, params0[2], src0[1:2], *tables, 1, EPS)
+        torch.library.opcheck(ops.attn_res_stream_bwd, args)
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = (t.detach().requires_grad_() for t in attn_res_partial_train(src, queries, key_ws, EPS))
@@ -314,12 +374,21 @@ def test_bad_inputs():
         attn_res_partial_train(src, query, key_w)
     with pytest.raises(ValueError, match="pass dtype"):
         attn_res_merge_norm_train(src[0], src[0][..., 0], None, query, key_w, norm_w)
-    x, carrier = attn_res_norm_step(src[:1], None, query, key_w, norm_w)
-    with pytest.raises(ValueError, match="carrier must come from the step before, over 2 sources"):
-        attn_res_norm_step([*src, src[0]], carrier, query, key_w, norm_w)
+    strided = src[1].transpose(0, 1).contiguous().transpose(0, 1)
+    queries, key_ws = torch.stack([query, query]), torch.stack([key_w, key_w])
+    x, carrier = attn_res_norm_stream_start(src[:1], queries, key_ws, norm_w)
+    with pytest.raises(ValueError, match="previous step's 1 sources and one more, got 3"):
+        attn_res_norm_step([*src, src[0]], carrier, norm_w)
     with pytest.raises(ValueError, match="newest source must be"):
-        attn_res_norm_step([src[0], src[1].half()], carrier, query, key_w, norm_w)
+        attn_res_norm_step([src[0], src[1].half()], carrier, norm_w)
     with pytest.raises(ValueError, match="newest source must be contiguous"):
-        attn_res_norm_step([src[0], src[1].transpose(0, 1).contiguous().transpose(0, 1)], carrier, query, key_w, norm_w)
+        attn_res_norm_step([src[0], strided], carrier, norm_w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \[16\]"):
+        attn_res_norm_step(src, carrier, norm_w[:4])
+    x, last = attn_res_norm_step(src, carrier, norm_w)
+    with pytest.raises(ValueError, match="started for 2 steps"):
+        attn_res_norm_step([*src, src[0]], last, norm_w)
     with pytest.raises(ValueError, match="source 1 must be contiguous"):
-        attn_res_norm_step([src[0], src[1].transpose(0, 1).contiguous().transpose(0, 1)], None, query, key_w, norm_w)
+        attn_res_norm_stream_start([src[0], strided], queries, key_ws, norm_w)
+    with pytest.raises(ValueError, match=r"key_weights must have shape \[K, 16\]"):
+        attn_res_norm_stream_start(src, queries, key_ws[:1], norm_w)

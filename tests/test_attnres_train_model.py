@@ -119,6 +119,15 @@ def test_stream_matches_reference(n, block_size):
         assert_close(f"stream d input {i}", a, b, TOL)
 
 
+def test_full_stream_needs_one_key_norm_eps():
+    """The Full AttnRes stream's backward recomputes each source's norm once for all its readers: one eps."""
+    steps, _ = make_steps(3, 16, seed=4)
+    steps[2][0].key_norm.eps = 1e-5
+    emb = torch.randn(1, 3, 16, dtype=DTYPE, device=DEV)
+    with pytest.raises(ValueError, match="share one key-norm eps"):
+        attn_res_stream(emb, steps)
+
+
 @pytest.mark.parametrize("residual", ["attnres", "block_attnres"])
 def test_training_step_matches_reference(residual):
     """One step of the model: the loss and every parameter's gradient (KDA and MLA sublayers, 3-sublayer blocks so

@@ -6,9 +6,9 @@ sources (embedding and earlier sublayer outputs, or block sums for Block AttnRes
 layer starts as the plain mean of its sources; the math is in `hybrid_attention.ops.attnres.naive`.
 
 `attn_res_stream` and `block_attn_res_stream` run a whole residual stream (Full or Block AttnRes) through the fused
-differentiable ops of `ops.attnres.full_train` and `ops.attnres.fused_train`, each AttnRes fused with the RMSNorm
+differentiable ops of `ops.attnres.stream_train` and `ops.attnres.fused_train`, each AttnRes fused with the RMSNorm
 of the sublayer that reads it: every source is kept once (the sublayer outputs themselves, never stacked), Full
-AttnRes sums each source's gradient in one accumulator shared by the stream's steps, and Block AttnRes takes the
+AttnRes assembles each source's gradient once, in the backward of its first reader, and Block AttnRes takes the
 two-phase form (phase 1 once per block for all its sublayers, then an exact merge of the block's partial sum).
 The sources share one dtype, that of the first sublayer output: under autocast the embedding enters the depth
 mixture rounded to the autocast dtype, as every sublayer output does.
@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.attnres.full_train import attn_res_norm_step, attn_res_norm_train
+from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial, attn_res_weights
+from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
 
 # One step of a residual stream: (the AttnRes that builds the input, the RMSNorm that reads it, the sublayer g
 # taking the normalised input to its output); the final step has g None (its norm is the output norm).
@@ -81,8 +82,9 @@ class AttnRes(nn.Module):
 def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
     """Full AttnRes through the fused ops: step l reads RMSNorm_l(AttnRes_l(embedding, y_0, ..., y_{l-1})).
 
-    The steps after the first are chained (`ops.attnres.full_train.attn_res_norm_step`): their backwards add every
-    source's gradient into one accumulator, in place, instead of returning one gradient per source and step.
+    The first step reads the embedding alone; the others form one stream (`ops.attnres.stream_train`), whose
+    backward assembles each source's gradient once instead of returning one gradient per source and step. Its
+    AttnRes share one key-norm eps.
 
     Args:
         embedding: [B, T, D], source 0.
@@ -94,6 +96,8 @@ def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Ten
     if not steps or steps[-1][2] is not None or any(g is None for _, _, g in steps[:-1]):
         raise ValueError("attn_res_stream: expected steps ending with the final AttnRes, the only one with g None")
     (res, norm, g), rest = steps[0], steps[1:]
+    if len({r.eps for r, _, _ in rest}) > 1:
+        raise ValueError(f"attn_res_stream: the AttnRes share one key-norm eps, got {[r.eps for r, _, _ in rest]}")
     # The first step reads the embedding alone, in its own dtype.
     x = attn_res_norm_train([embedding], res.query, res.key_norm.weight, norm.weight, res.eps, norm.eps)
     if g is None:
@@ -102,10 +106,14 @@ def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Ten
     # The first output fixes the sources' dtype (the autocast dtype under autocast).
     sources, carrier = [embedding.to(y.dtype).contiguous(), y], None
     for res, norm, g in rest:
-        args = (res.query, res.key_norm.weight, norm.weight, res.eps, norm.eps)
+        if carrier is None:
+            queries = torch.stack([r.query for r, _, _ in rest])
+            key_weights = torch.stack([r.key_norm.weight for r, _, _ in rest])
+            x, carrier = attn_res_norm_stream_start(sources, queries, key_weights, norm.weight, res.eps, norm.eps)
+        else:
+            x, carrier = attn_res_norm_step(sources, carrier, norm.weight, norm.eps)
         if g is None:
-            return attn_res_norm_step(sources, carrier, *args, last=True)
-        x, carrier = attn_res_norm_step(sources, carrier, *args)
+            return x
         sources.append(g(x).to(y.dtype).contiguous())
     raise AssertionError("unreachable: the last step has g None")
 

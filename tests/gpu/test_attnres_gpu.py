@@ -1,8 +1,9 @@
 """The fused AttnRes kernels on CUDA at k3-scaled widths, as accurate against float64 as the bf16 PyTorch
 composition: the inference kernel (`ops.attnres.fused`) at decode (1 row) and prefill (4096 rows) sizes, which take
-different launch shapes, and the training ops (`ops.attnres.full_train`: Full AttnRes + RMSNorm, alone and as a
-chained stream; `ops.attnres.fused_train`: Block AttnRes phase 1 and phase 2 + RMSNorm) at B=8, T=2048, D=1024,
-outputs and every gradient. Run: `python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
+different launch shapes, and the training ops (`ops.attnres.full_train`: Full AttnRes + RMSNorm alone;
+`ops.attnres.stream_train`: a Full AttnRes stream; `ops.attnres.fused_train`: Block AttnRes phase 1 and phase 2 +
+RMSNorm) at B=8, T=2048, D=1024 (the stream at B=1), outputs and every gradient. Run:
+`python -m pytest -q tests/gpu/test_attnres_gpu.py`."""
 
 from __future__ import annotations
 
@@ -127,43 +128,50 @@ def test_fused_training_block_at_model_sizes(N):
 def _chain(src, params, ref: bool):
     """Steps l = 2 .. S of a Full AttnRes stream over `src` (step l reads src[:l]); -> every step's output. `ref`:
     the PyTorch composition (each step its own graph node, autograd sums the gradients)."""
-    from hybrid_attention.ops.attnres.full_train import attn_res_norm_step
     from hybrid_attention.ops.attnres.naive import attn_res
+    from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
     from hybrid_attention.ops.numerics import rms_norm
 
-    outs, carrier = [], None
-    for (q, kw, nw), l in zip(params, range(2, len(src) + 1), strict=True):
-        if ref:
-            outs.append(rms_norm(attn_res(src[:l], q, kw, 1e-6), nw, 1e-6))
-            continue
-        res = attn_res_norm_step(src[:l], carrier, q, kw, nw, 1e-6, 1e-6, last=l == len(src))
-        x, carrier = (res, None) if l == len(src) else res
+    if ref:
+        return [
+            rms_norm(attn_res(src[:l], q, kw, 1e-6), nw, 1e-6)
+            for (q, kw, nw), l in zip(params, range(2, len(src) + 1), strict=True)
+        ]
+    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
+    x, carrier = attn_res_norm_stream_start(src[:2], queries, key_weights, params[0][2], 1e-6, 1e-6)
+    outs = [x]
+    for (_, _, nw), l in zip(params[1:], range(3, len(src) + 1), strict=True):
+        x, carrier = attn_res_norm_step(src[:l], carrier, nw, 1e-6)
         outs.append(x)
     return outs
 
 
-@pytest.mark.parametrize("config", ["tuned", *range(5)])
-def test_fused_training_stream_at_model_sizes(config, monkeypatch):
-    """A Full AttnRes stream of 27 sources (the k3-scaled depth) through the chained steps, whose backwards add into
-    one gradient accumulator, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against
-    float64 as the bf16 PyTorch composition; with the tuned launch shapes and with each backward config alone."""
-    from hybrid_attention.ops.attnres import triton_full
-
-    if config != "tuned":
-        tuner = triton_full._full_bwd_kernel
-        if config >= len(tuner.all_configs):
-            pytest.skip(f"the backward has {len(tuner.all_configs)} configs")
-        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config]])
-    S, B, T, D = 27, 1, 2048, 1024
-    g = torch.Generator("cuda").manual_seed(27)
-    src = _sources(S, B, T, D, g)
-    params = [
+def _stream_params(S, D, g):
+    return [
         [
             torch.randn(D, device="cuda", generator=g) * 2 * D**-0.5,
             *(0.5 + torch.rand(2, D, device="cuda", generator=g)),
         ]
         for _ in range(2, S + 1)
     ]
+
+
+@pytest.mark.parametrize("config", ["tuned", *range(6)])
+def test_fused_training_stream_at_model_sizes(config, monkeypatch):
+    """A Full AttnRes stream of 27 sources (the k3-scaled depth), whose backwards assemble each source's gradient
+    once, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against float64 as the bf16
+    PyTorch composition; with the tuned launch shapes and with each backward config alone."""
+    from hybrid_attention.ops.attnres import triton_stream
+
+    if config != "tuned":
+        tuner = triton_stream._stream_bwd_kernel
+        if config >= len(tuner.all_configs):
+            pytest.skip(f"the backward has {len(tuner.all_configs)} configs")
+        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config]])
+    S, B, T, D = 27, 1, 2048, 1024
+    g = torch.Generator("cuda").manual_seed(27)
+    src = _sources(S, B, T, D, g)
+    params = _stream_params(S, D, g)
     cots = [torch.randn(B, T, D, device="cuda", generator=g) for _ in range(2, S + 1)]
     results = {}
     for name, dtype in (("fused", None), ("plain", None), ("ref", torch.float64)):
@@ -182,11 +190,29 @@ def test_fused_training_stream_at_model_sizes(config, monkeypatch):
         assert_as_accurate(f"stream d {label}", f, r, p, floor=2**-8)
 
 
+def test_stream_gradients_repeat_bitwise():
+    """Two backwards of the same 27-source stream at B=8, T=2048, D=1024 (bf16) give bitwise equal gradients: no
+    atomics, fixed summation orders (the second run uses the tuned configs the first one chose)."""
+    S, B, T, D = 27, 8, 2048, 1024
+    g = torch.Generator("cuda").manual_seed(28)
+    src = _leaves(_sources(S, B, T, D, g))
+    params = [_leaves(ps) for ps in _stream_params(S, D, g)]
+    inputs = src + [p for ps in params for p in ps]
+    runs = []
+    for _ in range(3):  # the first one tunes
+        outs = _chain(src, params, ref=False)
+        loss = sum((o.float() * (i + 1)).square().mean() for i, o in enumerate(outs))
+        runs.append(torch.autograd.grad(loss, inputs))
+        del outs, loss
+    for i, (a, b) in enumerate(zip(runs[1], runs[2], strict=True)):
+        assert torch.equal(a, b), f"gradient of input {i} differs between two runs"
+
+
 def test_stream_finds_its_pointer_tables_again():
     """Training repeats the same allocations every step, so a repeated step of a Full AttnRes stream finds every
     pointer table it needs already built (no host-to-device copy per kernel launch)."""
     from hybrid_attention.ops.attnres import rows
-    from hybrid_attention.ops.attnres.full_train import attn_res_norm_step
+    from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
 
     S, B, T, D = 9, 2, 512, 1024
     g = torch.Generator("cuda").manual_seed(9)
@@ -196,13 +222,17 @@ def test_stream_finds_its_pointer_tables_again():
     ]
     weights = [torch.randn(D, device="cuda", generator=g).requires_grad_() for _ in range(2, S + 1)]
 
+    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
+
     def step():
         src = [torch.randn(B, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()]
         carrier = None
-        for (q, kw, nw), w, l in zip(params, weights, range(2, S + 1), strict=True):
+        for (_, _, nw), w in zip(params, weights, strict=True):
             src.append((src[-1] * w).bfloat16())  # a new tensor every step, as a sublayer output is
-            res = attn_res_norm_step(src, carrier, q, kw, nw, last=l == S)
-            x, carrier = (res, None) if l == S else res
+            if carrier is None:
+                x, carrier = attn_res_norm_stream_start(src, queries, key_weights, nw)
+            else:
+                x, carrier = attn_res_norm_step(src, carrier, nw)
         x.float().square().sum().backward()
 
     step()

@@ -1,7 +1,7 @@
 """Differentiable fused Block AttnRes for training: both phases, the second fused with the RMSNorm of the sublayer that
 reads the mixture, as torch custom ops (fake implementations, registered autograd), so
-`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes. (Full AttnRes, one
-AttnRes or a whole stream of them: `full_train.py`.)
+`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes. (Full AttnRes: one
+AttnRes in `full_train.py`, a whole stream of them in `stream_train.py`.)
 
 - `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
 - `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the

@@ -4,12 +4,12 @@
     h = sum_i softmax_i(z) v_i,   x = norm_weight * h * rho,   rho = rsqrt(mean(h^2) + norm_eps)
 
 The sources are separate [M, D] tensors read through a pointer table (`rows.pointer_table`), never stacked. The
-forward keeps two numbers per row, lse = logsumexp(z) and rho; the backward recomputes z, p and h from the
-sources (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 adds every source's gradient into a
-gradient accumulator [S, M, D] in place (or writes it, for the first backward to reach it), so that the AttnRes of a
-whole residual stream sum each source's gradient in one buffer. One program per row in the forward; in the backward
-each program loops over rows so that the gradients of u and of the norm weight are summed in registers, one
-partial row per program, and a last small kernel sums the partial rows in a fixed order (deterministic, no atomics).
+forward keeps two numbers per row, lse = logsumexp(z) and rho, and on request the rounded mixture h (the residual
+stream's backward, `triton_stream.py`, starts from it). The backward of one AttnRes recomputes z, p and h from the
+sources (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes every source's gradient into one
+[S, M, D] buffer. One program per row in the forward; in the backward each program loops over rows so that the
+gradients of u and of the norm weight are summed in registers, one partial row per program, and a last small kernel
+sums the partial rows in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ if triton is not None:
         key_w,  # [D]
         norm_w,  # [D]
         out,  # [M, D], the sources' dtype
+        h_out,  # [M, D], the sources' dtype: the rounded mixture, written when SAVE_H
         stats,  # [2, M] compute dtype: lse, then rho
         M,
         S,
@@ -66,6 +67,7 @@ if triton is not None:
         norm_eps,
         norm_eps_lo,
         S_BUCKET,  # autotuning key only
+        SAVE_H: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -99,11 +101,12 @@ if triton is not None:
         rho = tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         tl.store(out + row * D + offs_d, (h * rho * nw).to(out.dtype.element_ty), mask=d_ok)
+        if SAVE_H:
+            tl.store(h_out + row * D + offs_d, h.to(out.dtype.element_ty), mask=d_ok)
         tl.store(stats + row, run_max + tl.log(run_sum))
         tl.store(stats + M + row, rho)
 
-    # The accumulator is restored after each timing run: the kernel adds into it.
-    @tuned_over_sources([(4, 4), (2, 4), (2, 8), (4, 8), (8, 8)], restore_value=["acc"])
+    @tuned_over_sources([(4, 4), (2, 4), (2, 8), (4, 8), (8, 8)])
     @triton.jit
     def _full_bwd_kernel(
         table,  # int64 [S] source pointers, as in the forward
@@ -113,7 +116,7 @@ if triton is not None:
         norm_w,
         dout,  # [M, D] gradient of the output (the sources' dtype)
         stats,  # [2, M]: lse, rho
-        acc,  # [S, M, D] gradients of the sources (the sources' dtype), added to in place when ACCUMULATE
+        dsrc,  # [S, M, D] gradients of the sources (the sources' dtype)
         du_part,  # [programs, D] partial sums of dL/du
         dnw_part,  # [programs, D] partial sums of dL/d norm_weight
         M,
@@ -122,7 +125,6 @@ if triton is not None:
         eps,
         eps_lo,
         S_BUCKET,  # autotuning key only
-        ACCUMULATE: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -170,9 +172,7 @@ if triton is not None:
                 dz = p * (tl.sum(v * dh[None, :], axis=1) - c)
                 dv = p[:, None] * dh[None, :] + (dz * r)[:, None] * u[None, :]
                 dv -= (dz * r * r * r * dot_u / D)[:, None] * v
-                if ACCUMULATE:
-                    dv += tl.load(acc + slot, mask=mask, other=0.0).to(CDT)
-                tl.store(acc + slot, dv.to(acc.dtype.element_ty), mask=mask)
+                tl.store(dsrc + slot, dv.to(dsrc.dtype.element_ty), mask=mask)
                 du_acc += tl.sum((dz * r)[:, None] * v, axis=0)
         tl.store(du_part + pid * D + offs_d, du_acc, mask=d_ok)
         tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
@@ -207,27 +207,28 @@ if triton is not None:
         tl.store(grads + 2 * D + offs_d, dnw.to(out_ty), mask=d_ok)
 
 
-def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
+def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=False):
     """sources: S x [..., D] contiguous, one dtype and shape -> (x [..., D] in that dtype, stats [2, ...] in the
-    compute dtype: lse, then rho)."""
+    compute dtype: lse, then rho), or with `save_h` (x, h, stats), h [..., D] the mixture rounded to that dtype."""
     s0 = sources[0]
     D = s0.shape[-1]
     M = s0.numel() // D if D else 0
     cdt = compute_dtype(s0)
     out = torch.empty_like(s0)
+    h = torch.empty_like(s0) if save_h else out
     stats = torch.empty(2, *s0.shape[:-1], device=s0.device, dtype=cdt)
     if M > 0:
         S = len(sources)
         _full_fwd_kernel[(M,)](
-            pointer_table(sources), s0, query, key_weight, norm_weight, out, stats, M, S, D, *split_scalar(eps),
-            *split_scalar(norm_eps), source_bucket(S), CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, stats, M, S, D, *split_scalar(eps),
+            *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
         )  # fmt: skip
-    return out, stats
+    return (out, h, stats) if save_h else (out, stats)
 
 
-def full_bwd_(dout, sources, acc, query, key_weight, norm_weight, stats, eps, accumulate):
-    """Adds (accumulate) or writes the gradient of every source into acc [S, ..., D] (the sources' dtype) and
-    returns [3, D] in the query's dtype: the gradients of query, key_weight and norm_weight."""
+def full_bwd(dout, sources, query, key_weight, norm_weight, stats, eps):
+    """-> (the gradients of the sources [S, ..., D] in their dtype, [3, D] in the query's dtype: the gradients of
+    query, key_weight and norm_weight)."""
     s0 = sources[0]
     S, D = len(sources), s0.shape[-1]
     M = s0.numel() // D if D else 0
@@ -235,14 +236,15 @@ def full_bwd_(dout, sources, acc, query, key_weight, norm_weight, stats, eps, ac
     programs = row_programs(M, s0.device, FULL_BWD_PROGRAMS_PER_SM)
     part = torch.empty(2, programs, D, device=s0.device, dtype=cdt)
     grads = torch.empty(3, D, device=s0.device, dtype=query.dtype)
+    dsrc = torch.empty(S, *s0.shape, device=s0.device, dtype=s0.dtype)
     if M == 0:
-        return grads.zero_()
+        return dsrc, grads.zero_()
     _full_bwd_kernel[(programs,)](
-        pointer_table(sources), s0, query, key_weight, norm_weight, dout, stats, acc, part[0], part[1], M, S, D,
-        *split_scalar(eps), source_bucket(S), ACCUMULATE=accumulate, CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+        pointer_table(sources), s0, query, key_weight, norm_weight, dout, stats, dsrc, part[0], part[1], M, S, D,
+        *split_scalar(eps), source_bucket(S), CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
     )  # fmt: skip
     bd = min(PARAM_BLOCK, block_d(D))
     _param_grads_kernel[(-(-D // bd),)](
         part[0], part[1], query, key_weight, grads, programs, D, BLOCK_P=8, BLOCK_D=bd, num_warps=4
     )
-    return grads
+    return dsrc, grads

@@ -1,0 +1,229 @@
+"""A Full AttnRes residual stream for training: each step is RMSNorm(AttnRes(sources)) fused into one Triton kernel
+each way, and each source's gradient is assembled once, complete, by one kernel.
+
+- `attn_res_norm_stream_start(sources, queries, key_weights, norm_weight, ...)`: the stream's first step, over any
+  sources, with the pseudo-queries and key-norm weights of all its K steps.
+- `attn_res_norm_step(sources, carrier, norm_weight, ...)`: each later step, over the previous step's sources and
+  one more.
+
+Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_full.py`) reads each source once and keeps lse,
+rho and the rounded mixture h. Backwards run from the last step down, and step k's runs after every later reader of
+its newest source and before the sublayer that produced it: that is when the source's gradient can be finished.
+So step k's backward (`triton_stream.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in
+tables shared by the stream, and assembles the complete gradient of its newest source (of all its sources for
+k = 0) from those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes
+backward"). Older sources get nothing from step k: autograd sums no gradients.
+
+The tables travel between the backwards as gradients: every step returns, besides x, three placeholders (zero
+strides, no memory) that the next step takes as inputs; their gradients are the tables dh [K, ..., D], rows
+[K, 2, ...] (c, lse) and cols [2, K, D] (u, dL/du). The first backward to run allocates them for the K steps (rows
+of steps that never run backward stay zero and add nothing), each later one fills its entries in place and hands
+them on, with the same shapes: hence the step count K is fixed at the start, by the queries [K, D].
+
+dL/du_k gathers terms from every source step k reads, so it is complete only in the stream start's backward, the last
+to run. The pseudo-queries and key-norm weights therefore enter every step as two stacked [K, D] tensors (each step
+reads its own row), and only the start returns their gradients; the stack's backward hands each parameter its
+row. Unused steps' parameters get zero gradients (not None) this way. The norm weights are local: each step returns
+its own.
+
+The kernels are custom ops with fake implementations and declared mutations of the tables, so
+`torch.compile(fullgraph=True)` traces a whole training step; eager calls the ops' bodies directly. Every sum has a
+fixed order (no atomics): with the same launch shapes (the autotuner's choice, kept for the process), the gradients
+are bitwise the same from run to run. The readable reference for step k is
+`rms_norm(naive.attn_res(sources, queries[k], key_weights[k], eps), norm_weight, norm_eps)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
+from hybrid_attention.ops.attnres.triton_full import full_fwd
+from hybrid_attention.ops.attnres.triton_stream import stream_bwd_
+from hybrid_attention.ops.numerics import compute_dtype
+
+
+class Carrier(NamedTuple):
+    """What a step hands to the next one (to it alone): the stream's constants and the placeholders whose gradients
+    are the backward tables."""
+
+    step: int  # index of the step that returned it
+    sources: int  # how many sources that step read
+    queries: Tensor  # [K, D]
+    key_weights: Tensor  # [K, D]
+    eps: float  # the key norms' epsilon, one for the stream (the backward recomputes r_i once per source)
+    tables: tuple[Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_stream_fwd", mutates_args=())
+def _fwd_op(
+    sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, h [..., D] in the sources' dtype, stats [2, ...] in the compute dtype: lse, then rho)."""
+    return _stream_fwd(sources, query, key_weight, norm_weight, eps, norm_eps)
+
+
+def _stream_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
+    return full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=True)
+
+
+@_fwd_op.register_fake
+def _(sources, query, key_weight, norm_weight, eps, norm_eps):
+    s0 = sources[0]
+    return torch.empty_like(s0), torch.empty_like(s0), s0.new_empty(2, *s0.shape[:-1], dtype=compute_dtype(s0))
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh", "rows", "cols"))
+def _bwd_op(
+    dx: Tensor | None, h: Tensor, stats: Tensor, queries: Tensor, key_weights: Tensor, norm_weight: Tensor,
+    sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor, step: int, eps: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Writes step `step`'s entries of the tables, adds to cols[1]; -> (the gradients of `sources` [n, ..., D] in
+    their dtype, d norm_weight [D] in the compute dtype)."""
+    return _stream_bwd(dx, h, stats, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps)
+
+
+def _stream_bwd(dx, *args):
+    return stream_bwd_(None if dx is None else dx.contiguous(), *args)
+
+
+@_bwd_op.register_fake
+def _(dx, h, stats, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+    s0 = sources[0]
+    return s0.new_empty(len(sources), *s0.shape), stats.new_empty(s0.shape[-1])
+
+
+def _fwd(*args):
+    # torch.compile traces the custom op; eager calls its body directly (the same code, without the dispatcher).
+    return _fwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_fwd(*args)
+
+
+def _bwd(*args):
+    return _bwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_bwd(*args)
+
+
+def _new_tables(h: Tensor, stats: Tensor, K: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The tables, for the first backward to run (step `step`): the steps after it never run theirs, so their
+    entries are zero (dh = 0, c = 0 and u = 0, lse = 0 keep p finite: their terms are exactly zero)."""
+    dh = torch.empty(K, *h.shape, device=h.device, dtype=h.dtype)
+    dh[step + 1 :].zero_()
+    rows = torch.zeros(K, 2, *h.shape[:-1], device=h.device, dtype=stats.dtype)
+    cols = torch.zeros(2, K, h.shape[-1], device=h.device, dtype=stats.dtype)
+    return dh, rows, cols
+
+
+class _StreamStep(torch.autograd.Function):
+    """Step `step` of a stream: x = RMSNorm(AttnRes(sources)) with the step's row of queries and key_weights, and
+    the three table placeholders. `dh_c, rows_c, cols_c`: the previous step's placeholders (None at the start)."""
+
+    @staticmethod
+    def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weight, eps, norm_eps, step, *sources):
+        x, h, stats = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
+        assembled = sources if step == 0 else sources[-1:]
+        ctx.save_for_backward(h, stats, queries, key_weights, norm_weight, *assembled)
+        ctx.eps, ctx.step, ctx.n = eps, step, len(sources)
+        ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
+        K, D = queries.shape
+        placeholders = (
+            x.new_empty(()).expand(K, *x.shape),
+            stats.new_empty(()).expand(K, 2, *x.shape[:-1]),
+            stats.new_empty(()).expand(2, K, D),
+        )
+        return x, *placeholders
+
+    @staticmethod
+    def backward(ctx, dx, dh, rows, cols):
+        h, stats, queries, key_weights, norm_weight, *assembled = ctx.saved_tensors
+        step, n = ctx.step, ctx.n
+        if dh is None:
+            if dx is None:  # neither this step nor a later one reaches the loss
+                return (None,) * (9 + n)
+            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step)
+        dv, dnw = _bwd(dx, h, stats, queries, key_weights, norm_weight, assembled, dh, rows, cols, step, ctx.eps)
+        dnw = None if dx is None else dnw.to(norm_weight.dtype)
+        if step > 0:
+            return (dh, rows, cols, None, None, dnw, None, None, None, *([None] * (n - 1)), dv[0])
+        du = cols[1]  # complete: every source is assembled
+        dq, dkw = (du * key_weights.to(du.dtype)).to(queries.dtype), (du * queries.to(du.dtype)).to(key_weights.dtype)
+        return (None, None, None, dq, dkw, dnw, None, None, None, *dv.unbind(0))
+
+
+def attn_res_norm_stream_start(
+    sources: Sequence[Tensor],
+    queries: Tensor,
+    key_weights: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+) -> tuple[Tensor, Carrier]:
+    """The first step of a Full AttnRes stream of K steps: RMSNorm(AttnRes(sources)) with queries[0], key_weights[0].
+
+    Args:
+        sources: S x [B, T, D] (any [..., D]), one dtype and shape, contiguous, each its own tensor.
+        queries, key_weights: [K, D], the pseudo-queries and key-norm weights of all K steps of the stream, in order
+            (stacked once; each parameter gets its gradient through the stack). eps: their key norms' epsilon.
+        norm_weight: [D], the weight of this step's RMSNorm (applied to h rounded to the sources' dtype), norm_eps
+            its epsilon.
+
+    Returns:
+        x [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, queries[0], key_weights[0], eps),
+        norm_weight, norm_eps)`, and the carrier for step 1 (`attn_res_norm_step`).
+    """
+    name = "attn_res_norm_stream_start"
+    check_sources(name, sources)
+    for i, s in enumerate(sources):
+        if not s.is_contiguous():
+            raise ValueError(f"{name}: source {i} must be contiguous (its strides are {s.stride()})")
+    D = sources[0].shape[-1]
+    for label, t in (("queries", queries), ("key_weights", key_weights)):
+        if t.dim() != 2 or t.shape[1] != D or t.shape[0] != queries.shape[0] or t.shape[0] == 0:
+            raise ValueError(f"{name}: {label} must have shape [K, {D}] with K >= 1 (the same K), got {tuple(t.shape)}")
+    check_vectors(name, D, norm_weight=norm_weight)
+    queries, key_weights, eps = queries.contiguous(), key_weights.contiguous(), float(eps)
+    x, *tables = _StreamStep.apply(
+        None, None, None, queries, key_weights, norm_weight, eps, float(norm_eps), 0, *sources
+    )
+    return x, Carrier(0, len(sources), queries, key_weights, eps, tuple(tables))
+
+
+def attn_res_norm_step(
+    sources: Sequence[Tensor], carrier: Carrier, norm_weight: Tensor, norm_eps: float = 1e-6
+) -> tuple[Tensor, Carrier]:
+    """The next step k of a Full AttnRes stream: RMSNorm(AttnRes(sources)) with the stream's queries[k] and
+    key_weights[k].
+
+    Args:
+        sources: the previous step's sources (the same tensors, in the same order) and one more, contiguous, like
+            source 0.
+        carrier: the previous step's (to be used by this step alone).
+        norm_weight: [D], the weight of this step's RMSNorm, norm_eps its epsilon.
+
+    Returns:
+        x [B, T, D] and the carrier for the next step (drop the last step's).
+    """
+    name = "attn_res_norm_step"
+    step, K = carrier.step + 1, carrier.queries.shape[0]
+    if step >= K:
+        raise ValueError(f"{name}: the stream was started for {K} steps (queries [{K}, D]); this would be step {step}")
+    if len(sources) != carrier.sources + 1:
+        raise ValueError(
+            f"{name}: expected the previous step's {carrier.sources} sources and one more, got {len(sources)}"
+        )
+    newest, s0 = sources[-1], sources[0]
+    if newest.shape != s0.shape or newest.dtype != s0.dtype or newest.device != s0.device:
+        raise ValueError(
+            f"{name}: the newest source must be {s0.dtype} {tuple(s0.shape)} on {s0.device} like source 0, got "
+            f"{newest.dtype} {tuple(newest.shape)} on {newest.device}"
+        )
+    if not newest.is_contiguous():
+        raise ValueError(f"{name}: the newest source must be contiguous (its strides are {newest.stride()})")
+    check_vectors(name, s0.shape[-1], norm_weight=norm_weight)
+    x, *tables = _StreamStep.apply(
+        *carrier.tables, carrier.queries, carrier.key_weights, norm_weight, carrier.eps, float(norm_eps), step,
+        *sources,
+    )  # fmt: skip
+    return x, carrier._replace(step=step, sources=len(sources), tables=tuple(tables))
