@@ -277,6 +277,7 @@ def _generate(args) -> int:
 
     from hybrid_attention.checkpoint import load_run
     from hybrid_attention.generate import generate_stream
+    from hybrid_attention.ops.warm_start import warm_start
 
     prompt = args.prompt
     if prompt is None:
@@ -294,6 +295,7 @@ def _generate(args) -> int:
     if not prompt:
         raise ValueError("the prompt is empty; generation needs at least one token to start from")
     device, dtype = _device_and_dtype(args)
+    warm_start(device, dtype=dtype)  # the first calls' one-time costs, beside the checkpoint's loading
     model, _, tokenizer = load_run(args.ckpt, device)
     model.to(dtype)
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)

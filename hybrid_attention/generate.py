@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.ops.warm_start import wait_warm_start
 
 Prompts = torch.Tensor | Sequence[torch.Tensor]
 
@@ -197,6 +198,7 @@ def generate_stream(
         batch_size, longest = len(prompts), max(p.numel() for p in prompts)
         device = prompts[0].device
     cache = model.make_cache(batch_size, longest + max_new_tokens)
+    wait_warm_start()  # a warm start still running would otherwise repeat its work beside the prefill
     if prompts is None:
         logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
     else:

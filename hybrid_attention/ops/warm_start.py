@@ -1,0 +1,84 @@
+"""The fixed costs of a process's first kernel calls, paid while a checkpoint loads instead of before the first token.
+
+A new process pays, once, before its first kernel runs: the imports of the kernel modules (the layers import them
+on first use), the key of Triton's disk cache (a hash of the Triton installation, computed before the first cached
+kernel can load), and the first cuBLAS, attention and sampling calls, which load their libraries' kernels.
+`warm_start(device, modules)` imports the modules on the calling thread, then runs the rest on a daemon thread: the
+hashing releases the GIL and the CUDA calls wait on the device, so both overlap a checkpoint's loading.
+`wait_warm_start()` joins the thread before the first real kernel call, so that nothing is done twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import threading
+from collections.abc import Iterable
+
+import torch
+
+# The kernel modules the layers and ops import on first use of a Triton path (tests/test_warm_start.py checks the
+# list against the source tree).
+KERNEL_MODULES = (
+    "hybrid_attention.ops.act_mul",
+    "hybrid_attention.ops.gated_norm",
+    "hybrid_attention.ops.gemv",
+    "hybrid_attention.ops.kda.decode_fused",
+    "hybrid_attention.ops.kda.triton_chunk",
+    "hybrid_attention.ops.kda.triton_recurrent",
+    "hybrid_attention.ops.mla.append",
+    "hybrid_attention.ops.mla.triton_decode",
+    "hybrid_attention.ops.rms_norm",
+    "hybrid_attention.ops.short_conv",
+    "hybrid_attention.ops.swiglu",
+)
+
+_thread: threading.Thread | None = None
+
+
+def _first_calls(device: torch.device, dtype: torch.dtype) -> None:
+    """Triton's cache key (cached by Triton for the process), then one small cuBLAS product, causal attention and
+    sampling draw on `device`."""
+    if importlib.util.find_spec("triton") is not None:
+        from triton.runtime import cache
+
+        key = getattr(cache, "triton_key", None)
+        if key is not None:
+            key()
+    a = torch.randn(64, 64, device=device, dtype=dtype)
+    q = a.view(1, 1, 64, 64)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.multinomial(torch.softmax((a @ a).float(), dim=-1), 1)
+    torch.cuda.synchronize(device)
+
+
+def warm_start(
+    device: torch.device | str, modules: Iterable[str] = KERNEL_MODULES, dtype: torch.dtype = torch.bfloat16
+) -> threading.Thread | None:
+    """On a CUDA device with triton installed: import `modules` here, then start the daemon thread of the one-time
+    first-call costs (module docstring). Call it before a checkpoint loads, so that the two overlap. Once per process
+    (later calls return the same thread). Returns the thread, or None where there is nothing to warm (no CUDA
+    device, no triton). A failure inside the thread is not an error: the first real call then pays the same cost."""
+    global _thread
+    device = torch.device(device)
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    if _thread is not None:
+        return _thread
+    for name in modules:
+        importlib.import_module(name)
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # an optimisation only; the first real call reports a real problem
+            _first_calls(device, dtype)
+
+    _thread = threading.Thread(target=run, name="hybrid-attention-warm-start", daemon=True)
+    _thread.start()
+    return _thread
+
+
+def wait_warm_start() -> None:
+    """Join `warm_start`'s thread, if one was started."""
+    if _thread is not None:
+        _thread.join()
