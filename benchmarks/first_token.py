@@ -1,14 +1,15 @@
 """Benchmark: time to the first generated token in a new process, the way `hybrid-attention generate` starts.
 
-Each run is a fresh Python process (a subprocess of this script) that builds a random model of --preset in bf16 on
-CUDA and calls `generate_stream`. As the CLI does, it first calls `ops.warm_start.warm_start` (kernel imports, and
-a thread for Triton's cache key and the first cuBLAS, attention and sampling calls) so that those overlap the
-model's construction; `--no-warm-start` leaves it out, for comparison. Reported per run: the time from the process's
-start to the model being ready, and from the model being ready to the first token (prefill and sampling, with the
-first call of every kernel they use), to the second token (which includes building and capturing the decode step)
-and to the last. The first run on a machine compiles and tunes the Triton kernels; the runs after it find them in
-Triton's on-disk cache, as a user's second `generate` does. With --profile the last run also prints a cProfile of
-its first token, to show where the first calls of the kernels spend their time.
+Each run is a fresh Python process (a subprocess of this script) that builds a random model of --preset on CUDA
+(initialised there, as `load_run` does before it loads a checkpoint), in bf16, and calls `generate_stream`. As the
+CLI does, it first calls `ops.warm_start.warm_start` (kernel imports, and a thread for Triton's cache key and the
+first cuBLAS, attention and sampling calls) so that those overlap the model's construction; `--no-warm-start` leaves
+it out, for comparison. Reported per run: the time from the process's start to the model being ready, and from the
+model being ready to the first token (prefill and sampling, with the first call of every kernel they use), to the
+second token (which includes building and capturing the decode step) and to the last. The first run on a machine
+compiles and tunes the Triton kernels; the runs after it find them in Triton's on-disk cache, as a user's second
+`generate` does. With --profile the last run also prints a cProfile of its first token, to show where the first
+calls of the kernels spend their time.
 
     python benchmarks/first_token.py [--preset k3-scaled] [--runs 3] [--no-warm-start] [--profile] [--out F]
 
@@ -37,7 +38,8 @@ preset, new_tokens, profile, warm = sys.argv[1], int(sys.argv[2]), sys.argv[3] =
 if warm:
     warm_start("cuda", dtype=torch.bfloat16)
 torch.manual_seed(0)
-model = HybridLM(HybridConfig.from_preset(preset)).to("cuda", torch.bfloat16).eval()
+with torch.device("cuda"):  # as `load_run` builds a model whose weights it then loads
+    model = HybridLM(HybridConfig.from_preset(preset)).to(torch.bfloat16).eval()
 ids = torch.tensor([[5, 9]], device="cuda")
 torch.cuda.synchronize()
 ready_s = time.time() - spawned

@@ -329,8 +329,9 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
             + wrong[:3]
         )
         raise ValueError(f"{path} does not match the model in {CONFIG}: {detail}")
+    device = next(iter(model.state_dict().values())).device  # straight to the model's device, no host copy
     try:
-        load_model(model, str(path), strict=True)
+        load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as e:
         raise ValueError(f"{path} does not match the model in {CONFIG}: {' '.join(str(e).split())[:400]}") from None
     return weights_step(directory)
@@ -497,6 +498,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
         raise ValueError(
             f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
         )
-    model = HybridLM(model_config)
+    with torch.device(device):  # the random initialisation the weights replace runs where it is cheap
+        model = HybridLM(model_config)
     load_weights(directory, model)
-    return model.to(device).eval(), config, tokenizer
+    return model.eval(), config, tokenizer
