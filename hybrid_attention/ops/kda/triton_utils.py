@@ -102,9 +102,10 @@ def dot_setup(dtype: torch.dtype) -> tuple[str, bool, bool]:
 
 @triton.jit
 def _tf32(x):
-    """x rounded to tf32 (10 mantissa bits, to nearest), as the tensor cores read float32 operands."""
+    """x rounded to tf32 (10 mantissa bits, to nearest, ties away from zero); NaN stays NaN."""
     bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)
 
 
 @triton.jit
@@ -125,14 +126,27 @@ def mm(a, b, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """a @ b with both operands cast to DT (the io dtype, or float32), float32 accumulation."""
     if EMU:
         return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
+    elif DT == tl.float32 and PREC == "tf32":
+        return tf32_dot(a, b)
     else:
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
 
 @triton.jit
+def tf32_dot(a, b):
+    """a @ b on tf32 operands rounded to nearest. NVIDIA's tensor cores truncate float32 operands to tf32, which
+    biases the products; rounding first makes them the products `dot_operand` describes, on any GPU and under the
+    interpreter (which multiplies float32 operands exactly)."""
+    return tl.dot(_tf32(a.to(tl.float32)), _tf32(b.to(tl.float32)), input_precision="tf32")
+
+
+@triton.jit
 def mm32(a, b, PREC: tl.constexpr):
     """a @ b on float32 operands (small float32 block products such as the inverse merges)."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    if PREC == "tf32":
+        return tf32_dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
