@@ -81,11 +81,11 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
 
 
 def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bound, gate, l2norm, final, save):
-    """Both forward stages. q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] (made contiguous); h0
-        [N, H, K, V] float32 or None; cu_seqlens [N + 1] or None; a_log [H], dt_bias [H, K] with `gate`.
+    """Every forward stage. q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] (made contiguous); h0
+    [N, H, K, V] float32 or None; cu_seqlens [N + 1] or None; a_log [H], dt_bias [H, K] with `gate`.
 
-        Returns o [B, T, H, V] (v.dtype), the final state [N, H, K, V] float32 (empty unless `final`) and the dict
-        of tensors the backward needs (allocated empty unless `save`; "u" is a forward-only scratch, and
+    Returns o [B, T, H, V] (v.dtype), the final state [N, H, K, V] float32 (empty unless `final`) and the dict
+    of tensors the backward needs (allocated empty unless `save`; "u" is a forward-only scratch, and
     without `save` so are "tm", "rq" and "rk").
     """
     B, T, H, K = q.shape
