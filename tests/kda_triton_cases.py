@@ -145,12 +145,11 @@ def force_output_pass(monkeypatch, split: bool) -> None:
 
 
 def force_config(monkeypatch, kernel: str, index: int):
-    """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with the output
-    pass on when that kernel is the output pass; returns the config."""
+    """Run `kernel` with its config `index` alone (the autotuner runs a single config directly), with O in the
+    output pass when that kernel is the output pass and inside the state walk otherwise; returns the config."""
     tuner = autotuned_kernels()[kernel]
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
-    if kernel == "output":
-        force_output_pass(monkeypatch, True)
+    force_output_pass(monkeypatch, kernel == "output")
     return tuner.all_configs[index]
 
 
