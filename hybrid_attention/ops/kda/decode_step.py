@@ -14,7 +14,8 @@ The Triton step reads the index itself: each program loads its sequence's row nu
 row of the pool, so the state moves once. The PyTorch reference gathers the addressed rows into a batch, steps it,
 and writes it back with one `index_copy_` (padding slots step a copy of the first valid slot's row and write back
 that slot's result, so every write to one row carries the same value whatever order the writes land in). Neither
-syncs with the host, so both can be captured in a CUDA graph.
+reads an index back to the host, so both can be captured in a CUDA graph (the reference's eager value check of g
+and beta, one host sync, is skipped while capturing).
 """
 
 from __future__ import annotations
