@@ -251,17 +251,11 @@ def test_chain_low_precision():
     src = [s.detach().bfloat16().requires_grad_() for s in src64]
     params = [[t.detach().float() for t in vectors(D, 3, seed=41 + l)] for l in range(1, S + 1)]
     outs = run_chain(src, params, 1, range(1, S + 1))
-    refs = reference_chain(
-        [s.detach().double().requires_grad_() for s in src],
-        [[t.double() for t in p] for p in params],
-        1,
-        range(1, S + 1),
-    )
+    src_ref = [s.detach().double().requires_grad_() for s in src]
+    refs = reference_chain(src_ref, [[t.double() for t in p] for p in params], 1, range(1, S + 1))
     for out, ref in zip(outs, refs, strict=True):
         assert out.dtype == torch.bfloat16
         assert_close("chain bf16 output", out, ref, 1e-2)
-    src_ref = [s.detach().double().requires_grad_() for s in src]
-    refs = reference_chain(src_ref, [[t.double() for t in p] for p in params], 1, range(1, S + 1))
     for i, (g, r) in enumerate(zip(grads(outs, src), grads(refs, src_ref), strict=True)):
         assert g.dtype == torch.bfloat16
         assert_close(f"chain bf16 d source {i}", g, r, 2e-2)

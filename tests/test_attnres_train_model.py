@@ -92,6 +92,8 @@ def make_steps(n, D, seed):
     "n, block_size",
     [
         (5, None),  # Full AttnRes
+        (0, None),  # the final AttnRes alone, over the embedding
+        (1, None),  # a stream of one step: the final AttnRes
         (5, 1),  # Full AttnRes through the block path
         (5, 2),  # the last block is short
         (6, 2),  # the final AttnRes joins a full block

@@ -16,6 +16,7 @@ mixture rounded to the autocast dtype, as every sublayer output does.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -104,18 +105,16 @@ def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Ten
         return x
     y = g(x).contiguous()
     # The first output fixes the sources' dtype (the autocast dtype under autocast).
-    sources, carrier = [embedding.to(y.dtype).contiguous(), y], None
-    for res, norm, g in rest:
-        if carrier is None:
-            queries = torch.stack([r.query for r, _, _ in rest])
-            key_weights = torch.stack([r.key_norm.weight for r, _, _ in rest])
-            x, carrier = attn_res_norm_stream_start(sources, queries, key_weights, norm.weight, res.eps, norm.eps)
-        else:
-            x, carrier = attn_res_norm_step(sources, carrier, norm.weight, norm.eps)
-        if g is None:
-            return x
+    sources = [embedding.to(y.dtype).contiguous(), y]
+    queries = torch.stack([r.query for r, _, _ in rest])
+    key_weights = torch.stack([r.key_norm.weight for r, _, _ in rest])
+    res, norm, _ = rest[0]
+    x, carrier = attn_res_norm_stream_start(sources, queries, key_weights, norm.weight, res.eps, norm.eps)
+    # Each step's sublayer output is the newest source of the next step.
+    for (_, _, g), (_, norm, _) in itertools.pairwise(rest):
         sources.append(g(x).to(y.dtype).contiguous())
-    raise AssertionError("unreachable: the last step has g None")
+        x, carrier = attn_res_norm_step(sources, carrier, norm.weight, norm.eps)
+    return x
 
 
 def block_attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step], block_size: int) -> torch.Tensor:

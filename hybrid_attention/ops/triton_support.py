@@ -6,6 +6,7 @@ tests/conftest.py on machines without a GPU). Every kernel here takes float16, b
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -41,3 +42,13 @@ def as_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     the kernel wrappers pass on (a slice of a packed projection keeps its row stride, no copy)."""
     x2 = x.reshape(-1, width)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one when `device` has no index), looked up once."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

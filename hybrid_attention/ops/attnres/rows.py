@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_attention.ops.triton_support import interpreting, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import interpreting, sm_count, triton_available, triton_runs_on
 
 try:
     import triton
@@ -97,16 +97,11 @@ def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return table
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def row_programs(M: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
     """Programs for a backward kernel over M rows: enough to fill the GPU, few enough that the per-program partial
     parameter gradients [programs, D] stay small."""
     if device.type == "cuda":
-        return max(1, min(M, per_sm * _sm_count(device.index)))
+        return max(1, min(M, per_sm * sm_count(device)))
     return max(1, min(M, 4))
 
 

@@ -13,7 +13,6 @@ on the device, so a preallocated cache works and a captured graph stays valid wh
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 import torch
@@ -21,6 +20,7 @@ import triton
 
 from hybrid_attention.ops.mla.kernels.merge import _merge_kernel
 from hybrid_attention.ops.mla.kernels.split import _split_kernel
+from hybrid_attention.ops.triton_support import sm_count
 
 # Rows a split should stream at least, so that its start-up and (m, l, acc) write-back stay small next to its reads;
 # small enough that batch-1 decoding at a few thousand tokens still spreads over dozens of SMs.
@@ -29,11 +29,6 @@ MAX_SPLITS = 512
 RESIDENT_PER_SM = 2  # programs an SM holds at once with the default config (~85 KB shared memory each on sm_90)
 MERGE_BLOCK_S = 32
 MERGE_BLOCK_D = 64
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_num_splits(programs_per_split: int, max_len: int, num_sms: int) -> int:
@@ -85,7 +80,7 @@ def launch_plan(
     block_n = block_n or d_block_n
     if num_splits is None:
         if q.device.type == "cuda":
-            num_sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            num_sms = sm_count(q.device)
         else:
             num_sms = 4  # the interpreter: a few splits, so CPU runs stay quick
         num_splits = default_num_splits(B * m_blocks, max_len, num_sms)
