@@ -35,17 +35,17 @@ KERNEL_MODULES = (
 )
 
 _thread: threading.Thread | None = None
+_lock = threading.Lock()  # two first calls from two threads still start one thread
 
 
 def _first_calls(device: torch.device, dtype: torch.dtype) -> None:
     """Triton's cache key (cached by Triton for the process), then one small cuBLAS product, causal attention and
     sampling draw on `device`."""
-    if importlib.util.find_spec("triton") is not None:
-        from triton.runtime import cache
+    from triton.runtime import cache
 
-        key = getattr(cache, "triton_key", None)
-        if key is not None:
-            key()
+    key = getattr(cache, "triton_key", None)
+    if key is not None:
+        key()
     a = torch.randn(64, 64, device=device, dtype=dtype)
     q = a.view(1, 1, 64, 64)
     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -64,18 +64,19 @@ def warm_start(
     device = torch.device(device)
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    if _thread is not None:
+    with _lock:
+        if _thread is not None:
+            return _thread
+        for name in modules:
+            importlib.import_module(name)
+
+        def run() -> None:
+            with contextlib.suppress(Exception):  # an optimisation only; the first real call reports a real problem
+                _first_calls(device, dtype)
+
+        _thread = threading.Thread(target=run, name="hybrid-attention-warm-start", daemon=True)
+        _thread.start()
         return _thread
-    for name in modules:
-        importlib.import_module(name)
-
-    def run() -> None:
-        with contextlib.suppress(Exception):  # an optimisation only; the first real call reports a real problem
-            _first_calls(device, dtype)
-
-    _thread = threading.Thread(target=run, name="hybrid-attention-warm-start", daemon=True)
-    _thread.start()
-    return _thread
 
 
 def wait_warm_start() -> None:
