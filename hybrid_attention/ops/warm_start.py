@@ -40,16 +40,17 @@ _lock = threading.Lock()  # two first calls from two threads still start one thr
 
 def _first_calls(device: torch.device, dtype: torch.dtype) -> None:
     """Triton's cache key (cached by Triton for the process), then one small cuBLAS product, causal attention and
-    sampling draw on `device`."""
+    sampling draw on `device`. Its own generator: the process's default one is left as the caller seeded it."""
     from triton.runtime import cache
 
     key = getattr(cache, "triton_key", None)
     if key is not None:
         key()
-    a = torch.randn(64, 64, device=device, dtype=dtype)
+    generator = torch.Generator(device=device)
+    a = torch.randn(64, 64, device=device, dtype=dtype, generator=generator)
     q = a.view(1, 1, 64, 64)
     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.multinomial(torch.softmax((a @ a).float(), dim=-1), 1)
+    torch.multinomial(torch.softmax((a @ a).float(), dim=-1), 1, generator=generator)
     torch.cuda.synchronize(device)
 
 
