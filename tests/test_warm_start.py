@@ -71,3 +71,11 @@ def test_wait_joins_the_thread(monkeypatch):
     ws.wait_warm_start()
     assert not thread.is_alive()
     assert calls == [(torch.device("cuda:0"), torch.float16)]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+def test_first_calls_leave_the_default_generator_alone():
+    torch.cuda.manual_seed(0)
+    state = torch.cuda.get_rng_state()
+    ws._first_calls(torch.device("cuda"), torch.bfloat16)
+    assert torch.equal(torch.cuda.get_rng_state(), state), "the warm-up drew from the default CUDA generator"
