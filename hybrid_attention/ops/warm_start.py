@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import threading
 from collections.abc import Iterable
 
 import torch
+
+from hybrid_attention.ops.triton_support import triton_available
 
 # The kernel modules the layers and ops import on first use of a Triton path (tests/test_warm_start.py checks the
 # list against the source tree).
@@ -63,7 +64,7 @@ def warm_start(
     device, no triton). A failure inside the thread is not an error: the first real call then pays the same cost."""
     global _thread
     device = torch.device(device)
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if device.type != "cuda" or not triton_available():
         return None
     with _lock:
         if _thread is not None:
