@@ -329,7 +329,7 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
             + wrong[:3]
         )
         raise ValueError(f"{path} does not match the model in {CONFIG}: {detail}")
-    device = next(iter(model.state_dict().values())).device  # straight to the model's device, no host copy
+    device = next(model.parameters()).device  # straight to the model's device, no host copy
     try:
         load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as e:

@@ -60,14 +60,22 @@ def test_nothing_to_warm_off_cuda(monkeypatch):
     ws.wait_warm_start()  # no thread: returns at once
 
 
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
 def test_wait_joins_the_thread(monkeypatch):
     """The thread runs the first calls once; wait_warm_start returns after it ended."""
     calls = []
     monkeypatch.setattr(ws, "_thread", None)
     monkeypatch.setattr(ws, "_first_calls", lambda device, dtype: calls.append((device, dtype)))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     thread = ws.warm_start("cuda:0", modules=[], dtype=torch.float16)
     assert thread is not None and ws.warm_start("cuda:0") is thread
     ws.wait_warm_start()
     assert not thread.is_alive()
     assert calls == [(torch.device("cuda:0"), torch.float16)]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+def test_first_calls_leave_the_default_generator_alone():
+    torch.cuda.manual_seed(0)
+    state = torch.cuda.get_rng_state()
+    ws._first_calls(torch.device("cuda"), torch.bfloat16)
+    assert torch.equal(torch.cuda.get_rng_state(), state), "the warm-up drew from the default CUDA generator"

@@ -19,7 +19,7 @@ ACTS = ("silu", "sigmoid")
 
 
 @triton.jit
-def _act_mul_kernel(a, b, y, width, stride_a, stride_b, stride_y, SILU: tl.constexpr, BLOCK: tl.constexpr,
+def _act_mul_kernel(a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr,
                     CDT: tl.constexpr = tl.float32):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -29,7 +29,7 @@ def _act_mul_kernel(a, b, y, width, stride_a, stride_b, stride_y, SILU: tl.const
     af = av.to(CDT)
     act = af * tl.sigmoid(af) if SILU else tl.sigmoid(af)
     act = act.to(av.dtype).to(CDT)
-    tl.store(y + row * stride_y + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
+    tl.store(y + row * width + cols, (act * bv).to(y.dtype.element_ty), mask=ok)
 
 
 def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
@@ -45,5 +45,5 @@ def act_mul(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     if y.numel():
         block = min(1024, triton.next_power_of_2(width))
         grid = (a2.shape[0], triton.cdiv(width, block))
-        _act_mul_kernel[grid](a2, b2, y, width, a2.stride(0), b2.stride(0), width, SILU=act == "silu", BLOCK=block)
+        _act_mul_kernel[grid](a2, b2, y, width, a2.stride(0), b2.stride(0), SILU=act == "silu", BLOCK=block)
     return y

@@ -20,20 +20,17 @@ reference.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import compute_tl_dtype, next_power_of_2, split_scalar
+from hybrid_attention.ops.attnres.rows import compute_tl_dtype, next_power_of_2, row_programs, split_scalar
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
 
 MAX_WIDTH = 16384  # widest row a program holds in registers
 ROW_ELEMENTS = 4096  # elements of x a program holds at once: rows per block = ROW_ELEMENTS // width, at most 16
-BWD_PROGRAMS_PER_SM = 4  # backward programs walk many rows each, so their dw partials stay few
 
 
 def rows_per_block(width: int) -> int:
@@ -42,10 +39,6 @@ def rows_per_block(width: int) -> int:
 
 def _warps(width: int) -> int:
     return 8 if next_power_of_2(width) >= 4096 else 4
-
-
-# eps is one constant per model, and split_scalar rounds it through a CPU tensor: cached off the per-call path.
-_split = functools.lru_cache(maxsize=64)(split_scalar)
 
 
 @triton.jit
@@ -89,13 +82,6 @@ def _rms_norm_bwd_kernel(dy, x, w, rstd_in, dx, dw_part, n_rows, rows_per_progra
     tl.store(dw_part + pid.to(tl.int64) * D + d, dw_acc, mask=d_ok)
 
 
-def _bwd_programs(n_blocks: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_blocks, BWD_PROGRAMS_PER_SM * sms))
-    return max(1, min(n_blocks, 4))
-
-
 def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
     D = x.shape[-1]
@@ -106,7 +92,7 @@ def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple
     if n:
         br = rows_per_block(D)
         _rms_norm_fwd_kernel[(triton.cdiv(n, br),)](
-            x2, weight, y, rstd, n, x2.stride(0), *_split(eps), D=D, BD=next_power_of_2(D), BR=br,
+            x2, weight, y, rstd, n, x2.stride(0), *split_scalar(eps), D=D, BD=next_power_of_2(D), BR=br,
             CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
         )  # fmt: skip
     return y, rstd
@@ -121,7 +107,7 @@ def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
     if n == 0:
         return dx, torch.zeros_like(weight)
     br = rows_per_block(D)
-    programs = _bwd_programs(triton.cdiv(n, br), x.device)
+    programs = row_programs(triton.cdiv(n, br), x.device)  # backward programs walk many rows: few dw partials
     rows_per_program = triton.cdiv(triton.cdiv(n, programs), br) * br
     programs = triton.cdiv(n, rows_per_program)
     dw_part = torch.empty(programs, D, device=x.device, dtype=rstd.dtype)

@@ -55,7 +55,7 @@ def _forward(gate_up: Tensor) -> Tensor:
     y = gate_up.new_empty(*gate_up.shape[:-1], width)
     if y.numel():
         _act_mul_kernel[_grid(gu.shape[0], width)](
-            gu, gu[:, width:], y, width, gu.stride(0), gu.stride(0), width, SILU=True, BLOCK=BLOCK,
+            gu, gu[:, width:], y, width, gu.stride(0), gu.stride(0), SILU=True, BLOCK=BLOCK,
             CDT=compute_tl_dtype(gate_up.dtype),
         )  # fmt: skip
     return y

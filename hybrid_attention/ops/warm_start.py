@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import threading
 from collections.abc import Iterable
 
 import torch
+
+from hybrid_attention.ops.triton_support import triton_available
 
 # The kernel modules the layers and ops import on first use of a Triton path (tests/test_warm_start.py checks the
 # list against the source tree).
@@ -35,21 +36,22 @@ KERNEL_MODULES = (
 )
 
 _thread: threading.Thread | None = None
+_lock = threading.Lock()  # two first calls from two threads still start one thread
 
 
 def _first_calls(device: torch.device, dtype: torch.dtype) -> None:
     """Triton's cache key (cached by Triton for the process), then one small cuBLAS product, causal attention and
-    sampling draw on `device`."""
-    if importlib.util.find_spec("triton") is not None:
-        from triton.runtime import cache
+    sampling draw on `device`. Its own generator: the process's default one is left as the caller seeded it."""
+    from triton.runtime import cache
 
-        key = getattr(cache, "triton_key", None)
-        if key is not None:
-            key()
-    a = torch.randn(64, 64, device=device, dtype=dtype)
+    key = getattr(cache, "triton_key", None)
+    if key is not None:
+        key()
+    generator = torch.Generator(device=device)
+    a = torch.randn(64, 64, device=device, dtype=dtype, generator=generator)
     q = a.view(1, 1, 64, 64)
     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.multinomial(torch.softmax((a @ a).float(), dim=-1), 1)
+    torch.multinomial(torch.softmax((a @ a).float(), dim=-1), 1, generator=generator)
     torch.cuda.synchronize(device)
 
 
@@ -62,20 +64,21 @@ def warm_start(
     device, no triton). A failure inside the thread is not an error: the first real call then pays the same cost."""
     global _thread
     device = torch.device(device)
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if device.type != "cuda" or not triton_available():
         return None
-    if _thread is not None:
+    with _lock:
+        if _thread is not None:
+            return _thread
+        for name in modules:
+            importlib.import_module(name)
+
+        def run() -> None:
+            with contextlib.suppress(Exception):  # an optimisation only; the first real call reports a real problem
+                _first_calls(device, dtype)
+
+        _thread = threading.Thread(target=run, name="hybrid-attention-warm-start", daemon=True)
+        _thread.start()
         return _thread
-    for name in modules:
-        importlib.import_module(name)
-
-    def run() -> None:
-        with contextlib.suppress(Exception):  # an optimisation only; the first real call reports a real problem
-            _first_calls(device, dtype)
-
-    _thread = threading.Thread(target=run, name="hybrid-attention-warm-start", daemon=True)
-    _thread.start()
-    return _thread
 
 
 def wait_warm_start() -> None:
