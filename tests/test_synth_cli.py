@@ -31,6 +31,9 @@ def test_synth_tiny_grid_logs_plots_and_resumes(tmp_path):
     again = _run(args, tmp_path)  # every run is finished: nothing trains again
     assert again.returncode == 0 and "8 already in" in again.stdout, again.stderr
     assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == len(rows)
+    other = _run([*args, "--seed", "1", "--mqar-queries", "1"], tmp_path)  # other settings: not the same runs
+    assert other.returncode == 1 and "other settings (mqar_queries, seed)" in other.stderr, other.stderr
+    assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_synth_rejects_a_bad_grid(tmp_path):

@@ -128,7 +128,8 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, dtype)
     eval_every = s.eval_every or max(1, spec.steps // 20)
-    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer}
+    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer,
+            "settings": asdict(s)}  # fmt: skip
     row, start = None, time.perf_counter()
     model.train()
     with flush_denormals():
@@ -171,6 +172,19 @@ def row_key(row: dict) -> tuple:
     return (row["task"], row["seq_len"], row["model"], row["lr"], row["steps"])
 
 
+def check_settings(rows: list[dict], s: Settings, out: Path) -> None:
+    """Runs found in `out` count as done only if they were trained with the same settings: refuse any other."""
+    current = asdict(s)
+    for row in rows:
+        stored = row.get("settings")
+        if stored != current:
+            changed = sorted(k for k in current if stored is None or stored.get(k) != current[k])
+            raise ValueError(
+                f"{out / LOG} holds runs trained with other settings ({', '.join(changed)}); resume with the same "
+                f"settings or write to another --out"
+            )
+
+
 def estimate_seconds(spec: RunSpec, finished: list[dict], batch_size: int) -> float | None:
     """A run's time from the finished ones: the same model and length if any, else the mean seconds per token of
     every finished run scaled to this one (None before the first run finishes)."""
@@ -189,6 +203,7 @@ def run_grid(runs: list[RunSpec], s: Settings, out: str | Path, *, device, dtype
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out)
+    check_settings(rows, s, out)
     done = {row_key(r) for r in rows if r.get("final")}
     kept = [r for r in rows if row_key(r) in done]
     if len(kept) != len(rows):
