@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybrid_attention.backends import use_triton
-from hybrid_attention.ops.numerics import compute_dtype, rms_norm
+from hybrid_attention.ops.numerics import compute_dtype, matmul_input_dtype, rms_norm
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
 
@@ -45,16 +45,6 @@ class _RMSNormFn(torch.autograd.Function):
         )
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the fused norm writes: under autocast, a float32 x is normalised straight into the autocast dtype
-    (what reads a norm's output is a matmul, which would cast it to that dtype: the same numbers, one pass less);
-    else x.dtype."""
-    device = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension with a learnable scale (ones at init). On CUDA: `ops.rms_norm.rms_norm_fused`
     (the same roundings, one kernel each way), which under autocast returns a float32 input's result in the autocast
@@ -72,7 +62,8 @@ class RMSNorm(nn.Module):
             from hybrid_attention.ops.rms_norm import rms_norm_fused, rms_norm_fused_supported  # imports triton
 
             if rms_norm_fused_supported(x):
-                return rms_norm_fused(x, self.weight, self.eps, _autocast_dtype(x))
+                # What reads a norm's output is a matmul: written in its input dtype, the same numbers, one pass less.
+                return rms_norm_fused(x, self.weight, self.eps, matmul_input_dtype(x))
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFn.apply(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

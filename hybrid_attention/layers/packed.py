@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_attention.backends import check_backend, needs_grad, use_triton
+from hybrid_attention.ops.numerics import matmul_input_dtype
 from hybrid_attention.ops.triton_support import triton_available
 
 _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
@@ -145,10 +146,8 @@ def project(module: nn.Module, x: torch.Tensor, decode: PackedProjections | None
     decode step and in training on CUDA."""
     if decode is not None:
         return decode.inputs(module, x)
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
-        # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
-        x = x.to(torch.get_autocast_dtype(device))
+    # The cast each nn.Linear makes under autocast, made once: autograd keeps one copy of x, not one per layer.
+    x = x.to(matmul_input_dtype(x))
     linears = module.packed_linears()
     if stack_in_training(x, linears):
         y = F.linear(x, torch.cat([lin.weight for lin in linears]))

@@ -12,6 +12,14 @@ def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def matmul_input_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul reads x in: under autocast, a float32 x is cast to the autocast dtype; else x.dtype."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension, in `compute_dtype(x)`, returned in x.dtype."""
     xf = x.to(compute_dtype(x))
