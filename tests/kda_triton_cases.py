@@ -41,6 +41,17 @@ def make_inputs(B, T, H, K, V, *, N=None, h0=True, gate=False, l2norm=False, dty
     return x + [None if h0 is None else h0.to(device)] + extra
 
 
+def extreme_decays(shape, seed=0) -> torch.Tensor:
+    """float64 log decays [B, T, H, K] in (-5, 0) with whole tokens at -1000 (masked tokens, as FLA's tests use) and
+    single channels at -50 and -12: far below what the anchored sub-chunk dots can span."""
+    gen = torch.Generator().manual_seed(seed)
+    g = -5.0 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    g[:, torch.rand(shape[1], generator=gen) < 0.03] = -1000.0
+    g[torch.rand(shape, generator=gen) < 0.05] = -50.0
+    g[torch.rand(shape, generator=gen) < 0.05] = -12.0
+    return g
+
+
 def run(fn, inputs, do, dS, **kw):
     """o, S and the gradients of loss = <o, do> + <S, dS> w.r.t. every input that is not None."""
     leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]

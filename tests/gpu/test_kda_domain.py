@@ -18,6 +18,7 @@ import torch
 from tests.helpers import rel_err
 from tests.kda_triton_cases import (
     CONFIG_CASES,
+    extreme_decays,
     force_config,
     force_output_pass,
     make_inputs,
@@ -57,15 +58,6 @@ def check_rms(name, inputs, tol=RMS_TOL, skip=(), **kw):
     print(f"[kda_domain] {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
     failed = {k: v for k, v in errors.items() if not v < tol}
     assert not failed, f"{name}: relative RMS error over {tol}: {failed}"
-
-
-def extreme_decays(shape, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    g = -5.0 * torch.rand(shape, generator=gen, dtype=torch.float64)
-    g[:, torch.rand(shape[1], generator=gen) < 0.03] = -1000.0  # masked tokens, as FLA's tests use
-    g[torch.rand(shape, generator=gen) < 0.05] = -50.0
-    g[torch.rand(shape, generator=gen) < 0.05] = -12.0
-    return g
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
