@@ -11,6 +11,10 @@ preset, an absent library, out of memory) is listed in the table and the next ca
     python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager --steps 5
     python benchmarks/bench_train.py --quick                           # CPU, tiny sizes, seconds: a smoke check
 
+Two more columns say whether a step is bound by the host or the GPU: "host ms", the median time until a step's
+last launch returns (the host's share; the step ms adds the wait for the GPU), and with --profile "kernel ms", the
+summed durations of the kernels of one more step under torch.profiler (the GPU's share).
+
 Markdown table on stdout, JSON as the last line (also written to --out).
 """
 
@@ -216,19 +220,23 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, host = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
         loss = step()
+        host.append(time.perf_counter() - start)  # until the last launch returns: the host's share
         _sync(device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    kernel_ms = _kernel_ms(step, device) if args.profile else None
     tokens_per_s = batch * seq_len / step_s
     fpt = flops(seq_len)
     peak = _peak_flops(device)
     return dict(
         precision="bf16 params" if bf16_params else "fp32 params, bf16 autocast",
         step_ms=step_s * 1e3,
+        host_ms=statistics.median(host) * 1e3,
+        kernel_ms=kernel_ms,
         tokens_per_s=tokens_per_s,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         flops_per_token=fpt,
@@ -236,6 +244,17 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         loss=float(loss),
         parameters=sum(p.numel() for p in model.parameters()),
     )
+
+
+def _kernel_ms(step: Callable, device: torch.device) -> float | None:
+    """The summed durations of the kernels one step runs (torch.profiler): its GPU time without the gaps where the
+    GPU waits for the host. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
 def _free(device: torch.device) -> None:
@@ -250,14 +269,17 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| case | model | B x T | mode | precision | step ms | tokens/s | peak GiB | MFU | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["case", "model", "B x T", "mode", "precision", "step ms", "host ms", "kernel ms", "tokens/s", "peak GiB"]
+    columns += ["MFU", "status"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in rows:
         status = "ok" if r["error"] is None else f"failed: {r['error']}"
         print(
             f"| {r['case']} | {r['description']} | {r['batch']} x {r['seq_len']} | {r['mode']} | "
             f"{r.get('precision', '-')} | "
-            f"{_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
+            f"{_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('host_ms'), '.1f')} | {_fmt(r.get('kernel_ms'), '.1f')} | "
+            f"{_fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('mfu'), '.1%')} | {status} |"
         )
 
@@ -282,6 +304,9 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
+    p.add_argument(
+        "--profile", action="store_true", help="also run one step under torch.profiler: the kernels' summed time"
+    )
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
 
