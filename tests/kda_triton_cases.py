@@ -173,10 +173,11 @@ def same_arithmetic(kernel: str, index: int) -> bool:
     return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
 
-# Every config but the first of every autotuned kernel (the first runs in all other tests). Empty without triton,
-# so that importing these cases stays possible there (the test modules then skip).
-CONFIG_CASES = (
-    [(n, i) for n, kernel in autotuned_kernels().items() for i in range(1, len(kernel.all_configs))]
+# Every config of every autotuned kernel, and every one but the first (the first runs in all other tests). Empty
+# without triton, so that importing these cases stays possible there (the test modules then skip).
+ALL_CONFIG_CASES = (
+    [(n, i) for n, kernel in autotuned_kernels().items() for i in range(len(kernel.all_configs))]
     if triton_available()
     else []
 )
+CONFIG_CASES = [(n, i) for n, i in ALL_CONFIG_CASES if i > 0]

@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from hybrid_attention.ops.kda.triton_utils import first_configs_only
-from hybrid_attention.ops.triton_support import triton_available
 from tests.helpers import rel_err
 from tests.kda_triton_cases import (
+    ALL_CONFIG_CASES,
     CONFIG_CASES,
-    autotuned_kernels,
     changed_after,
     extreme_decays,
     force_config,
@@ -144,11 +143,8 @@ def test_every_autotune_config(kernel, index, size, monkeypatch):
 # run may pick a config that no bfloat16 test exercises, and float16's narrow range is where the decay handling is
 # tightest. dg is skipped as in tests/gpu/test_kda_domain.py (small where the decay is strong: its relative error
 # measures conditioning); d initial_state, the quantity such decays make smallest, is checked.
-ALL_CONFIGS = ([(n, 0) for n in autotuned_kernels()] if triton_available() else []) + CONFIG_CASES
-
-
 @pytest.mark.parametrize("size", [64, 128])
-@pytest.mark.parametrize("kernel, index", ALL_CONFIGS, ids=[f"{n}-{i}" for n, i in ALL_CONFIGS])
+@pytest.mark.parametrize("kernel, index", ALL_CONFIG_CASES, ids=[f"{n}-{i}" for n, i in ALL_CONFIG_CASES])
 def test_every_autotune_config_fp16_extreme_decays(kernel, index, size, monkeypatch):
     config = force_config(monkeypatch, kernel, index)
     inputs = list(make_inputs(2, 300, 2, size, size, dtype=FP16, seed=size + index))
