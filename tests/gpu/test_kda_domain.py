@@ -2,10 +2,10 @@
 
 Decays far below -5 per step (down to -1000) and the unbounded softplus gate against the float64 recurrence; fp16
 and bf16 at T = 2048 and 4096 with tolerances stated as FLA states them (relative RMS error, the RMS of the
-difference over the RMS of the reference); the standard benchmark shape (B=8, T=4096, H=16, K=V=128), forward and
-backward, with the kernels autotuned as in use and O both inside the state walk and in its own pass; a bitwise
-repeatable backward (run to run, and across the autotune configs that change no arithmetic); and a poisoned future
-that leaves the past bit-identical, on both output paths.
+difference over the RMS of the reference, or a largest absolute error of at most 1e-6); the standard benchmark
+shape (B=8, T=4096, H=16, K=V=128), forward and backward, with the kernels autotuned as in use and O both inside
+the state walk and in its own pass; a bitwise repeatable backward (run to run, and across the autotune configs that
+change no arithmetic); and a poisoned future that leaves the past bit-identical, on both output paths.
 
     python -m pytest -q -s tests/gpu/test_kda_domain.py
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import rel_err
+from tests.helpers import HALF_ABS_FLOOR, max_abs_err, rel_err
 from tests.kda_triton_cases import (
     CONFIG_CASES,
     extreme_decays,
@@ -53,11 +53,12 @@ def check_rms(name, inputs, tol=RMS_TOL, skip=(), **kw):
     do, dS = draws(inputs)
     o, S, grads = run(triton_kda, inputs, do, dS, **kw)
     ro, rS, rgrads = run(reference_kda, inputs, do, dS, **kw)
-    errors = {"o": rms_ratio(o, ro), "final": rms_ratio(S, rS)}
-    errors.update({f"d{n}": rms_ratio(grads[n], r) for n, r in rgrads.items() if n not in skip})
-    print(f"[kda_domain] {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
-    failed = {k: v for k, v in errors.items() if not v < tol}
-    assert not failed, f"{name}: relative RMS error over {tol}: {failed}"
+    pairs = {"o": (o, ro), "final": (S, rS)} | {f"d{n}": (grads[n], r) for n, r in rgrads.items() if n not in skip}
+    errors = {k: (rms_ratio(x, r), max_abs_err(x, r)) for k, (x, r) in pairs.items()}
+    print(f"[kda_domain] {name}: " + ", ".join(f"{k} {v:.2e} (max abs {a:.1e})" for k, (v, a) in errors.items()))
+    # As FLA states it: within the relative RMS tolerance, or no element off by more than HALF_ABS_FLOOR.
+    failed = {k: v for k, (v, a) in errors.items() if not (v < tol or a <= HALF_ABS_FLOOR)}
+    assert not failed, f"{name}: relative RMS error over {tol} and max abs error over {HALF_ABS_FLOOR}: {failed}"
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
