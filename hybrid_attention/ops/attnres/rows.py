@@ -8,6 +8,7 @@ cast to a pointer of the sources' element type inside the kernel (works compiled
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -73,6 +74,22 @@ def compute_tl_dtype(dtype: torch.dtype):
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+# Tables built while a CUDA graph is captured, with their pinned host sources: the graph's copy reads the host buffer
+# again at every replay and its kernels read the device table, so both must outlive the graph. The first list is kept
+# for the life of the process; `captured_tables()` pushes one that the graph's owner keeps instead.
+_captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+
+
+@contextlib.contextmanager
+def captured_tables():
+    """Collect, into the list it yields, the (pinned host, device) pointer tables built while a CUDA graph is
+    captured inside the block; whoever owns the graph keeps the list as long as the graph."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    _captured.append(kept)
+    try:
+        yield kept
+    finally:
+        _captured.remove(kept)
 
 
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -82,15 +99,26 @@ def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     allocates its activations at the same addresses every step, so after the first step no table is built and no
     copy is made. A new one goes through pinned memory without blocking the host (a pageable copy would wait for
     the device). A table only holds addresses, so one found by its contents is always the right one.
+
+    While a CUDA graph is captured, every call builds its own table and keeps it outside the cache (`_captured`):
+    the copy that fills it runs only at replays, so an eager caller must never find it, and an evicted table that a
+    graph reads would be freed under it.
     """
     key = (tensors[0].get_device(), *(t.data_ptr() for t in tensors))
-    table = _tables.get(key)
+    capturing = tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    table = None if capturing else _tables.get(key)
     if table is not None:
         _tables.move_to_end(key)
         return table
-    table = torch.tensor(key[1:], dtype=torch.int64)
-    if tensors[0].is_cuda:
-        table = table.pin_memory().to(tensors[0].device, non_blocking=True)
+    host = torch.tensor(key[1:], dtype=torch.int64)
+    if not tensors[0].is_cuda:
+        table = host
+    else:
+        host = host.pin_memory()
+        table = host.to(tensors[0].device, non_blocking=True)
+    if capturing:
+        _captured[-1].append((host, table))
+        return table
     _tables[key] = table
     if len(_tables) > TABLE_CACHE:
         _tables.popitem(last=False)
