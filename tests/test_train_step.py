@@ -6,6 +6,7 @@ The graphed step itself needs CUDA: tests/gpu/test_train_step_gpu.py compares it
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -111,14 +112,21 @@ def test_cuda_graph_refused_before_anything_is_written(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_cuda_graph_may_change_on_resume(tmp_path):
-    """A speed option: a resumed run may turn it on or off; a config.json written before it existed still loads."""
+def test_cuda_graph_may_change_on_resume(tmp_path, capsys):
+    """A speed option: a resumed run may turn it on or off (the checkpoint is the same either way); a config.json
+    written before it existed still loads."""
     out = tmp_path / "run"
     first = train(TrainConfig.create(out=str(out), device="cpu", stop_after=2, **SMALL), echo=lambda *a: None)
     assert first["step"] == 2
+    config = json.loads((out / ckpt.CONFIG).read_text())
+    assert config["train"]["cuda_graph"] is False
+    config["train"]["cuda_graph"] = True  # as a run started with --cuda-graph on a GPU
+    (out / ckpt.CONFIG).write_text(json.dumps(config))
+    assert cli.main(["train", "--resume", "--out", str(out)]) == 1  # it keeps the setting: no CUDA here
+    assert "--cuda-graph needs a CUDA device" in capsys.readouterr().err
+    assert cli.main(["train", "--resume", "--out", str(out), "--no-cuda-graph", "--stop-after", "3"]) == 0
+    assert ckpt.checkpoint_step(out) == 3
     saved = ckpt.load_config(out)["train"]
-    assert saved["cuda_graph"] is False
-    assert TrainConfig.create(saved, out=str(out), cuda_graph=True).cuda_graph
     del saved["cuda_graph"]  # an older run's settings
     resumed = train(TrainConfig.create(saved, out=str(out)), resume=True, echo=lambda *a: None)
     assert resumed["step"] == 4 and not TrainConfig.create(saved, out=str(out)).cuda_graph
