@@ -17,7 +17,7 @@ from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.train import TrainConfig, train
-from hybrid_attention.train_step import TrainStep
+from hybrid_attention.train_step import TrainStep, _Snapshot
 
 SMALL = dict(steps=4, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, log_every=1, data_max_bytes=20_000)
 
@@ -69,6 +69,34 @@ def test_eager_step_is_the_plain_loop_bitwise():
         assert norm > clip and all(p.grad is None for p in model.parameters())
         assert not loss_sum.requires_grad and not norm.requires_grad
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference, strict=True))
+
+
+@pytest.mark.parametrize("before", [0, 1], ids=["fresh-optimizer", "after-one-step"])
+def test_snapshot_undoes_the_warmup_steps(before):
+    """What capture relies on (CUDA graphs warm up with real steps): after steps taken past a snapshot and its
+    restore, the next step is the one a run without those steps takes, bitwise. With a fresh optimizer the state
+    the warm-up creates goes back to zeros (Adam's fresh state)."""
+    batches = _batches(before + 1 + 2, 1)
+    runs = []
+    for warm_up in (False, True):
+        model, optimizers, _ = _setup()
+        loss_of = lambda ids, model=model: model(ids, labels=ids, return_logits=False).loss  # noqa: E731
+        step = TrainStep(loss_of, model.parameters(), optimizers, clip=1.0)
+        for batch in batches[:before]:
+            step.step(batch)
+        if warm_up:
+            saved = _Snapshot(step.params, optimizers)
+            for batch in batches[before + 1 :]:
+                step.step(batch)
+            assert not all(torch.equal(p, c) for p, (_, c) in zip(model.parameters(), saved.tensors, strict=False))
+            saved.restore()
+        loss, norm = step.step(batches[before])
+        state = [t.clone() for opt in optimizers for s in opt.state.values() for t in s.values()]
+        runs.append((loss, norm, [p.detach().clone() for p in model.parameters()], state))
+    (loss_a, norm_a, params_a, state_a), (loss_b, norm_b, params_b, state_b) = runs
+    assert torch.equal(loss_a, loss_b) and torch.equal(norm_a, norm_b) and len(state_a) == len(state_b) > 0
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(state_a, state_b, strict=True))
 
 
 def test_clip_none_skips_the_norm_and_inf_measures_it():
