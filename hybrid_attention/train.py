@@ -6,7 +6,8 @@ input (flags, data, tokenizer, model config, an occupied run directory, a checkp
 checked before the first byte is written. The loop is deterministic given the seed: batches come from
 `data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
 `--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32), and so does a job killed
-at any moment and resumed (checkpoints are committed atomically, checkpoint.py).
+at any moment and resumed (checkpoints are committed atomically, checkpoint.py). Each optimizer step is a
+`train_step.TrainStep`, run eagerly or, with --cuda-graph, replayed from a CUDA graph (docs/training.md).
 
 One job writes a run directory at a time (`rundir.RunLock`). SIGINT or SIGTERM saves a checkpoint after the
 current step and stops (`interrupts.StopRequests`). A non-finite loss or gradient norm stops the job with
