@@ -82,6 +82,8 @@ class TrainStep:
         self.grad_norm: torch.Tensor | None = None
         self._lrs: list[tuple[torch.Tensor, dict]] = []  # (device learning rate the graph reads, its param group)
         self._tables: list = []  # pointer tables the graph reads (kept alive with it)
+        optimized = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
+        self._unoptimized = [p for p in self.params if id(p) not in optimized]  # clipped: their gradients reset too
 
     def step(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """batches [grad_accum, B, T] token ids -> (loss_sum, grad_norm), detached scalar device tensors.
@@ -130,12 +132,12 @@ class TrainStep:
     def _zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        for p in self.params:  # clipped but not optimized ones too
+        for p in self._unoptimized:
             p.grad = None
 
     # ------------------------------------------------------------------------------------------------- capture
     def _capture(self, batches: torch.Tensor) -> None:
-        self.batches = batches.detach().clone()
+        self.batches = torch.empty_like(batches, device=self.device).copy_(batches)
         saved = _Snapshot(self.params, self.optimizers)
         groups = [g for opt in self.optimizers for g in opt.param_groups]
         before = [(g["lr"], g["capturable"]) for g in groups]
