@@ -81,7 +81,7 @@ class TrainStep:
         self.loss_sum: torch.Tensor | None = None  # static outputs of the graph
         self.grad_norm: torch.Tensor | None = None
         self._lrs: list[tuple[torch.Tensor, dict]] = []  # (device learning rate the graph reads, its param group)
-        self._tables: list = []  # pointer tables the graph reads (kept alive with it)
+        self._tables = None  # the pointer tables the graph reads (`rows.CapturedTables`), kept alive with it
         optimized = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
         self._unoptimized = [p for p in self.params if id(p) not in optimized]  # clipped: their gradients reset too
 

@@ -74,17 +74,47 @@ def compute_tl_dtype(dtype: torch.dtype):
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-# Tables built while a CUDA graph is captured, with their pinned host sources: the graph's copy reads the host buffer
-# again at every replay and its kernels read the device table, so both must outlive the graph. The first list is kept
-# for the life of the process; `captured_tables()` pushes one that the graph's owner keeps instead.
-_captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+
+
+class CapturedTables:
+    """The pointer tables built while a CUDA graph is captured, and the pinned host memory they are copied from.
+
+    The graph's copy reads its host slice again at every replay and its kernels read the device table, so both must
+    outlive the graph: whoever owns the graph keeps this object as long as the graph. The host memory is pinned
+    before the capture starts (`arena_entries` int64 values), since allocating pinned memory during a capture is not
+    a stream operation and may be refused."""
+
+    def __init__(self, arena_entries: int = 0):
+        self.arena = torch.empty(arena_entries, dtype=torch.int64, pin_memory=arena_entries > 0)
+        self.used = 0
+        self.tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host_slice(self, values: Sequence[int]) -> torch.Tensor:
+        """Pinned host int64 [len(values)] holding `values`: a slice of the arena, or new pinned memory without
+        one."""
+        if not self.arena.numel():
+            return torch.tensor(values, dtype=torch.int64).pin_memory()
+        end = self.used + len(values)
+        if end > self.arena.numel():
+            raise RuntimeError(
+                f"pointer tables: a CUDA graph capture needs more than the {self.arena.numel()} pinned entries "
+                "set aside for it; pass a larger arena_entries to captured_tables()"
+            )
+        host = self.arena[self.used : end]
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        self.used = end
+        return host
+
+
+# The innermost capture's tables; the first (no arena) serves captures that nobody collects and lives for the process.
+_captured: list[CapturedTables] = [CapturedTables()]
 
 
 @contextlib.contextmanager
-def captured_tables():
-    """Collect, into the list it yields, the (pinned host, device) pointer tables built while a CUDA graph is
-    captured inside the block; whoever owns the graph keeps the list as long as the graph."""
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+def captured_tables(arena_entries: int = 1 << 16):
+    """Around a CUDA graph capture: the `CapturedTables` it yields collects every pointer table the capture builds,
+    from host memory pinned here, before the capture. Keep it as long as the graph."""
+    kept = CapturedTables(arena_entries)
     _captured.append(kept)
     try:
         yield kept
@@ -100,25 +130,24 @@ def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     copy is made. A new one goes through pinned memory without blocking the host (a pageable copy would wait for
     the device). A table only holds addresses, so one found by its contents is always the right one.
 
-    While a CUDA graph is captured, every call builds its own table and keeps it outside the cache (`_captured`):
+    While a CUDA graph is captured, every call builds its own table and keeps it outside the cache (`CapturedTables`):
     the copy that fills it runs only at replays, so an eager caller must never find it, and an evicted table that a
     graph reads would be freed under it.
     """
     key = (tensors[0].get_device(), *(t.data_ptr() for t in tensors))
-    capturing = tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
-    table = None if capturing else _tables.get(key)
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        captured = _captured[-1]
+        host = captured.host_slice(key[1:])
+        table = host.to(tensors[0].device, non_blocking=True)
+        captured.tables.append((host, table))
+        return table
+    table = _tables.get(key)
     if table is not None:
         _tables.move_to_end(key)
         return table
-    host = torch.tensor(key[1:], dtype=torch.int64)
-    if not tensors[0].is_cuda:
-        table = host
-    else:
-        host = host.pin_memory()
-        table = host.to(tensors[0].device, non_blocking=True)
-    if capturing:
-        _captured[-1].append((host, table))
-        return table
+    table = torch.tensor(key[1:], dtype=torch.int64)
+    if tensors[0].is_cuda:
+        table = table.pin_memory().to(tensors[0].device, non_blocking=True)
     _tables[key] = table
     if len(_tables) > TABLE_CACHE:
         _tables.popitem(last=False)
