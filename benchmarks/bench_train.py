@@ -4,11 +4,14 @@ Per case and shape: step time (median over --steps after --warmup steps), tokens
 (torch.cuda.max_memory_allocated, optimizer states included) and MFU (`metrics.flops_per_token`: 6 x non-embedding
 parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
 under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
-random tokens. Each case runs in its own try block: a failure (a missing
-preset, an absent library, out of memory) is listed in the table and the next case runs.
+random tokens. Every case's step is the one `train` runs, `train_step.TrainStep` (forward, backward, gradient clipping
+at --clip, optimizer step), in one of four modes: eager, compile (torch.compile of the model), graph (the whole step
+replayed from a CUDA graph) and compile+graph. Each case runs in its own try block: a failure (a missing preset, an
+absent library, out of memory, a step that cannot be captured) is listed in the table and the next case runs.
 
     python benchmarks/bench_train.py                                   # every case, both shapes, eager and compiled
     python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager --steps 5
+    python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager,graph
     python benchmarks/bench_train.py --quick                           # CPU, tiny sizes, seconds: a smoke check
 
 Two more columns say whether a step is bound by the host or the GPU: "host ms", the median time until a step's
@@ -38,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.train_step import TrainStep  # noqa: E402
 
 # The --quick run: the presets' residuals and layer kinds at the tiny preset's widths, CPU-sized depth.
 QUICK_LAYERS = 4
 QUICK_SIZES = {k: v for k, v in PRESETS["tiny"].items() if k not in ("layer_types", "residual")}
+MODES = ("eager", "compile", "graph", "compile+graph")
 
 
 # ------------------------------------------------------------------------------------------------------------ cases
@@ -196,26 +201,26 @@ def _peak_flops(device: torch.device) -> float | None:
 
 
 def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torch.device) -> dict:
-    """One case at one shape and mode: warm-up steps, then `args.steps` timed steps."""
+    """One case at one shape and mode: warm-up steps (the capture in the graph modes), then `args.steps` timed
+    steps."""
     torch.manual_seed(0)
     model, loss_fn, flops = case.build()
     bf16_params = case.name in args.bf16_params
     model = model.to(device, dtype=torch.bfloat16 if bf16_params else None).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     # dynamic=False: one graph per shape, not a dynamic-shape graph after the second shape.
-    runner = torch.compile(model, dynamic=False) if mode == "compile" else model
+    runner = torch.compile(model, dynamic=False) if mode.startswith("compile") else model
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    ids = torch.randint(0, vocab, (1, batch, seq_len), device=device)  # [grad_accum, B, T]
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params)  # noqa: E731
+    graph = mode.endswith("graph")
+    train_step = TrainStep(lambda x: loss_fn(runner, x), model.parameters(), [opt], clip=args.clip or None,
+                           autocast=autocast, cuda_graph=graph)  # fmt: skip
 
     def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params):
-            loss = loss_fn(runner, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return train_step.step(ids)[0]  # the loss (a static buffer under a graph)
 
-    for _ in range(args.warmup):
+    for _ in range(max(args.warmup, int(graph))):  # the first graph step captures: never timed
         step()
     _sync(device)
     if device.type == "cuda":
@@ -227,6 +232,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         host.append(time.perf_counter() - start)  # until the last launch returns: the host's share
         _sync(device)
         times.append(time.perf_counter() - start)
+    loss = float(loss)  # before another step overwrites a graph's output
     step_s = statistics.median(times)
     kernel_ms = _kernel_ms(step, device) if args.profile else None
     tokens_per_s = batch * seq_len / step_s
@@ -241,7 +247,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         flops_per_token=fpt,
         mfu=fpt * tokens_per_s / peak if peak else None,
-        loss=float(loss),
+        loss=loss,
         parameters=sum(p.numel() for p in model.parameters()),
     )
 
@@ -299,9 +305,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="all", help="comma-separated case names, or 'all'")
     p.add_argument("--shapes", type=parse_shapes, default=None, help="BxT list (default 8x2048,1x16384)")
-    p.add_argument("--modes", default=None, help="comma-separated: eager, compile (default both; --quick: eager)")
+    p.add_argument(
+        "--modes", default=None, help=f"comma-separated, of {', '.join(MODES)} (default eager,compile; --quick: eager)"
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip as in train (default 1.0; 0: none)")
     p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
     p.add_argument(
@@ -332,8 +341,8 @@ def main(argv=None) -> dict:
     if unknown:
         p.error(f"--bf16-params: unknown {unknown}; expected some of {list(cases)}")
     modes = [m.strip() for m in (args.modes or "eager,compile").split(",")]
-    if any(m not in ("eager", "compile") for m in modes):
-        p.error(f"--modes: expected eager and/or compile, got {args.modes!r}")
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
 
     rows = []
     for batch, seq_len in shapes:
@@ -353,10 +362,11 @@ def main(argv=None) -> dict:
                 rows.append(row)
 
     optimizer = "fused AdamW" if device.type == "cuda" else "AdamW"
-    print(f"## training step, {optimizer}, random tokens, median of {args.steps} steps after {args.warmup}\n")
+    clip = f"clip {args.clip:g}" if args.clip else "no clip"
+    print(f"## training step, {optimizer}, {clip}, random tokens, median of {args.steps} steps after {args.warmup}\n")
     print_table(rows)
     env = env_info(sys.argv) if device.type == "cuda" else dict(device="cpu", torch=torch.__version__)
-    result = dict(env=env, optimizer=optimizer, steps=args.steps, warmup=args.warmup, results=rows)
+    result = dict(env=env, optimizer=optimizer, clip=args.clip, steps=args.steps, warmup=args.warmup, results=rows)
     emit_json(result, args.out)
     return result
 

@@ -22,6 +22,7 @@ import torch
 
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.layers.packed import PackedProjections
+from hybrid_attention.ops.attnres.rows import captured_tables
 
 
 class DecodeStep:
@@ -87,9 +88,9 @@ class DecodeStep:
             current.wait_stream(side)
             cache.restore(saved)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with captured_tables() as tables, torch.cuda.graph(graph):
                 self.logits = model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
-            self.graph = graph
+            self.graph, self.tables = graph, tables  # the AttnRes pointer tables the graph reads live with it
         finally:
             # Warm-up really ran; capture only recorded (but advanced the host counts once): back to the snapshot.
             torch.cuda.current_stream(self.tokens.device).synchronize()

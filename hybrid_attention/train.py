@@ -6,7 +6,8 @@ input (flags, data, tokenizer, model config, an occupied run directory, a checkp
 checked before the first byte is written. The loop is deterministic given the seed: batches come from
 `data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
 `--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32), and so does a job killed
-at any moment and resumed (checkpoints are committed atomically, checkpoint.py).
+at any moment and resumed (checkpoints are committed atomically, checkpoint.py). Each optimizer step is a
+`train_step.TrainStep`, run eagerly or, with --cuda-graph, replayed from a CUDA graph (docs/training.md).
 
 One job writes a run directory at a time (`rundir.RunLock`). SIGINT or SIGTERM saves a checkpoint after the
 current step and stops (`interrupts.StopRequests`). A non-finite loss or gradient norm stops the job with
@@ -40,6 +41,7 @@ from hybrid_attention.run_report import epoch_report, is_validation_step, memory
 from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
 from hybrid_attention.token_cache import encode_corpus
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
+from hybrid_attention.train_step import TrainStep
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
 # ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
@@ -78,6 +80,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
+    cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, AdamW, one process
     kda_backend: str | None = None  # None: the model config's ("auto")
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
@@ -151,12 +154,16 @@ class TrainConfig:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
+        if self.cuda_graph and self.optimizer != "adamw":
+            raise ValueError(
+                f"--cuda-graph needs --optimizer adamw (capturable with a tensor learning rate), got {self.optimizer}"
+            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
 
 
-_WHERE = {"out", "device", "dtype", "compile", "kda_backend"}  # where and how the run executes
+_WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend"}  # where and how the run executes
 _WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
@@ -186,6 +193,10 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     elif ckpt.holds_run(run_dir):
         raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out")
     device = par.device if par.sharded else resolve_device(config.device)
+    if config.cuda_graph and par.sharded:
+        raise ValueError(f"--cuda-graph runs in one process; under torchrun ({par.world_size} processes) leave it off")
+    if config.cuda_graph and device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
@@ -353,26 +364,23 @@ def _train(
     eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
     save = lambda step: dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)  # noqa: E731
     model.train()
+    loss_of = lambda ids: step_fn(ids, labels=ids, return_logits=False).loss  # noqa: E731
+    train_step = TrainStep(loss_of, params, optimizers, grad_accum=config.grad_accum, clip=clip, autocast=autocast,
+                           cuda_graph=config.cuda_graph)  # fmt: skip
     tick, interval_tokens = time.perf_counter(), 0
     for step in range(start + 1, end + 1):
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(config.grad_accum):
-            x = sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step, micro=micro)
-            x = par.local_rows(x)  # this rank's share of the global batch
-            with autocast():
-                loss = step_fn(x, labels=x, return_logits=False).loss / config.grad_accum
-            loss.backward()
-            loss_sum += loss.detach()
-        lr = schedulers[-1].get_last_lr()[0]
-        grad_norm = distributed.full(torch.nn.utils.clip_grad_norm_(params, clip))  # the same on every rank
+        batches = torch.stack([
+            par.local_rows(sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step,
+                                        micro=micro))  # this rank's share of the global batch
+            for micro in range(config.grad_accum)
+        ])  # fmt: skip
+        # Under a CUDA graph both live in static buffers that the next step overwrites: read in this iteration only.
+        loss_sum, grad_norm = train_step.step(batches)  # grad_norm: the same on every rank
+        lr = schedulers[-1].get_last_lr()[0]  # the rate this step used
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
-        for opt in optimizers:
-            opt.step()
         for sched in schedulers:
             sched.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
         interval_tokens += tokens_per_step
         bar.update(1)
         # All ranks stop together: past the deadline, or a stop signal on any rank (the highest number wins).

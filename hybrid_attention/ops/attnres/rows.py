@@ -8,6 +8,7 @@ cast to a pointer of the sources' element type inside the kernel (works compiled
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -75,6 +76,52 @@ def compute_tl_dtype(dtype: torch.dtype):
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
+class CapturedTables:
+    """The pointer tables built while a CUDA graph is captured, and the pinned host memory they are copied from.
+
+    The graph's copy reads its host slice again at every replay and its kernels read the device table, so both must
+    outlive the graph: whoever owns the graph keeps this object as long as the graph. The host memory is pinned
+    before the capture starts (`arena_entries` int64 values), since allocating pinned memory during a capture is not
+    a stream operation and may be refused."""
+
+    def __init__(self, arena_entries: int = 0):
+        self.arena = torch.empty(arena_entries, dtype=torch.int64, pin_memory=arena_entries > 0)
+        self.used = 0
+        self.tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host_slice(self, values: Sequence[int]) -> torch.Tensor:
+        """Pinned host int64 [len(values)] holding `values`: a slice of the arena, or new pinned memory without
+        one."""
+        if not self.arena.numel():
+            return torch.tensor(values, dtype=torch.int64).pin_memory()
+        end = self.used + len(values)
+        if end > self.arena.numel():
+            raise RuntimeError(
+                f"pointer tables: a CUDA graph capture needs more than the {self.arena.numel()} pinned entries "
+                "set aside for it; pass a larger arena_entries to captured_tables()"
+            )
+        host = self.arena[self.used : end]
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        self.used = end
+        return host
+
+
+# The innermost capture's tables; the first (no arena) serves captures that nobody collects and lives for the process.
+_captured: list[CapturedTables] = [CapturedTables()]
+
+
+@contextlib.contextmanager
+def captured_tables(arena_entries: int = 1 << 16):
+    """Around a CUDA graph capture: the `CapturedTables` it yields collects every pointer table the capture builds,
+    from host memory pinned here, before the capture. Keep it as long as the graph."""
+    kept = CapturedTables(arena_entries)
+    _captured.append(kept)
+    try:
+        yield kept
+    finally:
+        _captured.remove(kept)
+
+
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 [S] of the tensors' data pointers, on their device.
 
@@ -82,8 +129,18 @@ def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     allocates its activations at the same addresses every step, so after the first step no table is built and no
     copy is made. A new one goes through pinned memory without blocking the host (a pageable copy would wait for
     the device). A table only holds addresses, so one found by its contents is always the right one.
+
+    While a CUDA graph is captured, every call builds its own table and keeps it outside the cache (`CapturedTables`):
+    the copy that fills it runs only at replays, so an eager caller must never find it, and an evicted table that a
+    graph reads would be freed under it.
     """
     key = (tensors[0].get_device(), *(t.data_ptr() for t in tensors))
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        captured = _captured[-1]
+        host = captured.host_slice(key[1:])
+        table = host.to(tensors[0].device, non_blocking=True)
+        captured.tables.append((host, table))
+        return table
     table = _tables.get(key)
     if table is not None:
         _tables.move_to_end(key)

@@ -1,0 +1,211 @@
+"""One optimizer step of training: the forward and backward of every micro-batch, gradient clipping, the optimizer
+steps and the zeroing of the gradients, run eagerly or captured once in a CUDA graph and replayed.
+
+Eagerly, a step is a few hundred kernel launches plus autograd's and Python's bookkeeping; on a fast GPU the host can
+take longer to issue a step than the GPU takes to run it. A replayed graph issues the whole step at once
+(docs/training.md, "CUDA graphs"). What makes the step capturable:
+- the batch is copied into a static buffer; the step's outputs (the loss sum and the gradient norm) and the gradients
+  live in the graph's memory and are overwritten by each replay;
+- nothing syncs with the host: the models branch on shapes only, `clip_grad_norm_` (foreach) and fused AdamW work on
+  device tensors, and the AttnRes pointer tables the graph reads stay alive with it (`ops.attnres.rows`);
+- the learning rate enters AdamW as a device tensor while the step is captured (`capturable=True`, so every replay
+  reads it); before each replay it is filled from the float that the scheduler keeps in `param_groups`. Outside
+  capture the groups hold their floats and flags as before, so schedulers and checkpoints are the same in both modes.
+Warm-up (Triton compilation and autotuning, torch.compile, cuBLAS handles, the optimizer's lazily made state) runs
+eagerly on a side stream on the first batch; the parameters and the optimizer state are then put back, so a graphed
+run computes the steps an eager run computes. A step that draws random numbers (dropout; our models have none) would
+draw different ones under a graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from hybrid_attention.distributed import full
+from hybrid_attention.ops.attnres.rows import captured_tables
+
+GRAPH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)  # capturable with a tensor learning rate
+
+
+class TrainStep:
+    """One optimizer step over `grad_accum` micro-batches: `step(batches)` -> (loss_sum, grad_norm).
+
+    Args:
+        loss_of: ids [B, T] -> the scalar mean loss of one micro-batch (run under `autocast`).
+        params: the parameters whose gradients are clipped (every parameter the optimizers update).
+        optimizers: stepped in order after the clipping; with `cuda_graph`, torch.optim.Adam or AdamW only.
+        grad_accum: micro-batches per step; each loss is divided by it, so the gradients are those of their mean.
+        clip: the gradient-norm clip (math.inf: measure the norm, clip nothing); None: no norm at all.
+        autocast: a context factory around each forward (e.g. `device.autocast_for(...)`).
+        cuda_graph: capture the step in a CUDA graph at the first call and replay it (CUDA, one process).
+        warmup_steps: eager steps on a side stream before the capture (undone afterwards).
+
+    The step is the same in both modes: per micro-batch `loss_of(ids) / grad_accum` and its backward, then
+    `clip_grad_norm_`, each optimizer's `step()`, and the gradients set to None (eager) or overwritten by the next
+    replay's first backward (graph). The tensors a replay returns live in static buffers that the next `step` call
+    overwrites: read them (or clone them) before calling `step` again.
+    """
+
+    def __init__(
+        self,
+        loss_of: Callable[[torch.Tensor], torch.Tensor],
+        params: Iterable[torch.nn.Parameter],
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        grad_accum: int = 1,
+        clip: float | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        cuda_graph: bool = False,
+        warmup_steps: int = 3,
+    ):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("TrainStep: expected at least one parameter")
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"TrainStep: grad_accum must be a positive integer, got {grad_accum!r}")
+        if clip is not None and not clip >= 0:
+            raise ValueError(f"TrainStep: clip must be >= 0 (math.inf: no clipping) or None, got {clip}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"TrainStep: warmup_steps must be a positive integer, got {warmup_steps!r}")
+        self.device = self.params[0].device
+        if cuda_graph:
+            _check_capturable(self.params, optimizers)
+        self.loss_of, self.optimizers, self.grad_accum, self.clip = loss_of, list(optimizers), grad_accum, clip
+        self.autocast, self.cuda_graph, self.warmup_steps = autocast, cuda_graph, warmup_steps
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.batches: torch.Tensor | None = None  # static input of the graph
+        self.loss_sum: torch.Tensor | None = None  # static outputs of the graph
+        self.grad_norm: torch.Tensor | None = None
+        self._lrs: list[tuple[torch.Tensor, dict]] = []  # (device learning rate the graph reads, its param group)
+        self._tables = None  # the pointer tables the graph reads (`rows.CapturedTables`), kept alive with it
+        optimized = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
+        self._unoptimized = [p for p in self.params if id(p) not in optimized]  # clipped: their gradients reset too
+
+    def step(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """batches [grad_accum, B, T] token ids -> (loss_sum, grad_norm), detached scalar device tensors.
+
+        loss_sum is the sum of the micro-batches' `loss / grad_accum` (the step's mean loss), grad_norm the total
+        gradient norm before clipping (None when `clip` is None). With a CUDA graph both are static buffers that
+        the next call overwrites; every call must pass the shape and dtype of the first.
+        """
+        if batches.dim() < 1 or batches.shape[0] != self.grad_accum:
+            raise ValueError(
+                f"TrainStep.step: expected batches [grad_accum={self.grad_accum}, ...], got {tuple(batches.shape)}"
+            )
+        if not self.cuda_graph:
+            out = self._accumulate_and_step(batches)
+            self._zero_grad()
+            return out
+        if self.graph is None:
+            self._capture(batches)
+        elif batches.shape != self.batches.shape or batches.dtype != self.batches.dtype:
+            raise ValueError(
+                f"TrainStep.step: the graph was captured for {self.batches.dtype} batches of shape "
+                f"{tuple(self.batches.shape)}, got {batches.dtype} {tuple(batches.shape)}"
+            )
+        self.batches.copy_(batches)
+        for lr, group in self._lrs:  # the scheduler's value for this step
+            lr.fill_(group["lr"])
+        self.graph.replay()
+        return self.loss_sum, self.grad_norm
+
+    # ------------------------------------------------------------------------------------------------- the step
+    def _accumulate_and_step(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step itself, eager or under capture (gradients accumulate into whatever .grad holds)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            with self.autocast():
+                loss = self.loss_of(batches[micro]) / self.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = None
+        if self.clip is not None:
+            grad_norm = full(torch.nn.utils.clip_grad_norm_(self.params, self.clip)).detach()  # no host sync
+        for opt in self.optimizers:
+            opt.step()
+        return loss_sum, grad_norm
+
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for p in self._unoptimized:
+            p.grad = None
+
+    # ------------------------------------------------------------------------------------------------- capture
+    def _capture(self, batches: torch.Tensor) -> None:
+        self.batches = torch.empty_like(batches, device=self.device).copy_(batches)
+        saved = _Snapshot(self.params, self.optimizers)
+        groups = [g for opt in self.optimizers for g in opt.param_groups]
+        before = [(g["lr"], g["capturable"]) for g in groups]
+        self._lrs = [(torch.tensor(float(g["lr"]), device=self.device), g) for g in groups]
+        current = torch.cuda.current_stream(self.device)
+        try:
+            for lr, group in self._lrs:  # what capture records: AdamW reads the device tensor
+                group["lr"], group["capturable"] = lr, True
+            self._zero_grad()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")  # the warm-up runs uncaptured
+                for _ in range(self.warmup_steps):
+                    self._accumulate_and_step(self.batches)
+                    self._zero_grad()
+            current.wait_stream(side)
+            saved.restore()
+            graph = torch.cuda.CUDAGraph()
+            # The first backward allocates the gradients in the graph's pool; each replay's first backward overwrites
+            # them, so the graph needs no zeroing (and .grad keeps pointing at them between replays).
+            with captured_tables() as tables, torch.cuda.graph(graph):
+                self.loss_sum, self.grad_norm = self._accumulate_and_step(self.batches)
+            self.graph, self._tables = graph, tables
+        except BaseException:
+            current.synchronize()
+            self._zero_grad()
+            saved.restore()  # as before the call: no step was taken
+            raise
+        finally:
+            for group, (lr, capturable) in zip(groups, before, strict=True):
+                group["lr"], group["capturable"] = lr, capturable
+
+
+def _check_capturable(params: list[torch.Tensor], optimizers) -> None:
+    wrong = [type(opt).__name__ for opt in optimizers if not isinstance(opt, GRAPH_OPTIMIZERS)]
+    if wrong:
+        raise ValueError(f"TrainStep: cuda_graph=True supports torch.optim.Adam and AdamW only, got {', '.join(wrong)}")
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed: nothing is sharded
+        DTensor = ()
+    if any(isinstance(p, DTensor) for p in params):
+        raise ValueError("TrainStep: cuda_graph=True runs in one process; these parameters are sharded (DTensor)")
+    if params[0].device.type != "cuda":
+        raise ValueError(f"TrainStep: cuda_graph=True needs parameters on a CUDA device, got {params[0].device}")
+
+
+class _Snapshot:
+    """Copies of the parameters and of the optimizers' state tensors, to undo the warm-up steps."""
+
+    @torch.no_grad()
+    def __init__(self, params: list[torch.Tensor], optimizers):
+        grouped = [q for opt in optimizers for g in opt.param_groups for q in g["params"]]
+        params = {id(p): p for p in [*params, *grouped]}
+        self.tensors = [(p, p.detach().clone()) for p in params.values()]
+        self.tensors += [
+            (t, t.clone()) for opt in optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        ]
+        self.known = [(opt, {id(p) for p in opt.state}) for opt in optimizers]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, copy in self.tensors:
+            t.copy_(copy)
+        for opt, known in self.known:  # state the warm-up created: zeros, as Adam makes it for a fresh parameter
+            for p, state in opt.state.items():
+                if id(p) not in known:
+                    for t in state.values():
+                        if torch.is_tensor(t):
+                            t.zero_()
