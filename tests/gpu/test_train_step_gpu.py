@@ -101,11 +101,11 @@ def test_graphed_step_equals_eager(case):
         fresh.load_state_dict(opt.state_dict())  # a checkpoint of a graphed run loads into an eager one
     # The AttnRes kernels read pointer tables built under capture: the graph keeps them, the eager cache never has them.
     if case == "standard":
-        assert step._tables == []
+        assert step._tables.tables == []
     else:
-        assert step._tables, "no pointer table was built under capture"
+        assert step._tables.tables, "no pointer table was built under capture"
         cached = {id(t) for t in rows._tables.values()}
-        assert all(id(table) not in cached and host.is_pinned() for host, table in step._tables)
+        assert all(id(table) not in cached and host.is_pinned() for host, table in step._tables.tables)
     # The outputs are static buffers: the next replay overwrites them in place.
     loss = step.loss_sum
     step.step(torch.zeros(ACCUM, B, T, dtype=torch.long, device="cuda"))
