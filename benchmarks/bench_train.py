@@ -1,7 +1,8 @@
 """Training step side by side: our presets, transformers' Llama (SDPA) and FLA's KDA model at the same sizes.
 
 Per case and shape: step time (median over --steps after --warmup steps), tokens/s, peak memory of the timed steps
-(torch.cuda.max_memory_allocated, optimizer states included) and MFU (`metrics.flops_per_token`: 6 x non-embedding
+(torch.cuda.max_memory_allocated, optimizer states included; in the graph modes from the capture on, since the
+graph allocates its memory once, there) and MFU (`metrics.flops_per_token`: 6 x non-embedding
 parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
 under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
 random tokens. Every case's step is the one `train` runs, `train_step.TrainStep` (forward, backward, gradient clipping
@@ -220,10 +221,13 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     def step() -> torch.Tensor:
         return train_step.step(ids)[0]  # the loss (a static buffer under a graph)
 
+    if graph and device.type == "cuda":  # the graph's memory is allocated once, at its capture in the first step
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(max(args.warmup, int(graph))):  # the first graph step captures: never timed
         step()
     _sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and not graph:  # eager: the steady steps only, not the autotuning of the first
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
     for _ in range(args.steps):

@@ -187,15 +187,17 @@ def _check_capturable(params: list[torch.Tensor], optimizers) -> None:
 
 
 class _Snapshot:
-    """Copies of the parameters and of the optimizers' state tensors, to undo the warm-up steps."""
+    """Copies of the parameters and of the optimizers' state tensors, to undo the warm-up steps. They are kept in host
+    memory: on the device they would add the size of the parameters and of the optimizer state to the run's peak."""
 
     @torch.no_grad()
     def __init__(self, params: list[torch.Tensor], optimizers):
         grouped = [q for opt in optimizers for g in opt.param_groups for q in g["params"]]
         params = {id(p): p for p in [*params, *grouped]}
-        self.tensors = [(p, p.detach().clone()) for p in params.values()]
+        host = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+        self.tensors = [(p, host(p)) for p in params.values()]
         self.tensors += [
-            (t, t.clone()) for opt in optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+            (t, host(t)) for opt in optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
         ]
         self.known = [(opt, {id(p) for p in opt.state}) for opt in optimizers]
 
