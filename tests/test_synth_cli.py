@@ -46,6 +46,9 @@ def test_synth_rejects_a_bad_grid(tmp_path):
     done = _run(["-m", "hybrid_attention.synth", "--seed", str(2**64), "--device", "cpu", "--out", "out"], tmp_path)
     assert done.returncode == 2 and "argument --seed: expected a value" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+    done = _run(["-m", "hybrid_attention.synth", "--cuda-graph", "--device", "cpu", "--out", "out"], tmp_path)
+    assert done.returncode == 1 and "--cuda-graph needs a CUDA device" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_ablations_quick(tmp_path):

@@ -27,6 +27,7 @@ from hybrid_attention.model import HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.synth.models import MODELS, model_config
 from hybrid_attention.synth.tasks import TASKS, Task, answer_accuracy
+from hybrid_attention.train_step import TrainStep
 
 LOG = "log.jsonl"
 
@@ -116,8 +117,12 @@ def evaluate(model, task: Task, s: Settings, device, autocast) -> float:
     return correct / max(1, counted)
 
 
-def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_dir=None) -> dict:
-    """Train one model on one task; returns the final row (accuracy, loss, seconds per step, diverged)."""
+def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_dir=None, cuda_graph=False) -> dict:
+    """Train one model on one task; returns the final row (accuracy, loss, seconds per step, diverged).
+
+    `cuda_graph`: replay each step from a CUDA graph (`train_step.TrainStep`; CUDA and AdamW only). The models here
+    are small enough that an eager step is bound by the host's launches, so a graph runs them several times faster;
+    it computes the same steps."""
     task = Task(spec.task, spec.seq_len, s.num_symbols, s.mqar_queries if spec.task == "mqar" else None)
     config = model_config(spec.model, task.vocab_size, num_layers=s.num_layers, num_heads=s.num_heads,
                           head_dim=s.head_dim, residual=s.residual, kda_backend=s.kda_backend)  # fmt: skip
@@ -127,6 +132,10 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     schedulers = build_schedulers(optimizers, warmup=spec.steps // 10, steps=spec.steps, min_ratio=0.1)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, dtype)
+    # One micro-batch per step, its inputs and labels stacked: [1, 2, B, T].
+    loss_of = lambda xy: model(xy[0], labels=xy[1], return_logits=False).loss  # noqa: E731
+    train_step = TrainStep(loss_of, params, optimizers, clip=s.clip if s.clip > 0 else math.inf, autocast=autocast,
+                           cuda_graph=cuda_graph)  # fmt: skip
     eval_every = s.eval_every or max(1, spec.steps // 20)
     base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer,
             "settings": asdict(s)}  # fmt: skip
@@ -134,20 +143,13 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     model.train()
     with flush_denormals():
         for step in range(1, spec.steps + 1):
-            x, y = (t.to(device, non_blocking=True) for t in task.batch(s.batch_size, seed=s.seed, step=step))
-            with autocast():
-                loss = model(x, labels=y, return_logits=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, s.clip if s.clip > 0 else math.inf)
-            for opt in optimizers:
-                opt.step()
+            x, y = task.batch(s.batch_size, seed=s.seed, step=step)
+            loss, _ = train_step.step(torch.stack([x, y])[None].to(device, non_blocking=True))
             for sched in schedulers:
                 sched.step()
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
             if step % eval_every and step != spec.steps:
                 continue
-            value = float(loss.detach())  # one sync per evaluation, not per step
+            value = float(loss)  # one sync per evaluation, not per step (a graph's buffer: read before the next)
             diverged = not math.isfinite(value)
             seconds = time.perf_counter() - start
             accuracy = 0.0 if diverged else evaluate(model, task, s, device, autocast)
@@ -197,9 +199,11 @@ def estimate_seconds(spec: RunSpec, finished: list[dict], batch_size: int) -> fl
     return spec.steps * per_token * spec.seq_len * batch_size
 
 
-def run_grid(runs: list[RunSpec], s: Settings, out: str | Path, *, device, dtype="auto", budget_s=None, echo=print):
+def run_grid(runs: list[RunSpec], s: Settings, out: str | Path, *, device, dtype="auto", budget_s=None, echo=print,
+             cuda_graph=False):  # fmt: skip
     """Run `runs` in order into `out`; skip finished ones and, past `budget_s` seconds (estimated from the runs
-    done so far), the ones that would not fit. Returns (final rows of every finished run, the skipped specs)."""
+    done so far), the ones that would not fit. Returns (final rows of every finished run, the skipped specs).
+    `cuda_graph` as in `train_run` (a speed option: not one of the settings a resumed grid must keep)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out)
@@ -219,7 +223,7 @@ def run_grid(runs: list[RunSpec], s: Settings, out: str | Path, *, device, dtype
             skipped.append(spec)
             echo(f"[{i}/{len(todo)}] skip {_name(spec)}: about {estimate:.0f} s, {budget_s - elapsed:.0f} s left")
             continue
-        row = train_run(spec, s, device=device, dtype=dtype, log_dir=out)
+        row = train_run(spec, s, device=device, dtype=dtype, log_dir=out, cuda_graph=cuda_graph)
         finished.append(row)
         state = "diverged" if row["diverged"] else f"accuracy {row['accuracy']:.3f}"
         speed = f"{row['s_per_step'] * 1e3:.1f} ms/step"
