@@ -238,7 +238,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         times.append(time.perf_counter() - start)
     loss = float(loss)  # before another step overwrites a graph's output
     step_s = statistics.median(times)
-    kernel_ms = _kernel_ms(step, device) if args.profile else None
+    kernel_ms, top_kernels = _kernel_profile(step, device, args.profile_top) if args.profile else (None, None)
     tokens_per_s = batch * seq_len / step_s
     fpt = flops(seq_len)
     peak = _peak_flops(device)
@@ -247,6 +247,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         step_ms=step_s * 1e3,
         host_ms=statistics.median(host) * 1e3,
         kernel_ms=kernel_ms,
+        top_kernels=top_kernels,
         tokens_per_s=tokens_per_s,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         flops_per_token=fpt,
@@ -256,15 +257,18 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     )
 
 
-def _kernel_ms(step: Callable, device: torch.device) -> float | None:
+def _kernel_profile(step: Callable, device: torch.device, top: int) -> tuple[float | None, list | None]:
     """The summed durations of the kernels one step runs (torch.profiler): its GPU time without the gaps where the
-    GPU waits for the host. None off CUDA."""
+    GPU waits for the host; and the `top` kernels by summed time as [name, ms, launches]. (None, None) off CUDA."""
     if device.type != "cuda":
-        return None
+        return None, None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         _sync(device)
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    ranked = [[e.key[:90], e.self_device_time_total / 1e3, e.count] for e in kernels[:top]]
+    return sum(e.self_device_time_total for e in kernels) / 1e3, ranked
 
 
 def _free(device: torch.device) -> None:
@@ -320,6 +324,7 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--profile", action="store_true", help="also run one step under torch.profiler: the kernels' summed time"
     )
+    p.add_argument("--profile-top", type=int, default=0, help="with --profile: list each case's N slowest kernels")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
 
@@ -369,6 +374,11 @@ def main(argv=None) -> dict:
     clip = f"clip {args.clip:g}" if args.clip else "no clip"
     print(f"## training step, {optimizer}, {clip}, random tokens, median of {args.steps} steps after {args.warmup}\n")
     print_table(rows)
+    for r in rows:
+        if r.get("top_kernels"):
+            print(f"\n### {r['case']}, {r['batch']} x {r['seq_len']}, {r['mode']}: slowest kernels of one step\n")
+            print("| kernel | ms | launches |\n|---|---|---|")
+            print("\n".join(f"| `{name}` | {ms:.2f} | {n} |" for name, ms, n in r["top_kernels"]))
     env = env_info(sys.argv) if device.type == "cuda" else dict(device="cpu", torch=torch.__version__)
     result = dict(env=env, optimizer=optimizer, clip=args.clip, steps=args.steps, warmup=args.warmup, results=rows)
     emit_json(result, args.out)

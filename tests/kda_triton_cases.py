@@ -164,15 +164,6 @@ def force_config(monkeypatch, kernel: str, index: int):
     return tuner.all_configs[index]
 
 
-def same_arithmetic(kernel: str, index: int) -> bool:
-    """Whether config `index` of `kernel` differs from its first only in pipeline stages, which reorder loads but no
-    arithmetic: its results must then be bit-identical. Tiles and warp counts change how reductions and dots are
-    split over threads, so their rounding may differ (a choice the tuner makes once and keeps on disk)."""
-    configs = autotuned_kernels()[kernel].all_configs
-    a, b = configs[0], configs[index]
-    return a.kwargs == b.kwargs and a.num_warps == b.num_warps
-
-
 # Every config of every autotuned kernel, and every one but the first (the first runs in all other tests). Empty
 # without triton, so that importing these cases stays possible there (the test modules then skip).
 ALL_CONFIG_CASES = (
