@@ -62,28 +62,30 @@ def run(fn, inputs, do, dS, **kw):
     return o, S, {n: gr for (n, _), gr in zip(used, grads, strict=True)}
 
 
-def _gate_kwargs(form, A_log, dt_bias):
+def _gate_kwargs(form, A_log, dt_bias, lower_bound):
     if A_log is None:
         return {}
-    return dict(gate=form, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0 if form == "bounded" else None)
+    return dict(gate=form, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound if form == "bounded" else None)
 
 
-def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded"):
-    """Our kernels; with A_log, g is the raw gate logit of the gate `form` (bounded: lower bound -5)."""
+def triton_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded",
+               lower_bound=-5.0):  # fmt: skip
+    """Our kernels; with A_log, g is the raw gate logit of the gate `form` (bounded: at least `lower_bound`)."""
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 
-    gate = _gate_kwargs(form, A_log, dt_bias)
+    gate = _gate_kwargs(form, A_log, dt_bias, lower_bound)
     return chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
                             use_qk_l2norm=l2norm, **gate)  # fmt: skip
 
 
-def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded"):
+def reference_kda(q, k, v, g, beta, h0, A_log, dt_bias, *, l2norm=False, cu_seqlens=None, form="bounded",
+                  lower_bound=-5.0):  # fmt: skip
     """recurrent_kda in float64, with the gate and the l2norm written out in torch."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     if l2norm:
         q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     if A_log is not None:
-        g = kda_gate(g, A_log.double(), dt_bias.double(), -5.0 if form == "bounded" else None, form=form)
+        g = kda_gate(g, A_log.double(), dt_bias.double(), lower_bound if form == "bounded" else None, form=form)
     h0 = None if h0 is None else h0.double()
     return recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.kda import chunk_kda, recurrent_kda
+from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from hybrid_attention.ops.kda.gate import FORM_CODES
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+from hybrid_attention.ops.kda.triton_utils import LOG2E, NARROW_BOUND, WIDE, narrow_span
 from tests.conftest import DEV
 from tests.helpers import assert_close, rel_err
 from tests.kda_triton_cases import (
@@ -280,6 +282,24 @@ def test_poisoned_buffers(monkeypatch, output_pass):
     _, grads = compare(make_inputs(1, 70, 1, 16, 16, N=2, gate=True, l2norm=True, seed=9), TOL32, TOL32,
                        cu_seqlens=cu, l2norm=True)  # fmt: skip
     assert all(torch.isfinite(x).all() for x in grads.values())
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -20.0])
+def test_bounded_gate_either_side_of_the_narrow_bound(lower_bound, output_pass):
+    """At lower_bound -5 the bounded gate keeps every 16-token span within WIDE, and the kernels are compiled
+    without the pair-by-pair path (`narrow_span`); at -20 gates near the bound make most spans wider, and the diagonal
+    blocks go pair by pair. Both match the float64 reference, outputs and every gradient."""
+    assert 16 * -NARROW_BOUND * LOG2E.value < WIDE.value  # a saturated gate at the bound still fits
+    assert narrow_span(FORM_CODES["bounded"], lower_bound) == (lower_bound >= NARROW_BOUND)
+    assert not narrow_span(FORM_CODES["softplus"], -1.0) and not narrow_span(0, -1.0)
+    inputs = list(make_inputs(1, 70, 1, 16, 16, gate=True, seed=21))
+    inputs[3] = inputs[3] + 8.0  # logits mostly past the sigmoid's knee: most steps near the bound
+    z, A_log, dt_bias = inputs[3].double(), inputs[6].double(), inputs[7].double()
+    g2 = kda_gate(z, A_log, dt_bias, lower_bound).cpu() * LOG2E.value  # [1, 70, 1, 16], log2 units
+    subchunks = torch.nn.functional.pad(g2, (0, 0, 0, 0, 0, 80 - 70)).view(1, 5, 16, 1, 16)
+    spans = -subchunks.cumsum(2).amin(-1)  # each row's span from its sub-chunk's anchor (any chunk: 64 = 4 x 16)
+    assert bool((spans > WIDE.value).any()) == (lower_bound < NARROW_BOUND)
+    compare(inputs, TOL32, TOL32, lower_bound=lower_bound)
 
 
 # V = 100: two 64-column state tiles, the second masked.

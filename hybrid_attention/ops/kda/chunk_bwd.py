@@ -23,7 +23,7 @@ from hybrid_attention.ops.kda.kernels.dqkg import _dqkg_kernel
 from hybrid_attention.ops.kda.kernels.l2norm_bwd import _l2norm_bwd_kernel
 from hybrid_attention.ops.kda.kernels.score_grad import _score_grad_kernel
 from hybrid_attention.ops.kda.kernels.state_bwd import _state_bwd_kernel
-from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, tuning_width
+from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, narrow_span, tuning_width
 
 # K tile of the dq/dk/dg kernel (a power of two, 16 to 256): 32 spills no registers, but 64 halves the number of
 # latency-bound programs and wins (docs/kernels.md); the l2norm backward runs inside it for K <= DQKG_BK.
@@ -127,8 +127,8 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
         do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dak,
         dq, dk, dg, dbeta, dalog, dbias,
         cu, chunk_seq, chunk_tok, scale, lower_bound, Tn, NT, T_tot,
-        H=H, K=K, V=V, BK=BK, NK=NK, BV=reduction_tile(V), VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm,
-        FUSE_L2=fuse_l2,
+        H=H, K=K, V=V, BK=BK, NK=NK, BV=reduction_tile(V), VARLEN=layout.varlen, GATE=gate,
+        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, FUSE_L2=fuse_l2,
         IO=dtypes[0], ADT=dtypes[1], PREC=prec, EMU=emu,
     )  # fmt: skip
     if l2norm and not fuse_l2:

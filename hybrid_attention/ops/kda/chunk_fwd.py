@@ -18,7 +18,7 @@ import triton.language as tl
 from hybrid_attention.ops.kda.kernels.output import _output_kernel
 from hybrid_attention.ops.kda.kernels.prep import _prep_kernel
 from hybrid_attention.ops.kda.kernels.state_fwd import _state_fwd_kernel
-from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, tuning_width
+from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, narrow_span, tuning_width
 
 
 def split_output(pairs: int) -> bool:
@@ -75,7 +75,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
         cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot,
         H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
-        VARLEN=layout.varlen, GATE=gate, L2NORM=l2norm, SAVE=save,
+        VARLEN=layout.varlen, GATE=gate, NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, SAVE=save,
         IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
     )  # fmt: skip
 

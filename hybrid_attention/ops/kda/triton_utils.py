@@ -37,6 +37,9 @@ SHIFT = tl.constexpr(58.0)  # centres the anchored factors: 2^(+-58) for spans u
 # float32 rounding small (a step of -1000 would put every later G of the chunk near -1443).
 STEP_FLOOR = tl.constexpr(-48.0)
 WIDE = tl.constexpr(116.0)  # the largest in-sub-chunk span (log2) the anchored dots take; g >= -5 stays below it
+# A bounded gate with lower_bound >= NARROW_BOUND keeps every step at or above it: 16 steps span at most
+# 16 * 5 * log2(e) < WIDE, so no row is wide and the kernels are compiled without the pair-by-pair path.
+NARROW_BOUND = -5.0
 L2_EPS = tl.constexpr(1e-6)  # x / sqrt(sum x^2 + eps), as FLA's in-kernel l2norm
 # Fixed when triton is imported, as the interpreter itself is: selects the plain-Python fallback of inline PTX.
 INTERPRET = tl.constexpr(interpreting())
@@ -87,6 +90,12 @@ def tuning_width(pairs: int) -> int:
     of two, capped at 512 (beyond it every config fills the GPU), so that a long single sequence and a large
     batch tune apart without a re-tune for every batch size."""
     return min(512, triton.next_power_of_2(max(1, pairs)))
+
+
+def narrow_span(gate: int, lower_bound: float) -> bool:
+    """Whether the fused gate itself bounds every sub-chunk's span below WIDE (the kernels' NARROW flag): the
+    bounded gate (GATE 1) with lower_bound >= NARROW_BOUND. A precomputed g or the softplus gate may be wider."""
+    return gate == 1 and lower_bound >= NARROW_BOUND
 
 
 def dot_setup(dtype: torch.dtype) -> tuple[str, bool, bool]:

@@ -80,7 +80,7 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
 
 # One pipeline stage: with two or three, Triton 3.6's software pipelining of this kernel made dk, dg and dbeta
 # differ from run to run on Hopper at K = 128 (docs/kernels.md). The V tile is fixed (chunk_bwd.reduction_tile).
-@autotune([{}, {}], [(8, 1), (4, 1)], ["K", "V", "GATE", "L2NORM"])
+@autotune([{}, {}], [(8, 1), (4, 1)], ["K", "V", "GATE", "NARROW", "L2NORM"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
     q, k, g, beta, a_log, dt_bias, rq, rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
@@ -88,7 +88,7 @@ def _dqkg_kernel(
     dq, dk, dg, dbeta, dalog, dbias,  # dq, dk, dg [T_total, H, K]; dbeta [NK + 1, T_total, H]; partials [chunks, H, K]
     cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, FUSE_L2: tl.constexpr,
+    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, FUSE_L2: tl.constexpr,
     IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     # Chunks on grid axis 0 (the only one without a 65535 cap); the K tiles of one chunk run side by side
@@ -126,20 +126,22 @@ def _dqkg_kernel(
     # Wide rows (span from their sub-chunk's anchor above WIDE on this tile) take their diagonal-block pairs pair by
     # pair below; the dots skip those pairs (their column factors are clamped to 2^SHIFT, finite).
     wide = tl.zeros([64], dtype=tl.int1)
-    for a in range(4):
-        ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
-        wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
+    if not NARROW:  # with NARROW no row is wide: the pair-by-pair path is not compiled
+        for a in range(4):
+            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
+            wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
     any_wide = tl.max(wide.to(tl.int32), 0) > 0
     dq_s = dA_diag[:, None] * kn  # score part of dq
     dk_s = dA_diag[:, None] * qn  # score part of dk, through the row (+G) and column (-G) factors
     dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
     drop = eye
     dAk_f = dAk
-    if any_wide:  # before the dots, so that only the masked dAqk and dAkk stay live through them
-        dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
-        pairs = wide[:, None] & (blk[:, None] == blk[None, :])
-        drop = drop | pairs
-        dAk_f = tl.where(pairs, 0.0, dAk.to(tl.float32)).to(dAk.dtype)
+    if not NARROW:  # noqa: SIM102 (a compile-time branch: the runtime test inside it must not be compiled either)
+        if any_wide:  # before the dots, so that only the masked dAqk and dAkk stay live through them
+            dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
+            pairs = wide[:, None] & (blk[:, None] == blk[None, :])
+            drop = drop | pairs
+            dAk_f = tl.where(pairs, 0.0, dAk.to(tl.float32)).to(dAk.dtype)
     dA_f = tl.where(drop, 0.0, dA.to(tl.float32)).to(dA.dtype)
     for a in range(4):
         in_a = (blk == a)[:, None]

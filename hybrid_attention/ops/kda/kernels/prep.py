@@ -67,23 +67,29 @@ def _acc_pair(aq, ak, qr, kr, kb, Gb, ca, ADT: tl.constexpr, PREC: tl.constexpr,
 
 
 @triton.jit
-def _acc_diag(aq, ak, q, k, qr, kr, G, ca, wide, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+def _acc_diag(aq, ak, q, k, qr, kr, G, ca, wide, NARROW: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr,
+              EMU: tl.constexpr):  # fmt: skip
     """Add one K tile to the diagonal block (a, a): the anchored dots, and for the rows whose span exceeds WIDE
-    (`wide`, [16]) the pair-by-pair block instead (those rows of the dots may hold inf or NaN, never used)."""
+    (`wide`, [16]) the pair-by-pair block instead (those rows of the dots may hold inf or NaN, never used). With
+    NARROW no row is wide, and the pair-by-pair path is not compiled (it would hold registers the dots need)."""
     kc = tl.trans(k * tl.exp2(ca[None, :] - SHIFT - G))
     fq = mm(qr, kc, ADT, PREC, EMU)
     fk = mm(kr, kc, ADT, PREC, EMU)
-    if tl.max(wide.to(tl.int32), 0) > 0:
-        eq, ek = exact_diag(q, k, G)
-        fq = tl.where(wide[:, None], eq, fq)
-        fk = tl.where(wide[:, None], ek, fk)
+    if not NARROW:  # noqa: SIM102 (a compile-time branch: the runtime test inside it must not be compiled either)
+        if tl.max(wide.to(tl.int32), 0) > 0:
+            eq, ek = exact_diag(q, k, G)
+            fq = tl.where(wide[:, None], eq, fq)
+            fk = tl.where(wide[:, None], ek, fk)
     return aq + fq, ak + fk
 
 
 @triton.jit
-def _wide_rows(G, ca):
-    """Rows whose span from the anchor, max_c (c_a - G_tc), exceeds WIDE on this K tile."""
-    return tl.max(ca[None, :] - G, 1) > WIDE
+def _wide_rows(G, ca, NARROW: tl.constexpr):
+    """Rows whose span from the anchor, max_c (c_a - G_tc), exceeds WIDE on this K tile (none with NARROW)."""
+    if NARROW:
+        return tl.zeros([16], dtype=tl.int1)
+    else:
+        return tl.max(ca[None, :] - G, 1) > WIDE
 
 
 @triton.jit
@@ -115,7 +121,7 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
 
 # Two pipeline stages issue the next K tile's loads before this one's dots; two warps win at K = V = 64 and lose at
 # 128, so both warp counts are tuned.
-@autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "L2NORM", "SAVE"])
+@autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "NARROW", "L2NORM", "SAVE"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
@@ -125,7 +131,7 @@ def _prep_kernel(
     scale, lower_bound, T, NT, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
+    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
     IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -225,10 +231,10 @@ def _prep_kernel(
             ssk3 += tl.sum(k3 * k3, 1)
         # A row is "wide" when its span from the sub-chunk's anchor exceeds WIDE on some channel: the anchored
         # factors could overflow, so its diagonal block row is computed pair by pair (depends on its prefix only).
-        w0 = _wide_rows(G0, c0)
-        w1 = _wide_rows(G1, c1)
-        w2 = _wide_rows(G2, c2)
-        w3 = _wide_rows(G3, c3)
+        w0 = _wide_rows(G0, c0, NARROW)
+        w1 = _wide_rows(G1, c1, NARROW)
+        w2 = _wide_rows(G2, c2, NARROW)
+        w3 = _wide_rows(G3, c3, NARROW)
         qr0 = q0 * f0
         qr1 = q1 * f1
         qr2 = q2 * f2
@@ -237,16 +243,16 @@ def _prep_kernel(
         kr1 = k1 * f1
         kr2 = k2 * f2
         kr3 = k3 * f3
-        aq00, ak00 = _acc_diag(aq00, ak00, q0, k0, qr0, kr0, G0, c0, w0, ADT, PREC, EMU)
+        aq00, ak00 = _acc_diag(aq00, ak00, q0, k0, qr0, kr0, G0, c0, w0, NARROW, ADT, PREC, EMU)
         aq10, ak10 = _acc_pair(aq10, ak10, qr1, kr1, k0, G0, c1, ADT, PREC, EMU)
-        aq11, ak11 = _acc_diag(aq11, ak11, q1, k1, qr1, kr1, G1, c1, w1, ADT, PREC, EMU)
+        aq11, ak11 = _acc_diag(aq11, ak11, q1, k1, qr1, kr1, G1, c1, w1, NARROW, ADT, PREC, EMU)
         aq20, ak20 = _acc_pair(aq20, ak20, qr2, kr2, k0, G0, c2, ADT, PREC, EMU)
         aq21, ak21 = _acc_pair(aq21, ak21, qr2, kr2, k1, G1, c2, ADT, PREC, EMU)
-        aq22, ak22 = _acc_diag(aq22, ak22, q2, k2, qr2, kr2, G2, c2, w2, ADT, PREC, EMU)
+        aq22, ak22 = _acc_diag(aq22, ak22, q2, k2, qr2, kr2, G2, c2, w2, NARROW, ADT, PREC, EMU)
         aq30, ak30 = _acc_pair(aq30, ak30, qr3, kr3, k0, G0, c3, ADT, PREC, EMU)
         aq31, ak31 = _acc_pair(aq31, ak31, qr3, kr3, k1, G1, c3, ADT, PREC, EMU)
         aq32, ak32 = _acc_pair(aq32, ak32, qr3, kr3, k2, G2, c3, ADT, PREC, EMU)
-        aq33, ak33 = _acc_diag(aq33, ak33, q3, k3, qr3, kr3, G3, c3, w3, ADT, PREC, EMU)
+        aq33, ak33 = _acc_diag(aq33, ak33, q3, k3, qr3, kr3, G3, c3, w3, NARROW, ADT, PREC, EMU)
 
     if L2NORM:  # 1 / norms kept for the backward, and read back below as whole-chunk vectors
         rq0 = _rstd(ssq0)
