@@ -285,7 +285,7 @@ def test_poisoned_buffers(monkeypatch, output_pass):
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -20.0])
-def test_bounded_gate_either_side_of_the_narrow_bound(lower_bound, output_pass):
+def test_bounded_gate_either_side_of_the_narrow_bound(lower_bound):
     """At lower_bound -5 the bounded gate keeps every 16-token span within WIDE, and the kernels are compiled
     without the pair-by-pair path (`narrow_span`); at -20 gates near the bound make most spans wider, and the diagonal
     blocks go pair by pair. Both match the float64 reference, outputs and every gradient."""
