@@ -302,6 +302,23 @@ def test_bounded_gate_either_side_of_the_narrow_bound(lower_bound):
     compare(inputs, TOL32, TOL32, lower_bound=lower_bound)
 
 
+def test_narrow_build_computes_the_same_bits(monkeypatch):
+    """Where no row is wide, the build without the pair-by-pair path (NARROW) gives the same bits as the build with
+    it: the path it leaves out is never taken there. Bounded gate at -5, outputs and every gradient."""
+    import hybrid_attention.ops.kda.chunk_bwd as chunk_bwd
+    import hybrid_attention.ops.kda.chunk_fwd as chunk_fwd
+
+    inputs = make_inputs(1, 70, 2, 32, 16, gate=True, l2norm=True, seed=22)
+    do, dS = _grad_draw(inputs)
+    narrow = run(triton_kda, inputs, do, dS, l2norm=True)
+    for module in (chunk_fwd, chunk_bwd):
+        monkeypatch.setattr(module, "narrow_span", lambda gate, lower_bound: False)
+    wide_capable = run(triton_kda, inputs, do, dS, l2norm=True)
+    assert torch.equal(narrow[0], wide_capable[0]) and torch.equal(narrow[1], wide_capable[1])
+    for name, x in narrow[2].items():
+        assert torch.equal(x, wide_capable[2][name]), f"d{name}"
+
+
 # V = 100: two 64-column state tiles, the second masked.
 @pytest.mark.parametrize("gate, l2norm, T, V", [(False, False, 1, 16), (True, True, 3, 16), (True, True, 2, 100)])
 def test_decode_step(gate, l2norm, T, V):
