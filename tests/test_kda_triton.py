@@ -414,6 +414,10 @@ def test_bad_inputs():
     big = torch.zeros(1, 4, 1, 257, device=DEV)
     with pytest.raises(ValueError, match="K and V"):
         chunk_kda_triton(big, big, v[:, :4], big, beta[:, :4])
+    # 64 rows x 2^17 heads x 256 channels is 2^31: a chunk's tile offsets would leave int32 (views, no memory)
+    wide = torch.zeros(1, 1, 1, 256, device=DEV).expand(1, 1, 2**17, 256)
+    with pytest.raises(ValueError, match="at most 131071 heads at K = 256, V = 256, got 131072"):
+        chunk_kda_triton(wide, wide, wide, -wide.abs(), torch.zeros(1, 1, 2**17, device=DEV))
     A_log, dt_bias = torch.zeros(1, device=DEV), torch.zeros(16, device=DEV)
     with pytest.raises(ValueError, match="need gate="):
         chunk_kda_triton(q, k, v, g, beta, A_log=A_log)

@@ -21,7 +21,7 @@ from hybrid_attention.ops.kda.chunk_fwd import allocate_fwd, kda_fwd
 from hybrid_attention.ops.kda.chunk_states import chunk_count
 from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
-from hybrid_attention.ops.kda.triton_utils import MAX_DIM, ChunkLayout, empty
+from hybrid_attention.ops.kda.triton_utils import CHUNK, MAX_DIM, MAX_TILE_SPAN, ChunkLayout, empty
 from hybrid_attention.ops.triton_support import triton_runs_on
 
 _SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew")
@@ -119,6 +119,9 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log,
     K, V = q.shape[-1], v.shape[-1]
     if K > MAX_DIM or V > MAX_DIM:
         raise ValueError(f"{_NAME}: K and V must be <= {MAX_DIM}, got K = {K}, V = {V}")
+    if CHUNK * v.shape[2] * max(K, V) >= MAX_TILE_SPAN:  # a chunk's tile offsets are int32 (triton_utils._row_base)
+        most = (MAX_TILE_SPAN - 1) // (CHUNK * max(K, V))
+        raise ValueError(f"{_NAME}: at most {most} heads at K = {K}, V = {V}, got {v.shape[2]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f'{_NAME}: supports float16, bfloat16 and float32 inputs, got {q.dtype}; use backend="torch"')
     if not triton_runs_on(q):

@@ -30,6 +30,7 @@ from hybrid_attention.ops.triton_support import interpreting
 
 CHUNK = 64
 MAX_DIM = 256
+MAX_TILE_SPAN = 2**31  # a tile's int32 offsets: CHUNK rows of H * MAX_DIM elements must stay below this
 LOG2E = tl.constexpr(1.4426950408889634)
 SHIFT = tl.constexpr(58.0)  # centres the anchored factors: 2^(+-58) for spans up to WIDE
 # Decays below 2^-48 per step are taken as 2^-48: anything across such a step is then below 2^-48 of what it
@@ -159,13 +160,21 @@ def mm32(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _row_base(ptr, row0, stride):
+    """ptr advanced to row row0 of rows of `stride` elements: the only offset that grows with the tokens, formed once
+    in int64. A tile's own offsets (under 64 rows of at most H * 256 elements; `MAX_TILE_SPAN`) then stay int32, one
+    32-bit multiply-add per element instead of a 64-bit one."""
+    return ptr + (row0 + tl.zeros([], dtype=tl.int64)) * stride
+
+
+@triton.jit
 def load_tile(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.constexpr):
     """Rows row0 + [0, R) (valid below nrows) and columns col0 + [0, C) (valid below ncols) as float32."""
     r = tl.arange(0, R)
     c = col0 + tl.arange(0, C)
     mask = (r < nrows)[:, None] & (c < ncols)[None, :]
-    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs = r[:, None] * stride + c[None, :]
+    return tl.load(_row_base(ptr, row0, stride) + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -174,8 +183,8 @@ def load_raw(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.const
     r = tl.arange(0, R)
     c = col0 + tl.arange(0, C)
     mask = (r < nrows)[:, None] & (c < ncols)[None, :]
-    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
-    return tl.load(ptr + offs, mask=mask, other=0.0)
+    offs = r[:, None] * stride + c[None, :]
+    return tl.load(_row_base(ptr, row0, stride) + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -184,8 +193,8 @@ def load_lower(ptr, row0, nrows):
     dtype; upper 16x16 blocks, which are never written, read as zero, and so do columns past the valid rows."""
     r = tl.arange(0, 64)
     mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & (r < nrows)[:, None] & (r < nrows)[None, :]
-    offs = (row0 + r).to(tl.int64)[:, None] * 64 + r[None, :]
-    return tl.load(ptr + offs, mask=mask, other=0.0)
+    offs = r[:, None] * 64 + r[None, :]
+    return tl.load(_row_base(ptr, row0, 64) + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -193,22 +202,22 @@ def store_tile(ptr, x, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.
     r = tl.arange(0, R)
     c = col0 + tl.arange(0, C)
     mask = (r < nrows)[:, None] & (c < ncols)[None, :]
-    offs = (row0 + r).to(tl.int64)[:, None] * stride + c[None, :]
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+    offs = r[:, None] * stride + c[None, :]
+    tl.store(_row_base(ptr, row0, stride) + offs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def load_rows(ptr, row0, nrows, stride, R: tl.constexpr):
     """One value per row (beta, rstd): [R] float32, zero past nrows."""
     r = tl.arange(0, R)
-    return tl.load(ptr + (row0 + r).to(tl.int64) * stride, mask=r < nrows, other=0.0).to(tl.float32)
+    return tl.load(_row_base(ptr, row0, stride) + r * stride, mask=r < nrows, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_rows(ptr, x, row0, nrows, stride, R: tl.constexpr):
     """One value per row ([R], as load_rows reads them) into rows row0 + [0, R) below nrows."""
     r = tl.arange(0, R)
-    tl.store(ptr + (row0 + r).to(tl.int64) * stride, x.to(ptr.dtype.element_ty), mask=r < nrows)
+    tl.store(_row_base(ptr, row0, stride) + r * stride, x.to(ptr.dtype.element_ty), mask=r < nrows)
 
 
 @triton.jit
