@@ -378,13 +378,14 @@ def _prep_kernel(
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
     good = (r < fb_all)[:, None]
+    qscale = tl.where(r < fb_all, scale, float("nan"))  # NaN rows by a product, not by a select on the whole tile
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
-        store_tile(qg_h, tl.where(good, qn * e * scale, float("nan")), t0, n0, K, kk, K, 64, BKW)
+        store_tile(qg_h, qn * e * qscale[:, None], t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
         wt = mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU)
         store_tile(w_h, tl.where(good, wt, 0.0), t0, n0, K, kk, K, 64, BKW)
