@@ -125,19 +125,17 @@ def _dqkg_kernel(
     dA_diag = tl.sum(tl.where(eye, dA.to(tl.float32), 0.0), 1)
     # Wide rows (span from their sub-chunk's anchor above WIDE on this tile) take their diagonal-block pairs pair by
     # pair below; the dots skip those pairs (their column factors are clamped to 2^SHIFT, finite).
-    wide = tl.zeros([64], dtype=tl.int1)
-    if not NARROW:  # with NARROW no row is wide: the pair-by-pair path is not compiled
-        for a in range(4):
-            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
-            wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
-    any_wide = tl.max(wide.to(tl.int32), 0) > 0
     dq_s = dA_diag[:, None] * kn  # score part of dq
     dk_s = dA_diag[:, None] * qn  # score part of dk, through the row (+G) and column (-G) factors
     dg_s = tl.zeros([64, BK], dtype=tl.float32)  # score part of dG
     drop = eye
     dAk_f = dAk
-    if not NARROW:  # noqa: SIM102 (a compile-time branch: the runtime test inside it must not be compiled either)
-        if any_wide:  # before the dots, so that only the masked dAqk and dAkk stay live through them
+    if not NARROW:  # with NARROW no row is wide: the pair-by-pair path is not compiled
+        wide = tl.zeros([64], dtype=tl.int1)
+        for a in range(4):
+            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
+            wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
+        if tl.max(wide.to(tl.int32), 0) > 0:  # before the dots: only the masked dAqk and dAkk stay live through them
             dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
             pairs = wide[:, None] & (blk[:, None] == blk[None, :])
             drop = drop | pairs
