@@ -78,9 +78,9 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
     return dq_s, dk_s, dg_s
 
 
-# One pipeline stage: with two or three, Triton 3.6's software pipelining of this kernel made dk, dg and dbeta
-# differ from run to run on Hopper at K = 128 (docs/kernels.md). The V tile is fixed (chunk_bwd.reduction_tile).
-@autotune([{}, {}], [(8, 1), (4, 1)], ["K", "V", "GATE", "NARROW", "L2NORM"])
+# Pipelined loads hide part of the latency of this register-bound kernel. The V tile is fixed
+# (chunk_bwd.reduction_tile): the tuner's choice never changes the order of the sums.
+@autotune([{}, {}], [(8, 2), (8, 3)], ["K", "V", "GATE", "NARROW", "L2NORM"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
     q, k, g, beta, a_log, dt_bias, rq, rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
@@ -175,10 +175,15 @@ def _dqkg_kernel(
     for vv in range(0, V, BV):
         s0 = load_raw(h_c, kk, K - kk, V, vv, V, BK, BV)
         s1 = load_raw(dh_c, kk, K - kk, V, vv, V, BK, BV)
-        de += tl.sum(s0.to(tl.float32) * s1.to(tl.float32), 1)
         dqg += mm(load_raw(do + h * V, t0, nv, H * V, vv, V, 64, BV), tl.trans(s0), IO, PREC, EMU)
         dkg += mm(load_raw(vn_h, t0, nv, V, vv, V, 64, BV), tl.trans(s1), IO, PREC, EMU)
         dds += mm(load_raw(dvn_h, t0, nv, V, vv, V, 64, BV), tl.trans(s0), IO, PREC, EMU)
+    # The state-product sum reads the state tiles in registers: in its own loop, one stage, since inside the
+    # pipelined loop above Triton 3.6 made dk, dg and dbeta differ from run to run on Hopper (docs/kernels.md).
+    for vv in tl.range(0, V, BV, num_stages=1):
+        s0 = load_raw(h_c, kk, K - kk, V, vv, V, BK, BV)
+        s1 = load_raw(dh_c, kk, K - kk, V, vv, V, BK, BV)
+        de += tl.sum(s0.to(tl.float32) * s1.to(tl.float32), 1)
     dr = mm(tl.trans(load_lower(tm + h.to(tl.int64) * T_tot * 64, t0, nv)), dds, IO, PREC, EMU)  # R S0^T
 
     # ---- assemble dq, dk, dG; dg is the reverse cumulative sum of dG inside the chunk plus d Gam ----
