@@ -361,15 +361,22 @@ def _prep_kernel(
     # From fb_all, the first row with a non-finite k, g, beta or v (v per V tile: x is v scaled by beta), W and U
     # hold zeros, so D = U - W S is finite and the lower triangular Aqk multiplies only finite rows into earlier
     # ones; the NaN goes into qg (the outputs from that row on) and Gam (the state after the chunk) instead.
+    # T has a unit diagonal, so a non-finite row of x or of T makes the sum of T x non-finite: the plain tile is
+    # stored first, and only where that check (or fb) fails is it redone with the bad rows zeroed, from a second
+    # load of v, so that neither the masks nor x stay live in the common path.
     u_h = u + h.to(tl.int64) * T_tot * V
     fb_all = fb
     for vv in range(0, V, BV):
-        x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
-        fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
-        keep = (r < fv)[:, None]
-        ut = mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU)
-        store_tile(u_h, tl.where(keep, ut, 0.0), t0, n0, V, vv, V, 64, BV)
-        fb_all = tl.minimum(fb_all, fv)
+        ut = mm(tmat, load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None], IO, PREC, EMU)
+        store_tile(u_h, ut, t0, n0, V, vv, V, 64, BV)
+        if (fb < 64) | (finite(tl.sum(tl.sum(ut, 1), 0)) == 0):
+            x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
+            fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
+            keep = (r < fv)[:, None]
+            ut = tl.where(keep, mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU), 0.0)
+            tl.debug_barrier()  # every thread's plain store is done before any masked one replaces it
+            store_tile(u_h, ut, t0, n0, V, vv, V, 64, BV)
+            fb_all = tl.minimum(fb_all, fv)
 
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
@@ -387,8 +394,11 @@ def _prep_kernel(
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
         store_tile(qg_h, qn * e * qscale[:, None], t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        wt = mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU)
-        store_tile(w_h, tl.where(good, wt, 0.0), t0, n0, K, kk, K, 64, BKW)
+        if fb_all < 64:
+            wt = tl.where(good, mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU), 0.0)
+        else:
+            wt = mm(tmat, kn * e * b[:, None], IO, PREC, EMU)
+        store_tile(w_h, wt, t0, n0, K, kk, K, 64, BKW)
         cols = kk + tl.arange(0, BKW)
         gam_s = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
         tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam_s, mask=cols < K)
