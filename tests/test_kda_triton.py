@@ -264,6 +264,26 @@ def test_poisoned_future_leaves_the_past_bit_identical(name, value, output_pass)
         assert not torch.isfinite(o2[:, t:]).any() and not torch.isfinite(S2).any()
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's float32 sums, as intended
+def test_finite_values_whose_u_sum_overflows(output_pass):
+    """The prep kernel checks a chunk for bad rows by the sum of U = T Diag(beta) v, which a non-finite row makes
+    non-finite; finite values near float32's top can overflow that sum too. Such a chunk takes the masked pass
+    with no row to mask, and its outputs and final state still match the float64 reference (forward only: the
+    gradients of values this large overflow float32 themselves)."""
+    q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 64, 1, 16, 16, seed=50)
+    beta = torch.full_like(beta, 0.01)
+    v = 5e37 * (1.0 + torch.rand(v.shape, generator=torch.Generator().manual_seed(51), dtype=torch.float64))
+    v = v.float().to(DEV)  # every element finite, in [5e37, 1e38]
+    assert torch.isinf((beta[..., None] * v).float().sum(dtype=torch.float32))  # U is within 20% of beta v here
+    inputs = (q, k, v, g, beta, h0, A_log, dt_bias)
+    with torch.no_grad():
+        o, S = triton_kda(*inputs)
+        ro, rS = reference_kda(*inputs)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert_close("o", o, ro, TOL32)
+    assert_close("final state", S, rS, TOL32)
+
+
 def test_backward_is_bitwise_repeatable():
     """Two backward passes on the same inputs give the same bits (no atomics; fixed reduction order), with the fused
     gate and l2norm and a softplus gate that sends some rows down the pair-by-pair path."""
