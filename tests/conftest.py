@@ -25,3 +25,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_triton = pytest.mark.skipif(
     not triton_runs_on(torch.empty(1, device=DEV)), reason="needs triton and CUDA or TRITON_INTERPRET=1"
 )
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' logging at errors only for the test (its reference layers warn once per kernel that they fall
+    back to PyTorch); the verbosity is restored after."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)

@@ -1,4 +1,5 @@
-"""Tolerance helpers shared by every test: relative error ||a - b|| / ||b||, NaN never passes."""
+"""Helpers shared by the tests: tolerances (relative error ||a - b|| / ||b||, NaN never passes) and the CLI run in
+this process."""
 
 from __future__ import annotations
 
@@ -55,3 +56,15 @@ def assert_as_accurate(
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised-looking tensor filled with NaN, so an unwritten element fails a comparison."""
     return torch.full_like(t, float("nan"))
+
+
+def run_cli(argv, capsys):
+    """(exit code, stdout, stderr) of `hybrid-attention *argv` run in this process (`capsys`: pytest's fixture)."""
+    from hybrid_attention import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

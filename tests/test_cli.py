@@ -20,19 +20,10 @@ from hybrid_attention.checkpoint import load_run
 from hybrid_attention.generate import generate
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
 from hybrid_attention.train import TrainConfig
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--data-max-bytes", "40000", "--eval-batches", "2"]
-
-
-def run_cli(argv, capsys):
-    """(exit code, stdout, stderr) of `hybrid-attention *argv` run in this process."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def snapshot(path: Path) -> dict:

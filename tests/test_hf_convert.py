@@ -26,16 +26,9 @@ from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinear
 from hybrid_attention.hf.convert import convert_kda, convert_mla  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
+
 TOL = 1e-10  # float64 on both sides; any float32 step on ours would show as about 1e-7
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    # The reference layers warn once per kernel that they fall back to PyTorch (no FLA / causal-conv1d here).
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 class Float32AsFloat64(TorchFunctionMode):

@@ -13,31 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hybrid_attention import cli  # noqa: E402
 from hybrid_attention.checkpoint import load_run  # noqa: E402
 from hybrid_attention.generate import generate  # noqa: E402
 from hybrid_attention.hf import HybridAttentionForCausalLM  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 FAST = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--data-max-bytes", "20000", "--eval-batches", "1"]
 TEXT = "def f(x):\n    return x  # é 漢字 🙂\tend "
-
-
-def run_cli(argv, capsys):
-    """(exit code, stdout, stderr) of `hybrid-attention *argv` run in this process."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])

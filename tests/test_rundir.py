@@ -18,17 +18,9 @@ from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.rundir import RunLock
 from hybrid_attention.train import TrainConfig, TrainingDiverged, train
+from tests.helpers import run_cli
 
 ARGS = ["--steps", 4, "--batch-size", 2, "--seq-len", 32, "--eval-every", 2, "--eval-batches", 1, "--log-every", 1]
-
-
-def run_cli(argv, capsys):
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(err: str, message: str) -> bool:
