@@ -159,6 +159,7 @@ def op_case(shape, impls, modes):
                 outs[impl] = fn(*inputs)
         except Exception as exc:
             row[impl] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log(f"      {impl}: {row[impl]}")  # as soon as measured: a run stopped later (a cold autotune) keeps it
     if "ours" in outs and "fla" in outs:
         row["rel_err_ours_vs_fla_o"] = rel(outs["ours"], outs["fla"])
     if "ours-softplus" in outs and "fla-softplus" in outs:
