@@ -249,8 +249,9 @@ def floor_step(g2):
 
 @triton.jit
 def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-               R: tl.constexpr, C: tl.constexpr):  # fmt: skip
-    """(log2 decay, d g / d u, d g / d A_log) of a tile, u = z + dt_bias (the last two for GATE only).
+               NARROW: tl.constexpr, R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """(log2 decay, d g / d u, d g / d A_log) of a tile, u = z + dt_bias (the last two for GATE only). Steps are
+    raised to STEP_FLOOR, except with NARROW (`narrow_span`), where every step is at least lower_bound, far above it.
 
     GATE 0: g holds the decay. GATE 1, bounded: g = lower_bound * sigmoid(exp(A_log) u). GATE 2, softplus:
     g = -exp(A_log) softplus(u). Both from one ex2 per element (sigmoid(x) = 1 / (1 + 2^(-x log2 e)) with a fast
@@ -270,7 +271,10 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
             xx = rate * u
             s = fast_rcp(1.0 + tl.exp2(u * (-rate * LOG2E)))
             ds = lower_bound * s * (1.0 - s)  # d g / d x
-            return floor_step(tl.where(valid, (lower_bound * LOG2E) * s, 0.0)), ds * rate, ds * xx
+            g2 = tl.where(valid, (lower_bound * LOG2E) * s, 0.0)
+            if not NARROW:
+                g2 = floor_step(g2)
+            return g2, ds * rate, ds * xx
         else:
             e = tl.exp2(tl.minimum(u, 20.0) * LOG2E)
             sp2 = tl.where(u > 20.0, u * LOG2E, tl.log2(1.0 + e))  # softplus(u) in log2 units
@@ -281,10 +285,10 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
 
 @triton.jit
 def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-              R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+              NARROW: tl.constexpr, R: tl.constexpr, C: tl.constexpr):  # fmt: skip
     """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the gate is applied here (gate_parts).
     Zero outside the valid rows and columns."""
-    decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, R, C)
+    decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, NARROW, R, C)
     return decay
 
 

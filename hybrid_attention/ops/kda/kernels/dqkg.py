@@ -107,7 +107,7 @@ def _dqkg_kernel(
     blk = r // 16
 
     # ---- gate, normalised q and k of this K tile (recomputed as in the forward) ----
-    G = tl.cumsum(load_gate(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK), 0)
+    G = tl.cumsum(load_gate(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, NARROW, 64, BK), 0)
     rqn = rows_or_one(rq + h, t0, nv, H, L2NORM)
     rkn = rows_or_one(rk + h, t0, nv, H, L2NORM)
     qn = load_tile(q + h * K, t0, nv, sk, kk, K, 64, BK) * rqn[:, None]
@@ -205,7 +205,7 @@ def _dqkg_kernel(
     if GATE != 0:
         # dz = dg * (d g / d u), u = z + dt_bias; the per-chunk sums of dz and of dg * (d g / d A_log) feed dt_bias
         # and A_log. The gate's parts are recomputed from z here rather than kept from the start: fewer live tiles.
-        _, dgdu, dgda = gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, 64, BK)
+        _, dgdu, dgda = gate_parts(g + h * K, a_log, dt_bias, h, lower_bound, t0, nv, sk, kk, K, GATE, NARROW, 64, BK)
         dz = dgl * dgdu
         part = (c * H + h).to(tl.int64) * K + kk + tl.arange(0, BK)
         tl.store(dalog + part, tl.sum(dgl * dgda, 0), mask=cm)

@@ -191,10 +191,10 @@ def _prep_kernel(
     up2 = up0
     up3 = up0
     for kk in range(0, K, BKA):
-        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 16, BKA)
-        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, 16, BKA)
-        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, 16, BKA)
-        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, 16, BKA)
+        g0 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 16, BKA)
+        g1 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 16, n1, sk, kk, K, GATE, NARROW, 16, BKA)
+        g2 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 32, n2, sk, kk, K, GATE, NARROW, 16, BKA)
+        g3 = load_gate(gh, a_log, dt_bias, h, lower_bound, t0 + 48, n3, sk, kk, K, GATE, NARROW, 16, BKA)
         if GATE == 0:
             up0 = up0 | (tl.max(g0, 1) > 0)
             up1 = up1 | (tl.max(g1, 1) > 0)
@@ -387,7 +387,7 @@ def _prep_kernel(
     good = (r < fb_all)[:, None]
     qscale = tl.where(r < fb_all, scale, float("nan"))  # NaN rows by a product, not by a select on the whole tile
     for kk in range(0, K, BKW):
-        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, 64, BKW), 0)
+        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
