@@ -1,0 +1,199 @@
+"""Times of the Triton KDA kernels in several builds of this repository, on one GPU: which change moved which kernel.
+
+    python tools/kernel_builds.py REV [REV ...] [--shape 8,4096,16,128] [--backward] [--kernels prep,dqkg]
+    python tools/kernel_builds.py REV [REV ...] --list       # the autotuned kernels and configs of each build
+
+Each REV is a git revision, or `.` for the working tree as it is (uncommitted edits included). Every build is copied
+to a temporary folder (`git archive`), warmed up in its own process, all builds at once (compiling is most of the
+work, and Triton's cache keeps the binaries), then timed one build at a time: the chunk op with bench_kda.py's
+configuration (bf16, the bounded gate at -5 and the q/k L2 norm in the kernels), the forward or with --backward the
+forward and backward, once per autotune config of each named kernel with that config forced. The table gives each
+named kernel's CUDA time per call (torch.profiler), and that of all the op's kernels. Static counts
+(tools/kernel_stats.py) do not predict what a change does to a register-bound kernel: time the builds side by side,
+and bisect with variants of a kernel committed or left in the working tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export_build(rev: str, into: Path) -> Path:
+    """The package of revision `rev` (or of the working tree for ".") under `into`; returns the build's root."""
+    root = into / ("worktree" if rev == "." else rev.replace("/", "_").replace("~", "-").replace("^", "-"))
+    root.mkdir(parents=True)
+    if rev != "." and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                                     capture_output=True).returncode != 0:  # fmt: skip
+        raise SystemExit(f'kernel_builds: {rev!r} is not a revision of {REPO}; give git revisions, or "." for the '
+                         "working tree")  # fmt: skip
+    if rev == ".":
+        shutil.copytree(REPO / "hybrid_attention", root / "hybrid_attention",
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "hybrid_attention"], check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "x", "-C", str(root)], input=archive, check=True)
+    return root
+
+
+def autotuned_kernels() -> dict:
+    """{name: autotuner} of every autotuned KDA kernel of the imported build (`_prep_kernel` -> "prep"), wherever
+    that build keeps its kernel modules."""
+    import triton
+
+    import hybrid_attention.ops.kda as kda
+
+    tuners = {}
+    for info in pkgutil.walk_packages(kda.__path__, kda.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, triton.runtime.Autotuner):
+                name = value.base_fn.__name__
+                tuners[name.removeprefix("_").removesuffix("_kernel")] = value
+    return tuners
+
+
+def all_configs(tuner) -> list:
+    """Every config of an autotuned kernel: builds that keep the full list beside the tuned one (`all_configs`, as
+    under the Triton interpreter, which tunes the first only) and builds that do not."""
+    return list(getattr(tuner, "all_configs", tuner.configs))
+
+
+def config_label(config) -> str:
+    """An autotune config in a few words: its meta-parameters, warps and pipeline stages."""
+    return " ".join([f"{k}={v}" for k, v in config.kwargs.items()] + [f"warps={config.num_warps}",
+                                                                       f"stages={config.num_stages}"])  # fmt: skip
+
+
+def op_inputs(B: int, T: int, H: int, D: int):
+    """Raw q, k, v, gate logits z, beta, A_log = 0 and dt_bias as the layer initialises it (bench_kda.py's inputs)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, z = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(4))
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
+    dt_bias = torch.log(torch.expm1(torch.exp(-6.9 + 4.6 * torch.rand(H * D, device="cuda", generator=gen))))
+    return q, k, v, z, beta, torch.zeros(H, device="cuda"), dt_bias
+
+
+def kernel_times(fn, iters: int) -> dict[str, float]:
+    """Mean CUDA time per call of every kernel `fn` launches, in ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.self_device_time_total > 0:
+            totals[evt.key] += evt.self_device_time_total / 1000.0 / iters
+    return dict(totals)
+
+
+def worker(args) -> None:
+    """In a build's own process: one JSON line per (kernel, config), or with --list the kernels and configs."""
+    tuners = autotuned_kernels()
+    if args.list:
+        print(json.dumps({name: [config_label(c) for c in all_configs(t)] for name, t in sorted(tuners.items())}))
+        return
+    import torch
+
+    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    inputs = [x.requires_grad_(args.backward) for x in op_inputs(B, T, H, D)]
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        q, k, v, z, beta, A_log, dt_bias = inputs
+        with torch.set_grad_enabled(args.backward):
+            o = chunk_kda_triton(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                 use_qk_l2norm=True)[0]  # fmt: skip
+            if args.backward:
+                for x in inputs:
+                    x.grad = None
+                o.backward(do)
+
+    for name in args.kernels.split(","):
+        if name not in tuners:
+            error = f"no autotuned kernel {name!r}; this build has {sorted(tuners)}"
+            print(json.dumps({"kernel": name, "error": error}))
+            continue
+        tuner, configs = tuners[name], list(tuners[name].configs)
+        for config in all_configs(tuner):
+            tuner.configs = [config]
+            times = kernel_times(step, 1 if args.warm else args.iters)
+            ms = times.get(tuner.base_fn.__name__, float("nan"))
+            row = {"kernel": name, "config": config_label(config), "ms": ms, "op_ms": sum(times.values())}
+            print(json.dumps(row), flush=True)
+        tuner.configs = configs
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("revs", nargs="+", help='git revisions, or "." for the working tree')
+    p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D (K = V = D)")
+    p.add_argument("--kernels", default="prep", help="comma-separated kernel names (see --list)")
+    p.add_argument("--backward", action="store_true", help="time forward + backward (needed for backward kernels)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--list", action="store_true", help="list each build's autotuned kernels and configs, run nothing")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # a build's root: run inside that build
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        sys.path.insert(0, args.worker)
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {rev: export_build(rev, Path(tmp)) for rev in args.revs}
+        own = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in args.revs]
+
+        def start(root: Path, *extra: str) -> subprocess.Popen:
+            env = dict(os.environ, PYTHONPATH=str(root))
+            return subprocess.Popen([sys.executable, __file__, *own, *extra, "--worker", str(root), "."], env=env,
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+        if not args.list:  # compile every build at once; the timed runs below then find their binaries cached
+            for proc in [start(root, "--warm") for root in builds.values()]:
+                proc.communicate()
+        rows = {}
+        for rev, root in builds.items():
+            out = start(root).communicate()[0]
+            rows[rev] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if not args.list:
+                print(f"{rev}: timed", file=sys.stderr, flush=True)
+    if args.list:
+        for rev, lines in rows.items():
+            for name, configs in (lines[0] if lines else {}).items():
+                print(f"{rev:>12}  {name:<12} {' | '.join(configs)}")
+        return
+    mode = "forward + backward" if args.backward else "forward"
+    print(f"CUDA ms per call at {args.shape}, {mode}: the named kernel, then all the op's kernels together")
+    for rev, lines in rows.items():
+        if not lines:
+            print(f"{rev:>12}  no result: its worker failed (its error is above)")
+        for r in lines:
+            if "error" in r:
+                print(f"{rev:>12}  {r['kernel']:<10} {r['error']}")
+            else:
+                print(f"{rev:>12}  {r['kernel']:<10} {r['config']:<28} {r['ms']:8.3f} {r['op_ms']:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
