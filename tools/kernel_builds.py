@@ -5,12 +5,12 @@
 
 Each REV is a git revision, or `.` for the working tree as it is (uncommitted edits included). Every build is copied
 to a temporary folder (`git archive`), warmed up in its own process, all builds at once (compiling is most of the
-work, and Triton's cache keeps the binaries), then timed one build at a time: the chunk op with bench_kda.py's
-configuration (bf16, the bounded gate at -5 and the q/k L2 norm in the kernels), the forward or with --backward the
-forward and backward, once per autotune config of each named kernel with that config forced. The table gives each
-named kernel's CUDA time per call (torch.profiler), and that of all the op's kernels. Static counts
-(tools/kernel_stats.py) do not predict what a change does to a register-bound kernel: time the builds side by side,
-and bisect with variants of a kernel committed or left in the working tree.
+work, and Triton's cache keeps the binaries), then timed one build at a time: bench_kda.py's chunk op and inputs,
+from this checkout, on each build's package (bf16, the bounded gate at -5 and the q/k L2 norm in the kernels), the
+forward or with --backward the forward and backward, once per autotune config of each named kernel with that config
+forced. The table gives each named kernel's CUDA time per call (torch.profiler), and that of all the op's kernels.
+Static counts (tools/kernel_stats.py) do not predict what a change does to a register-bound kernel: time the builds
+side by side, and bisect with variants of a kernel committed or left in the working tree.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,35 +76,6 @@ def config_label(config) -> str:
                                                                        f"stages={config.num_stages}"])  # fmt: skip
 
 
-def op_inputs(B: int, T: int, H: int, D: int):
-    """Raw q, k, v, gate logits z, beta, A_log = 0 and dt_bias as the layer initialises it (bench_kda.py's inputs)."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, z = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() for _ in range(4))
-    beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
-    dt_bias = torch.log(torch.expm1(torch.exp(-6.9 + 4.6 * torch.rand(H * D, device="cuda", generator=gen))))
-    return q, k, v, z, beta, torch.zeros(H, device="cuda"), dt_bias
-
-
-def kernel_times(fn, iters: int) -> dict[str, float]:
-    """Mean CUDA time per call of every kernel `fn` launches, in ms."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.self_device_time_total > 0:
-            totals[evt.key] += evt.self_device_time_total / 1000.0 / iters
-    return dict(totals)
-
-
 def worker(args) -> None:
     """In a build's own process: one JSON line per (kernel, config), or with --list the kernels and configs."""
     tuners = autotuned_kernels()
@@ -114,17 +84,19 @@ def worker(args) -> None:
         return
     import torch
 
-    from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
+    # This checkout's benchmark code, on the build's package (first on sys.path): bench_kda.py's inputs and op call.
+    sys.path.insert(1, str(REPO / "benchmarks"))
+    from bench_kda import op_inputs, ours_op
+    from profile_kda import kernel_times
 
     B, T, H, D = (int(x) for x in args.shape.split(","))
+    torch.manual_seed(0)
     inputs = [x.requires_grad_(args.backward) for x in op_inputs(B, T, H, D)]
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        q, k, v, z, beta, A_log, dt_bias = inputs
         with torch.set_grad_enabled(args.backward):
-            o = chunk_kda_triton(q, k, v, z, beta, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                                 use_qk_l2norm=True)[0]  # fmt: skip
+            o = ours_op(*inputs)
             if args.backward:
                 for x in inputs:
                     x.grad = None
@@ -162,11 +134,12 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         builds = {rev: export_build(rev, Path(tmp)) for rev in args.revs}
-        own = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in args.revs]
+        options = ["--shape", args.shape, "--kernels", args.kernels, "--iters", str(args.iters)]
+        options += ["--backward"] * args.backward + ["--list"] * args.list
 
         def start(root: Path, *extra: str) -> subprocess.Popen:
             env = dict(os.environ, PYTHONPATH=str(root))
-            return subprocess.Popen([sys.executable, __file__, *own, *extra, "--worker", str(root), "."], env=env,
+            return subprocess.Popen([sys.executable, __file__, *options, *extra, "--worker", str(root), "."], env=env,
                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
 
         if not args.list:  # compile every build at once; the timed runs below then find their binaries cached
