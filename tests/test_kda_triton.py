@@ -264,6 +264,48 @@ def test_poisoned_future_leaves_the_past_bit_identical(name, value, output_pass)
         assert not torch.isfinite(o2[:, t:]).any() and not torch.isfinite(S2).any()
 
 
+def test_poisoned_chunk_among_many_heads_and_flag_blocks(monkeypatch):
+    """The prep kernel's checked path runs only for the (chunk, head) pairs the plain path flags, read a few flags
+    per program: a NaN in k at one token of chunk 2 of head 2 (of 3 heads, 4 chunks; 4 flags per program, so pair 8
+    sits in the third program) leaves every other head and every earlier token bit-identical, and poisons that head
+    from the token on."""
+    import hybrid_attention.ops.kda.chunk_fwd as chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "REDO_FLAGS", 4)
+    t, head = 150, 2
+    inputs = make_inputs(1, 200, 3, 16, 16, gate=True, l2norm=True, seed=52)
+    with torch.no_grad():
+        o, S = triton_kda(*inputs, l2norm=True)
+        poisoned = list(inputs)
+        poisoned[1] = inputs[1].clone()
+        poisoned[1][0, t, head, 3] = float("nan")
+        o2, S2 = triton_kda(*poisoned, l2norm=True)
+    others = [h for h in range(3) if h != head]
+    assert torch.equal(o2[:, :, others], o[:, :, others]) and torch.equal(S2[:, others], S[:, others])
+    assert torch.equal(o2[:, :t, head], o[:, :t, head])
+    assert not torch.isfinite(o2[:, t:, head]).any() and not torch.isfinite(S2[:, head]).any()
+
+
+@pytest.mark.parametrize("form", ["bounded", "softplus"])
+def test_checked_prep_path_computes_the_same_bits(monkeypatch, form):
+    """On usable inputs the prep kernel's checked path (which the plain path hands the chunks it cannot take) gives
+    the same bits as the plain path: outputs, final state and every gradient, varlen, with the fused gate and
+    l2norm; the softplus gate also sends rows down the pair-by-pair diagonal."""
+    import functools
+
+    import hybrid_attention.ops.kda.chunk_fwd as chunk_fwd
+
+    inputs = make_inputs(1, 150, 2, 32, 16, N=2, gate=form, l2norm=True, seed=53)
+    cu = torch.tensor([0, 61, 150], device=DEV)
+    do, dS = _grad_draw(inputs, cu)
+    plain = run(triton_kda, inputs, do, dS, l2norm=True, form=form, cu_seqlens=cu)
+    monkeypatch.setattr(chunk_fwd, "prep_fwd", functools.partial(chunk_fwd.prep_fwd, checked_everywhere=True))
+    checked = run(triton_kda, inputs, do, dS, l2norm=True, form=form, cu_seqlens=cu)
+    assert torch.equal(plain[0], checked[0]) and torch.equal(plain[1], checked[1])
+    for name, x in plain[2].items():
+        assert torch.equal(x, checked[2][name]), f"d{name}"
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's float32 sums, as intended
 def test_finite_values_whose_u_sum_overflows(output_pass):
     """The prep kernel checks a chunk for bad rows by the sum of U = T Diag(beta) v, which a non-finite row makes

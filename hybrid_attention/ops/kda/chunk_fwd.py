@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.kernels.output import _output_kernel
-from hybrid_attention.ops.kda.kernels.prep import _prep_kernel
+from hybrid_attention.ops.kda.kernels.prep import _prep_kernel, _prep_redo_kernel
 from hybrid_attention.ops.kda.kernels.state_fwd import _state_fwd_kernel
 from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, narrow_span, tuning_width
 
@@ -26,6 +26,9 @@ def split_output(pairs: int) -> bool:
     walk is long and its programs few; with more pairs the walk's programs already fill the GPU."""
     return tuning_width(pairs) <= 32
 
+
+# Flags each program of the checked-path launch reads at once: few programs when none is set.
+REDO_FLAGS = 256
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -56,10 +59,12 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
     return o, ht, saved
 
 
-def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes):
-    """Launch the prep kernel. q, k, g [T_total, H, K]; v [T_total, H, V]; beta [T_total, H] (contiguous).
-    `out` holds the preallocated outputs w, u, qg, kg, aqk, tm, glast, rq, rk, akk (see allocate_fwd);
-    `dtypes` = (IO, ADT, PREC, EMU)."""
+def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes,
+             checked_everywhere=False):  # fmt: skip
+    """Launch the prep kernels: the plain path for every chunk, then the checked path for the chunks it flags (every
+    chunk with `checked_everywhere`, which tests use to compare the two paths). q, k, g [T_total, H, K];
+    v [T_total, H, V]; beta [T_total, H] (contiguous). `out` holds the preallocated outputs w, u, qg, kg, aqk, tm,
+    glast, rq, rk, akk (see allocate_fwd); `dtypes` = (IO, ADT, PREC, EMU)."""
     T_tot, H, K = q.shape
     V = v.shape[-1]
     IO, ADT, PREC, EMU = dtypes
@@ -68,15 +73,26 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     BKW = min(128, max(16, triton.next_power_of_2(K)))
     BV = min(128, max(16, triton.next_power_of_2(V)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
-    _prep_kernel[(layout.n_chunks, H)](
-        q, k, v, g, beta, a_log, dt_bias,
-        out["w"], out["u"], out["qg"], out["kg"], out["aqk"], out["tm"], out["glast"], out["rq"], out["rk"], out["akk"],
-        empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32),
-        cu, chunk_seq, chunk_tok,
-        scale, lower_bound, T, NT, T_tot,
+    outputs = [out[name] for name in ("w", "u", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "akk")]
+    ldiag = empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32)
+    redo = empty(q, layout.n_chunks, H, dtype=torch.int8)
+    meta = dict(
         H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
         VARLEN=layout.varlen, GATE=gate, NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, SAVE=save,
         IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
+    )  # fmt: skip
+    _prep_kernel[(layout.n_chunks, H)](
+        q, k, v, g, beta, a_log, dt_bias, *outputs, ldiag, redo, cu, chunk_seq, chunk_tok,
+        scale, lower_bound, T, NT, T_tot, **meta,
+    )  # fmt: skip
+    if checked_everywhere:
+        redo.fill_(1)
+    # The checked path, only for the chunks whose inputs the plain one cannot take (docs/kernels.md, "Non-finite
+    # inputs"); without a host sync the launch always happens, and costs one flag load per program when none is set.
+    n_flags = layout.n_chunks * H
+    _prep_redo_kernel[(triton.cdiv(n_flags, REDO_FLAGS),)](
+        q, k, v, g, beta, a_log, dt_bias, *outputs, ldiag, redo, cu, chunk_seq, chunk_tok,
+        scale, lower_bound, T, NT, T_tot, n_flags, **meta, FLAGS=REDO_FLAGS, num_warps=4, num_stages=1,
     )  # fmt: skip
 
 

@@ -93,10 +93,12 @@ def _wide_rows(G, ca, NARROW: tl.constexpr):
 
 
 @triton.jit
-def _clean(x, row0, f):
-    """Rows at or after f (the first token with a non-finite k, g or beta) set to zero: a dot by a lower triangular
-    matrix then multiplies them by exact zeros only, and earlier rows never see a NaN from later ones."""
-    return tl.where((row0 + tl.arange(0, 16) < f)[:, None], x, 0.0)
+def _clean(x, row0, f, CHECKED: tl.constexpr):
+    """Checked: rows at or after f (the first token with a non-finite k, g or beta) set to zero, so that a dot by a
+    lower triangular matrix multiplies them by exact zeros only and earlier rows never see a NaN from later ones."""
+    if CHECKED:
+        x = tl.where((row0 + tl.arange(0, 16) < f)[:, None], x, 0.0)
+    return x
 
 
 @triton.jit
@@ -119,26 +121,19 @@ def _store_blk(ptr, x, t0, nv, A: tl.constexpr, B: tl.constexpr):
     store_tile(ptr, x, t0 + 16 * A, nv - 16 * A, 64, 16 * B, 64, 16, 16)
 
 
-# Two pipeline stages issue the next K tile's loads before this one's dots; two warps win at K = V = 64 and lose at
-# 128, so both warp counts are tuned.
-@autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "NARROW", "L2NORM", "SAVE"])
-@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
-def _prep_kernel(
-    q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
-    ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L
-    cu, chunk_seq, chunk_tok,
-    scale, lower_bound, T, NT, T_tot,
+@triton.jit
+def _prep_chunk(
+    c, h, t0, eos,
+    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, ldiag, scale, lower_bound, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+    GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
+    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, CHECKED: tl.constexpr,
 ):  # fmt: skip
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
-    if seq < 0:
-        return
+    """Every output of chunk c (first token t0, its sequence ending at eos), head h. Returns whether the chunk needs
+    the checked path: a non-finite k, g, beta or v, beta outside [0, 1] or g > 0 on one of its rows (or a U tile whose
+    sum overflows). The plain path (CHECKED false) computes the outputs as if every input were usable; the checked
+    path keeps the rows before the first bad one exact and finite (see U below)."""
     # Valid rows of sub-chunk a are those below n_a (tile loads mask r < n_a for r in [0, 16)).
     n0 = eos - t0
     n1 = n0 - 16
@@ -332,13 +327,13 @@ def _prep_kernel(
     l31 = ak31 * b3[:, None]
     l32 = ak32 * b3[:, None]
     # T_ac = -T_aa sum_{c <= b < a} L_ab T_bc
-    t10 = -mm32(d1, _clean(mm32(l10, d0, PREC), 16, fb), PREC)
-    t21 = -mm32(d2, _clean(mm32(l21, d1, PREC), 32, fb), PREC)
-    t20 = -mm32(d2, _clean(mm32(l20, d0, PREC) + mm32(l21, t10, PREC), 32, fb), PREC)
-    t32 = -mm32(d3, _clean(mm32(l32, d2, PREC), 48, fb), PREC)
-    t31 = -mm32(d3, _clean(mm32(l31, d1, PREC) + mm32(l32, t21, PREC), 48, fb), PREC)
+    t10 = -mm32(d1, _clean(mm32(l10, d0, PREC), 16, fb, CHECKED), PREC)
+    t21 = -mm32(d2, _clean(mm32(l21, d1, PREC), 32, fb, CHECKED), PREC)
+    t20 = -mm32(d2, _clean(mm32(l20, d0, PREC) + mm32(l21, t10, PREC), 32, fb, CHECKED), PREC)
+    t32 = -mm32(d3, _clean(mm32(l32, d2, PREC), 48, fb, CHECKED), PREC)
+    t31 = -mm32(d3, _clean(mm32(l31, d1, PREC) + mm32(l32, t21, PREC), 48, fb, CHECKED), PREC)
     acc = mm32(l30, d0, PREC) + mm32(l31, t10, PREC) + mm32(l32, t20, PREC)
-    t30 = -mm32(d3, _clean(acc, 48, fb), PREC)
+    t30 = -mm32(d3, _clean(acc, 48, fb, CHECKED), PREC)
     # T goes to memory as a whole [64, 64] block-lower matrix and comes back as one tile, so that W and U are
     # single M = 64 dots per K / V tile (the barrier makes the other threads' stores visible).
     tm_h = tm + h.to(tl.int64) * T_tot * 64
@@ -358,25 +353,31 @@ def _prep_kernel(
     r = tl.arange(0, 64)
 
     # ---- U = T Diag(beta) v, per V tile ----
-    # From fb_all, the first row with a non-finite k, g, beta or v (v per V tile: x is v scaled by beta), W and U
-    # hold zeros, so D = U - W S is finite and the lower triangular Aqk multiplies only finite rows into earlier
-    # ones; the NaN goes into qg (the outputs from that row on) and Gam (the state after the chunk) instead.
-    # T has a unit diagonal, so a non-finite row of x or of T makes the sum of T x non-finite: the plain tile is
-    # stored first, and only where that check (or fb) fails is it redone with the bad rows zeroed, from a second
-    # load of v, so that neither the masks nor x stay live in the common path.
+    # T has a unit diagonal, so a non-finite row of T or of x = Diag(beta) v makes the sum of the tile T x
+    # non-finite: that sum, and fb, tell whether this chunk needs the checked path.
+    # Checked: from fb_all, the first row with a non-finite k, g, beta or v (v per V tile), W and U hold zeros, so
+    # D = U - W S is finite and the lower triangular Aqk multiplies only finite rows into earlier ones; the NaN goes
+    # into qg (the outputs from that row on) and Gam (the state after the chunk) instead. The plain tile is stored
+    # first and redone with the bad rows zeroed, from a second load of v, only where the check fails, so that
+    # neither the masks nor x stay live in the common case.
     u_h = u + h.to(tl.int64) * T_tot * V
     fb_all = fb
+    needs_check = fb < 64
     for vv in range(0, V, BV):
         ut = mm(tmat, load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None], IO, PREC, EMU)
         store_tile(u_h, ut, t0, n0, V, vv, V, 64, BV)
-        if (fb < 64) | (finite(tl.sum(tl.sum(ut, 1), 0)) == 0):
-            x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
-            fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
-            keep = (r < fv)[:, None]
-            ut = tl.where(keep, mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU), 0.0)
-            tl.debug_barrier()  # every thread's plain store is done before any masked one replaces it
-            store_tile(u_h, ut, t0, n0, V, vv, V, 64, BV)
-            fb_all = tl.minimum(fb_all, fv)
+        bad_tile = finite(tl.sum(tl.sum(ut, 1), 0)) == 0
+        if CHECKED:
+            if (fb < 64) | bad_tile:
+                x = load_tile(v + h * V, t0, n0, H * V, vv, V, 64, BV) * b[:, None]
+                fv = tl.minimum(fb, first_bad_row(all_finite(x), 0, 64))
+                keep = (r < fv)[:, None]
+                ut = tl.where(keep, mm(tmat, tl.where(keep, x, 0.0), IO, PREC, EMU), 0.0)
+                tl.debug_barrier()  # every thread's plain store is done before any masked one replaces it
+                store_tile(u_h, ut, t0, n0, V, vv, V, 64, BV)
+                fb_all = tl.minimum(fb_all, fv)
+        else:
+            needs_check = needs_check | bad_tile
 
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
     w_h = w + h.to(tl.int64) * T_tot * K
@@ -385,20 +386,87 @@ def _prep_kernel(
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
     good = (r < fb_all)[:, None]
-    qscale = tl.where(r < fb_all, scale, float("nan"))  # NaN rows by a product, not by a select on the whole tile
+    if CHECKED:
+        masked = fb_all < 64
+        qnan = tl.where(r < fb_all, 1.0, float("nan"))  # NaN rows by a product, not by a select on the whole tile
+    else:
+        masked = False
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
-        store_tile(qg_h, qn * e * qscale[:, None], t0, n0, K, kk, K, 64, BKW)
+        qgt = qn * e * scale
+        if CHECKED:
+            qgt = qgt * qnan[:, None]
+        store_tile(qg_h, qgt, t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        if fb_all < 64:
+        if masked:
             wt = tl.where(good, mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU), 0.0)
         else:
             wt = mm(tmat, kn * e * b[:, None], IO, PREC, EMU)
         store_tile(w_h, wt, t0, n0, K, kk, K, 64, BKW)
         cols = kk + tl.arange(0, BKW)
-        gam_s = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
-        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam_s, mask=cols < K)
+        if CHECKED:
+            gam = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
+        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
+    return needs_check
+
+
+# Two pipeline stages issue the next K tile's loads before this one's dots; two warps win at K = V = 64 and lose at
+# 128, so both warp counts are tuned.
+@autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "NARROW", "L2NORM", "SAVE"])
+@triton.jit(do_not_specialize=["T", "NT", "T_tot"])
+def _prep_kernel(
+    q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
+    w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
+    ldiag,  # float32 scratch [chunks, H, 64, 16]: the diagonal blocks of L
+    redo,  # int8 [chunks, H]: 1 where the chunk needs the checked path
+    cu, chunk_seq, chunk_tok,
+    scale, lower_bound, T, NT, T_tot,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
+    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """The plain path for every chunk, one program per (chunk, head), and the flag that sends it to the checked
+    path."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
+    if seq < 0:  # a spare grid slot (varlen)
+        tl.store(redo + c * H + h, tl.zeros([], dtype=tl.int8))
+        return
+    bad = _prep_chunk(
+        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, ldiag, scale,
+        lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE, IO, ADT, PREC, EMU, CHECKED=False,
+    )  # fmt: skip
+    tl.store(redo + c * H + h, bad.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "NT", "T_tot", "n_flags"])
+def _prep_redo_kernel(
+    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, ldiag, redo,
+    cu, chunk_seq, chunk_tok,
+    scale, lower_bound, T, NT, T_tot, n_flags,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
+    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, FLAGS: tl.constexpr,
+):  # fmt: skip
+    """The checked path for the flagged (chunk, head) pairs only: each program reads FLAGS flags at once and redoes
+    the pairs they mark, so that with none flagged (the common case) the launch costs one small load per program."""
+    i0 = tl.program_id(0) * FLAGS
+    idx = i0 + tl.arange(0, FLAGS)
+    if tl.max(tl.load(redo + idx, mask=idx < n_flags, other=0).to(tl.int32), 0) > 0:
+        for i in range(i0, tl.minimum(i0 + FLAGS, n_flags)):
+            if tl.load(redo + i) != 0:
+                c = i // H
+                h = i % H
+                _, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
+                _prep_chunk(
+                    c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk,
+                    ldiag, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE, IO, ADT,
+                    PREC, EMU, CHECKED=True,
+                )  # fmt: skip
