@@ -199,7 +199,14 @@ def test_every_access_in_bounds_at_head_size_128(checker, monkeypatch, case, out
     checker.assert_clean()
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert all(torch.isfinite(x).all() for x in grads)
-    expected = {"_prep_kernel", "_prep_redo_kernel", "_state_fwd_kernel", "_state_bwd_kernel", "_score_grad_kernel", "_dqkg_kernel"}
+    expected = {
+        "_prep_kernel",
+        "_prep_redo_kernel",
+        "_state_fwd_kernel",
+        "_state_bwd_kernel",
+        "_score_grad_kernel",
+        "_dqkg_kernel",
+    }
     assert expected <= checker.launches
 
 

@@ -14,6 +14,11 @@ sub-chunk a (see triton_utils). The inverse is forward substitution inside the f
 rows read back from the scratch) and block products below them.
 Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM; the score dots take the raw
 q and k, and the blocks are scaled by the norms afterwards, summed from the same loads).
+
+Two kernels share the body `_prep_chunk`: `_prep_kernel`, the plain path for every chunk, which also flags the
+chunks whose inputs it cannot take (a non-finite k, g, beta or v; beta outside [0, 1]; g > 0), and
+`_prep_redo_kernel`, the checked path, which computes the flagged chunks again with the masks that keep the rows
+before the first bad one exact (docs/kernels.md, "Non-finite inputs").
 """
 
 from __future__ import annotations
