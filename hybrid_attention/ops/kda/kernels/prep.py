@@ -464,7 +464,7 @@ def _prep_redo_kernel(
     the pairs they mark, so that with none flagged (the common case) the launch costs one small load per program."""
     i0 = tl.program_id(0) * FLAGS
     idx = i0 + tl.arange(0, FLAGS)
-    if tl.max(tl.load(redo + idx, mask=idx < n_flags, other=0).to(tl.int32), 0) > 0:
+    if tl.max((tl.load(redo + idx, mask=idx < n_flags, other=0) != 0).to(tl.int32), 0) > 0:
         for i in range(i0, tl.minimum(i0 + FLAGS, n_flags)):
             if tl.load(redo + i) != 0:
                 c = i // H
