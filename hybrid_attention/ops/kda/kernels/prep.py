@@ -469,9 +469,10 @@ def _prep_redo_kernel(
             if tl.load(redo + i) != 0:
                 c = i // H
                 h = i % H
-                _, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
-                _prep_chunk(
-                    c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk,
-                    ldiag, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE, IO, ADT,
-                    PREC, EMU, CHECKED=True,
-                )  # fmt: skip
+                seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
+                if seq >= 0:  # a spare grid slot (varlen) holds no chunk, whatever its flag says
+                    _prep_chunk(
+                        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk,
+                        akk, ldiag, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE,
+                        IO, ADT, PREC, EMU, CHECKED=True,
+                    )  # fmt: skip
