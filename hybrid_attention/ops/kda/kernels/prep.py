@@ -390,9 +390,9 @@ def _prep_chunk(
     kg_h = kg + h.to(tl.int64) * T_tot * K
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
-    good = (r < fb_all)[:, None]
     if CHECKED:
         masked = fb_all < 64
+        good = (r < fb_all)[:, None]
         qnan = tl.where(r < fb_all, 1.0, float("nan"))  # NaN rows by a product, not by a select on the whole tile
     else:
         masked = False
