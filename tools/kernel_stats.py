@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
 
-    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate] [--no-l2norm] [--forward-only] [--sass]
+    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate | --softplus] [--no-l2norm] \
+        [--forward-only] [--sass]
 
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
 compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--no-gate", action="store_true")
+    ap.add_argument("--softplus", action="store_true", help="the fused gate without a lower bound (softplus)")
     ap.add_argument("--no-l2norm", action="store_true")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--sass", action="store_true", help="also the static SASS instruction count per kernel")
@@ -122,6 +124,7 @@ def main() -> None:
 
     from hybrid_attention.ops.kda.chunk_bwd import kda_bwd
     from hybrid_attention.ops.kda.chunk_fwd import kda_fwd
+    from hybrid_attention.ops.kda.gate import FORM_CODES
     from hybrid_attention.ops.kda.triton_utils import first_configs_only
 
     gate, l2 = not args.no_gate, not args.no_l2norm
@@ -129,12 +132,14 @@ def main() -> None:
     v = torch.randn(B, T, H, V, dtype=dtype)
     beta = torch.rand(B, T, H, dtype=dtype)
     a_log, dt_bias = torch.zeros(H), torch.zeros(H, K)
-    common = dict(scale=K**-0.5, lower_bound=-5.0 if gate else None, gate=gate, l2norm=l2)
+    form = None if not gate else "softplus" if args.softplus else "bounded"
+    lower_bound = 0.0 if form == "softplus" else -5.0  # the host's values: the softplus gate ignores it
+    common = dict(scale=K**-0.5, lower_bound=lower_bound, gate=FORM_CODES[form], l2norm=l2)
     with first_configs_only():
         o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, None, None, final=True, save=True, **common)
         if not args.forward_only:
             kda_bwd(torch.randn_like(o), None, q, k, v, g, beta, a_log, dt_bias, False, None, saved, **common)
-    print(f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={gate}, l2norm={l2}")
+    print(f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={form}, l2norm={l2}")
     seen = set()
     for name, consts, kernel in COMPILED:
         key = (name, tuple(sorted(consts.items())))

@@ -391,11 +391,8 @@ def _prep_chunk(
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
     if CHECKED:
-        masked = fb_all < 64
-        good = (r < fb_all)[:, None]
+        good = (r < fb_all)[:, None]  # all true when no row is bad, and then the selects below change no bit
         qnan = tl.where(r < fb_all, 1.0, float("nan"))  # NaN rows by a product, not by a select on the whole tile
-    else:
-        masked = False
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 64, BKW), 0)
         gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
@@ -407,7 +404,7 @@ def _prep_chunk(
             qgt = qgt * qnan[:, None]
         store_tile(qg_h, qgt, t0, n0, K, kk, K, 64, BKW)
         store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        if masked:
+        if CHECKED:
             wt = tl.where(good, mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU), 0.0)
         else:
             wt = mm(tmat, kn * e * b[:, None], IO, PREC, EMU)
