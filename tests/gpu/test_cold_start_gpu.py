@@ -18,7 +18,7 @@ import torch
 
 from hybrid_attention import cli
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.tuned]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ from tests.kda_triton_cases import (
     triton_kda,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.tuned]
 BF16, FP16 = torch.bfloat16, torch.float16
 RMS_TOL = 0.008  # FLA's test_chunk tolerance for float16 and bfloat16, relative RMS error of every output and gradient
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.tuned]
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "kernel_builds.py"
 
 
