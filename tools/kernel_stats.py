@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
 
-    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate | --softplus] [--no-l2norm] \
+    python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate | --softplus] [--no-l2norm]
         [--forward-only] [--sass]
 
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
@@ -111,8 +111,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--no-gate", action="store_true")
-    ap.add_argument("--softplus", action="store_true", help="the fused gate without a lower bound (softplus)")
+    gate_form = ap.add_mutually_exclusive_group()
+    gate_form.add_argument("--no-gate", action="store_true", help="g precomputed, no gate in the kernels")
+    gate_form.add_argument("--softplus", action="store_true", help="the fused gate without a lower bound (softplus)")
     ap.add_argument("--no-l2norm", action="store_true")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--sass", action="store_true", help="also the static SASS instruction count per kernel")
