@@ -1,7 +1,11 @@
-"""Registers, spills and shared memory of the Triton KDA kernels for an sm_90 GPU, on a machine without one.
+"""Registers, spills and shared memory of the Triton KDA and AttnRes kernels for an sm_90 GPU, on a machine without one.
 
     python tools/kernel_stats.py [--shape B,T,H,K,V] [--dtype bf16] [--no-gate | --softplus] [--no-l2norm]
         [--forward-only] [--sass]
+    python tools/kernel_stats.py --attnres D [--dtype bf16] [--sass]
+
+The second form compiles the Attention Residuals training kernels (Full: forward, backward, residual-stream
+backward; Block: both phases, forward and backward) at width D instead.
 
 Runs the forward and backward host functions on CPU tensors with a stand-in Triton driver whose launches only
 compile (nothing executes, outputs are garbage), then reads the resource use (cuobjdump) of every compiled kernel.
@@ -107,27 +111,14 @@ def sass_summary(cubin: bytes, top: int = 8) -> str:
     return f"    {sum(ops.values())} SASS instructions: {common}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    gate_form = ap.add_mutually_exclusive_group()
-    gate_form.add_argument("--no-gate", action="store_true", help="g precomputed, no gate in the kernels")
-    gate_form.add_argument("--softplus", action="store_true", help="the fused gate without a lower bound (softplus)")
-    ap.add_argument("--no-l2norm", action="store_true")
-    ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--sass", action="store_true", help="also the static SASS instruction count per kernel")
-    args = ap.parse_args()
-    B, T, H, K, V = (int(x) for x in args.shape.split(","))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    driver.set_active(CompileOnlyDriver())
-    JITFunction.run = _compile_only_run
-
+def compile_kda(args, dtype) -> str:
+    """Runs the KDA forward (and backward) host functions; -> the heading line of the report."""
     from hybrid_attention.ops.kda.chunk_bwd import kda_bwd
     from hybrid_attention.ops.kda.chunk_fwd import kda_fwd
     from hybrid_attention.ops.kda.gate import FORM_CODES
     from hybrid_attention.ops.kda.triton_utils import first_configs_only
 
+    B, T, H, K, V = (int(x) for x in args.shape.split(","))
     gate, l2 = not args.no_gate, not args.no_l2norm
     q, k, g = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(3))
     v = torch.randn(B, T, H, V, dtype=dtype)
@@ -140,7 +131,51 @@ def main() -> None:
         o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, None, None, final=True, save=True, **common)
         if not args.forward_only:
             kda_bwd(torch.randn_like(o), None, q, k, v, g, beta, a_log, dt_bias, False, None, saved, **common)
-    print(f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={form}, l2norm={l2}")
+    return f"sm_{ARCH}, triton {triton.__version__}, shape {args.shape}, {args.dtype}, gate={form}, l2norm={l2}"
+
+
+def compile_attnres(D: int, dtype) -> str:
+    """Runs the host functions of the AttnRes training kernels at width D, each tuned kernel at its first config."""
+    from hybrid_attention.ops.attnres import triton_block, triton_full, triton_stream
+
+    tuners = [triton_full._full_fwd_kernel, triton_full._full_bwd_kernel, triton_stream._stream_bwd_kernel]
+    for tuner in tuners:
+        tuner.configs = tuner.all_configs[:1]
+    M, S, K, Q = 8, 3, 4, 4
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    src = [torch.randn(M, D, dtype=dtype) for _ in range(S)]
+    w = lambda *shape: torch.randn(*shape, dtype=cdt)  # noqa: E731
+    x, h, stats = triton_full.full_fwd(src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True)
+    triton_full.full_bwd(x, src, w(D), w(D), w(D), stats, 1e-6)
+    tables = (torch.zeros(K, M, D, dtype=dtype), torch.zeros(K, 2, M, dtype=cdt), torch.zeros(2, K, D, dtype=cdt))
+    triton_stream.stream_bwd_(x, h, stats, w(K, D), w(K, D), w(D), src[:1], *tables, 1, 1e-6)
+    out, lse = triton_block.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
+    triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), out, lse, 1e-6)
+    xm, rho = triton_block.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
+    triton_block.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
+    return f"sm_{ARCH}, triton {triton.__version__}, AttnRes training kernels, D {D}, {dtype}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2,256,2,128,128", help="B,T,H,K,V (the kernels do not depend on B, T, H)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    gate_form = ap.add_mutually_exclusive_group()
+    gate_form.add_argument("--no-gate", action="store_true", help="g precomputed, no gate in the kernels")
+    gate_form.add_argument("--softplus", action="store_true", help="the fused gate without a lower bound (softplus)")
+    ap.add_argument("--no-l2norm", action="store_true")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--sass", action="store_true", help="also the static SASS instruction count per kernel")
+    ap.add_argument("--attnres", type=int, metavar="D", help="the AttnRes training kernels at width D instead")
+    args = ap.parse_args()
+    from hybrid_attention.ops.attnres.rows import MAX_ROW
+
+    if args.attnres is not None and not 0 < args.attnres <= MAX_ROW:
+        ap.error(f"--attnres: expected a width D in 1 .. {MAX_ROW} (the kernels hold whole rows), got {args.attnres}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    driver.set_active(CompileOnlyDriver())
+    JITFunction.run = _compile_only_run
+    print(compile_attnres(args.attnres, dtype) if args.attnres is not None else compile_kda(args, dtype))
     seen = set()
     for name, consts, kernel in COMPILED:
         key = (name, tuple(sorted(consts.items())))

@@ -83,6 +83,7 @@ if triton is not None:
         run_max = tl.full([], float("-inf"), CDT)
         run_sum = tl.zeros([], CDT)
         acc = tl.zeros([BLOCK_D], CDT)
+        # Loading the next tile while this one computes costs registers (fewer programs per SM): it measured slower.
         for s0 in range(0, S, BLOCK_S):
             s_ok = s0 + offs_s < S
             ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))

@@ -149,6 +149,8 @@ if triton is not None:
                 else:
                     slot = j64 * plane
                 _store_dzr(dzr, slot + rm, plane, m_ok, dzr_k, SPLIT_DZR)
+                # Loading step kk + 1's entries while step kk computes costs registers, so fewer programs fit on an
+                # SM: it measured slower than this plain loop.
                 for kk in range(k + 1, K):
                     kk64 = tl.zeros([], tl.int64) + kk
                     dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
