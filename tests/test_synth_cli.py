@@ -43,6 +43,10 @@ def test_synth_rejects_a_bad_grid(tmp_path):
     done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
     assert done.returncode == 1 and "queries must be an integer in [1, 4]" in done.stderr
     assert not (tmp_path / "out").exists()  # refused before the first run
+    args = ["--grid", "stack/64/mla;mqar/32,64/mla", "--mqar-pairs", "16", "--device", "cpu", "--out", "out"]
+    done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
+    assert done.returncode == 1 and "mqar at seq_len 32: pairs must be an integer in [2, 15]" in done.stderr
+    assert not (tmp_path / "out").exists()
     done = _run(["-m", "hybrid_attention.synth", "--seed", str(2**64), "--device", "cpu", "--out", "out"], tmp_path)
     assert done.returncode == 2 and "argument --seed: expected a value" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()

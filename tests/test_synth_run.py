@@ -1,9 +1,20 @@
-"""Grid specs, run order, the time estimate behind --time-budget, and the choice of the best learning rate."""
+"""Grid specs, run order, the time estimate behind --time-budget, the choice of the best learning rate, and the
+settings check of a resumed grid."""
+
+from dataclasses import asdict
 
 import pytest
 
 from hybrid_attention.synth.models import model_config
-from hybrid_attention.synth.run import RunSpec, best_by_lr, estimate_seconds, grid_runs, parse_grid
+from hybrid_attention.synth.run import (
+    RunSpec,
+    Settings,
+    best_by_lr,
+    check_settings,
+    estimate_seconds,
+    grid_runs,
+    parse_grid,
+)
 
 
 def test_grid_order_is_length_task_lr_model_and_cells_keep_their_steps():
@@ -48,3 +59,15 @@ def test_models_differ_only_where_they_should():
     assert kda.residual == "standard"
     with pytest.raises(ValueError, match="unknown synthetic model"):
         model_config("mamba", 100)
+
+
+def test_resumed_rows_must_share_the_settings_and_a_setting_they_predate_had_its_default(tmp_path):
+    settings = Settings(mqar_queries=3)
+    stored = asdict(settings)
+    check_settings([{"settings": stored}], settings, tmp_path)  # the same: accepted
+    older = {k: v for k, v in stored.items() if k != "mqar_pairs"}  # a log written before the setting existed
+    check_settings([{"settings": older}], settings, tmp_path)
+    with pytest.raises(ValueError, match=r"other settings \(mqar_pairs\)"):
+        check_settings([{"settings": older}], Settings(mqar_queries=3, mqar_pairs=8), tmp_path)
+    with pytest.raises(ValueError, match=r"other settings \(mqar_queries, seed\)"):
+        check_settings([{"settings": stored}], Settings(seed=1), tmp_path)

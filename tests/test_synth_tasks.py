@@ -27,10 +27,12 @@ def test_palindrome_reverses_after_the_separator():
     assert (y[:, : n + 1] == IGNORE).all() and (y[:, n + 1 :] != IGNORE).all()
 
 
-@pytest.mark.parametrize("seq_len, queries", [(64, None), (37, 4), (32, 1)])
-def test_mqar_answers_are_the_queried_values(seq_len, queries):
-    task = Task("mqar", seq_len, num_symbols=20, queries=queries)
+@pytest.mark.parametrize("seq_len, queries, pairs", [(64, None, None), (37, 4, None), (32, 1, None), (61, None, 13),
+                                                     (40, 3, 17), (96, 3, 3)])  # fmt: skip
+def test_mqar_answers_are_the_queried_values(seq_len, queries, pairs):
+    task = Task("mqar", seq_len, num_symbols=20, queries=queries, pairs=pairs)
     P, Q = task.num_pairs, task.num_queries
+    assert P == (seq_len // 8 if pairs is None else pairs)
     assert Q == (P // 2 if queries is None else queries)
     x, y = task.batch(6, seed=1, step=2)
     for row, labels in zip(x.tolist(), y.tolist(), strict=True):
@@ -97,5 +99,14 @@ def test_bad_arguments_name_the_problem():
     for queries in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match=r"queries must be an integer in \[1, 4\]"):
             Task("mqar", 32, queries=queries)
+    with pytest.raises(ValueError, match="pairs applies to mqar only"):
+        Task("palindrome", 32, pairs=4)
+    for pairs in (1, 16, 4.0, True):
+        with pytest.raises(ValueError, match=r"pairs must be an integer in \[2, 15\]"):
+            Task("mqar", 32, pairs=pairs)
+    with pytest.raises(ValueError, match="14 pairs leave 2 query slots, fewer than the 7 queries"):
+        Task("mqar", 32, pairs=14)
+    with pytest.raises(ValueError, match=r"queries must be an integer in \[1, 3\]"):  # 3 slots after 13 pairs
+        Task("mqar", 32, pairs=13, queries=4)
     with pytest.raises(ValueError, match="split"):
         Task("mqar", 32).batch(1, seed=0, step=0, split="test")

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
     p.add_argument("--num-symbols", type=positive_int, default=64, help="alphabet of the random content (default 64)")
     p.add_argument("--mqar-queries", type=positive_int, help="keys queried per MQAR sequence (default: half the pairs)")
+    p.add_argument("--mqar-pairs", type=positive_int, help="key-value pairs per MQAR sequence, the same at every "
+                   "length (default: a quarter of the sequence, length // 8 pairs)")  # fmt: skip
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the data and the initialisation")
     p.add_argument("--eval-every", type=positive_int, help="evaluate every N steps (default: 20 points per run)")
     p.add_argument("--eval-batches", type=positive_int, default=4, help="fixed evaluation batches (default 4)")
@@ -56,16 +58,16 @@ def run(args) -> int:
     from hybrid_attention.device import resolve_device
     from hybrid_attention.synth.plots import plot_accuracy
     from hybrid_attention.synth.run import Settings, best_by_lr, grid_runs, read_rows, run_grid
-    from hybrid_attention.synth.tasks import Task
 
     runs = grid_runs(args.grid, args.lrs, steps=args.steps)
-    for length in sorted({spec.seq_len for spec in runs if spec.task == "mqar"}):
-        Task("mqar", length, args.num_symbols, args.mqar_queries)  # a bad --mqar-queries fails before any run
     settings = Settings(batch_size=args.batch_size, num_symbols=args.num_symbols, mqar_queries=args.mqar_queries,
+                        mqar_pairs=args.mqar_pairs,
                         seed=args.seed, eval_every=args.eval_every, eval_batches=args.eval_batches,
                         num_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim, residual=args.residual,
                         optimizer=args.optimizer, weight_decay=args.weight_decay,
                         kda_backend=args.kda_backend)  # fmt: skip
+    for length in sorted({spec.seq_len for spec in runs if spec.task == "mqar"}):
+        settings.task("mqar", length)  # a bad --mqar-queries or --mqar-pairs fails before any run
     device = resolve_device(args.device)
     if args.cuda_graph and (device.type != "cuda" or args.optimizer != "adamw"):
         raise ValueError(f"--cuda-graph needs a CUDA device and --optimizer adamw, got {device} and {args.optimizer}")

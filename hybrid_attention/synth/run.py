@@ -51,6 +51,7 @@ class Settings:
     batch_size: int = 64
     num_symbols: int = 64
     mqar_queries: int | None = None  # None: half of the pairs (Task.queries)
+    mqar_pairs: int | None = None  # None: a quarter of the sequence (Task.pairs)
     seed: int = 0
     eval_every: int | None = None  # None: a twentieth of the run
     eval_batches: int = 4
@@ -62,6 +63,12 @@ class Settings:
     weight_decay: float = 0.1
     clip: float = 1.0
     kda_backend: str = "auto"
+
+    def task(self, name: str, seq_len: int) -> Task:
+        """The task `name` at `seq_len` with these settings (the MQAR ones apply to MQAR alone)."""
+        if name != "mqar":
+            return Task(name, seq_len, self.num_symbols)
+        return Task(name, seq_len, self.num_symbols, self.mqar_queries, self.mqar_pairs)
 
 
 def parse_grid(spec: str, *, steps: int) -> list[tuple[list[str], list[int], list[str], int]]:
@@ -123,7 +130,7 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     `cuda_graph`: replay each step from a CUDA graph (`train_step.TrainStep`; CUDA and AdamW only). The models here
     are small enough that an eager step is bound by the host's launches, so a graph runs them several times faster;
     it computes the same steps."""
-    task = Task(spec.task, spec.seq_len, s.num_symbols, s.mqar_queries if spec.task == "mqar" else None)
+    task = s.task(spec.task, spec.seq_len)
     config = model_config(spec.model, task.vocab_size, num_layers=s.num_layers, num_heads=s.num_heads,
                           head_dim=s.head_dim, residual=s.residual, kda_backend=s.kda_backend)  # fmt: skip
     torch.manual_seed(s.seed)
@@ -175,12 +182,13 @@ def row_key(row: dict) -> tuple:
 
 
 def check_settings(rows: list[dict], s: Settings, out: Path) -> None:
-    """Runs found in `out` count as done only if they were trained with the same settings: refuse any other."""
-    current = asdict(s)
+    """Runs found in `out` count as done only if they were trained with the same settings: refuse any other. A
+    setting a row does not name (written before the setting existed) had its default."""
+    current, defaults = asdict(s), asdict(Settings())
     for row in rows:
         stored = row.get("settings")
-        if stored != current:
-            changed = sorted(k for k in current if stored is None or stored.get(k) != current[k])
+        changed = sorted(k for k in current if stored is None or stored.get(k, defaults[k]) != current[k])
+        if changed:
             raise ValueError(
                 f"{out / LOG} holds runs trained with other settings ({', '.join(changed)}); resume with the same "
                 f"settings or write to another --out"

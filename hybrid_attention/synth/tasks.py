@@ -8,8 +8,10 @@ alone. Token ids: 0 pad, 1 separator, 2 push, 3 pop, then the task's symbols fro
 - Palindrome: n = (T - 1) // 2 random symbols, the separator, then the same symbols in reverse (the answers).
 - MQAR (multi-query associative recall): P key-value pairs (distinct keys, keys and values from disjoint symbol
   ranges), then Q of the keys again, a random subset in random order, each followed by its value (the answers), at
-  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair. Q is half of
-  the pairs unless `queries` says otherwise (`queries=P`: every key is queried, as in Zoology's MQAR).
+  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair. P is T // 8
+  (the pairs fill a quarter of the sequence) unless `pairs` says otherwise; a fixed P across lengths makes length
+  the only thing that changes, where T // 8 also grows what the state must hold. Q is half of the pairs unless
+  `queries` says otherwise (`queries=P`: every key is queried, as in Zoology's MQAR).
 - Stack: T // 2 operations, "push x" or "pop y", where y is the value on top of the stack (the answers); a pop is
   drawn only on a non-empty stack, with probability 1/2.
 """
@@ -30,13 +32,15 @@ SPLITS = ("train", "eval")
 
 @dataclass(frozen=True)
 class Task:
-    """One task at one sequence length. `num_symbols`: the alphabet of the random content (values). `queries`:
-    MQAR only, the keys queried per sequence (None: half of the pairs)."""
+    """One task at one sequence length. `num_symbols`: the alphabet of the random content (values). MQAR only:
+    `queries`, the keys queried per sequence (None: half of the pairs); `pairs`, the key-value pairs per sequence
+    (None: seq_len // 8)."""
 
     name: str
     seq_len: int
     num_symbols: int = 64
     queries: int | None = None
+    pairs: int | None = None
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -46,19 +50,29 @@ class Task:
             raise ValueError(f"{self.name}: seq_len must be an integer >= {minimum}, got {self.seq_len!r}")
         if not isinstance(self.num_symbols, int) or self.num_symbols < 2:
             raise ValueError(f"{self.name}: num_symbols must be an integer >= 2, got {self.num_symbols!r}")
+        for label, value in (("pairs", self.pairs), ("queries", self.queries)):
+            if value is not None and self.name != "mqar":
+                raise ValueError(f"{self.name}: {label} applies to mqar only, got {label}={value!r}")
+        if self.pairs is not None:
+            most = (self.seq_len - 2) // 2  # the pairs and at least one query
+            if not _whole(self.pairs) or not 2 <= self.pairs <= most:
+                raise ValueError(f"mqar at seq_len {self.seq_len}: pairs must be an integer in [2, {most}], "
+                                 f"got {self.pairs!r}")  # fmt: skip
         if self.queries is not None:
-            if self.name != "mqar":
-                raise ValueError(f"{self.name}: queries applies to mqar only, got queries={self.queries!r}")
-            # Queries ask distinct keys; the (seq_len - 2 P) // 2 query slots always outnumber the P pairs.
-            whole = isinstance(self.queries, int) and not isinstance(self.queries, bool)
-            if not whole or not 1 <= self.queries <= self.num_pairs:
-                raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {self.num_pairs}] "
-                                 f"(the key-value pairs), got {self.queries!r}")  # fmt: skip
+            # Queries ask distinct keys, one per two-token slot after the pairs.
+            most = min(self.num_pairs, (self.seq_len - 2 * self.num_pairs) // 2)
+            if not _whole(self.queries) or not 1 <= self.queries <= most:
+                raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {most}] "
+                                 f"(the key-value pairs, and the slots after them), got {self.queries!r}")  # fmt: skip
+        elif self.name == "mqar" and self.num_queries > (self.seq_len - 2 * self.num_pairs) // 2:
+            raise ValueError(f"mqar at seq_len {self.seq_len}: {self.num_pairs} pairs leave "
+                             f"{(self.seq_len - 2 * self.num_pairs) // 2} query slots, fewer than the "
+                             f"{self.num_queries} queries (half the pairs); pass fewer pairs or queries")  # fmt: skip
 
     @property
     def num_pairs(self) -> int:
-        """MQAR: key-value pairs in the context (a quarter of the sequence)."""
-        return max(2, self.seq_len // 8)
+        """MQAR: key-value pairs in the context (`pairs`, else a quarter of the sequence)."""
+        return self.pairs if self.pairs is not None else max(2, self.seq_len // 8)
 
     @property
     def num_queries(self) -> int:
@@ -144,3 +158,7 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     counted = target != IGNORE
     correct = (logits[:, :-1].argmax(-1) == target) & counted
     return int(correct.sum()), int(counted.sum())
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
