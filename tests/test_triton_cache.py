@@ -81,3 +81,35 @@ def test_autotuned_kernels_keep_their_choices_on_disk(monkeypatch):
 
     tuner = autotune([{}, {}], [(4, 1), (8, 1)], ["N"])(triton.jit(kernel))
     assert tuner.cache_results is True and len(tuner.configs) == 2
+
+
+def _fake_tuner(name, n=3):
+    configs = [f"{name}-config-{i}" for i in range(n)]
+    return SimpleNamespace(configs=list(configs), all_configs=configs, fn=SimpleNamespace(__name__=name))
+
+
+def test_first_configs_only_reaches_every_tuner_and_restores_them(monkeypatch):
+    monkeypatch.setattr(triton_cache, "TUNERS", [])
+    a, b = triton_cache.register_tuner(_fake_tuner("a")), triton_cache.register_tuner(_fake_tuner("b", 2))
+    before = [list(t.configs) for t in (a, b)]
+    with triton_cache.first_configs_only():
+        assert a.configs == ["a-config-0"] and b.configs == ["b-config-0"]
+        late = triton_cache.register_tuner(_fake_tuner("late"))  # a module imported inside the block
+        assert late.configs == ["late-config-0"]
+        with triton_cache.first_configs_only():  # nested: still the first configs, and restored to them
+            assert a.configs == ["a-config-0"]
+        assert a.configs == ["a-config-0"] and late.configs == ["late-config-0"]
+    assert [a.configs, b.configs] == before and late.configs == late.all_configs
+    after = triton_cache.register_tuner(_fake_tuner("after"))  # outside any block: untouched
+    assert after.configs == after.all_configs
+    with pytest.raises(ValueError, match="needs an all_configs list"):
+        triton_cache.register_tuner(SimpleNamespace(configs=[], fn=SimpleNamespace(__name__="bare")))
+
+
+def test_the_package_registers_its_kda_attnres_and_gemv_tuners():
+    from hybrid_attention.ops import gemv
+    from hybrid_attention.ops.attnres import triton_full, triton_stream
+    from hybrid_attention.ops.kda.kernels import prep
+
+    for tuner in (prep._prep_kernel, triton_full._full_fwd_kernel, triton_stream._stream_bwd_kernel, gemv._gemv_kernel):
+        assert tuner in triton_cache.TUNERS, tuner.fn.__name__

@@ -8,6 +8,9 @@ times every config of every tuned kernel again in each process unless its result
   same folder as the compiled kernels). Its entries are keyed by the Triton version, the compilation target (GPU
   architecture), the kernel's source, the tuning key (the shape class and the dtypes) and the config list, so a
   changed kernel, another GPU architecture or another shape class is tuned afresh.
+- `first_configs_only()` lets every autotuned kernel of the package (`register_tuner`) run its first config without
+  timing the others: for tools and tests that compile kernels or check their results, where tuning adds only
+  compilations.
 - `announce_compilation(echo)` says on the terminal when a kernel is being compiled: Triton calls a hook before and
   after every compilation this process needs; when one lasts longer than ANNOUNCE_AFTER_S (a real compilation, not
   a load from the disk cache) the kernel's name is printed, once per kernel.
@@ -15,6 +18,7 @@ times every config of every tuned kernel again in each process unless its result
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 
@@ -24,6 +28,38 @@ ANNOUNCE_AFTER_S = 0.5  # loading a cached kernel takes milliseconds; compiling 
 
 # `cache_results` exists from Triton 3.3 on; without it each process tunes again (still correct).
 AUTOTUNE_OPTIONS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+# Every autotuned kernel of the package, in definition order: each tuner also lists all its configs in `all_configs`.
+TUNERS: list = []
+# The (tuner, configs) pairs each open `first_configs_only` restores on exit, innermost last.
+_RESTORE: list[list] = []
+
+
+def register_tuner(tuner):
+    """Adds a `triton.autotune` tuner with an `all_configs` list to TUNERS (see `first_configs_only`); returns it."""
+    if not hasattr(tuner, "all_configs"):
+        raise ValueError(f"register_tuner: the tuner of {tuner.fn.__name__} needs an all_configs list of its configs")
+    TUNERS.append(tuner)
+    if _RESTORE:  # a module imported inside first_configs_only: its kernels take part too
+        _RESTORE[-1].append((tuner, tuner.configs))
+        tuner.configs = tuner.all_configs[:1]
+    return tuner
+
+
+@contextlib.contextmanager
+def first_configs_only():
+    """Inside: every registered tuner (also one registered inside) runs the first of its configs, untimed; their
+    config lists come back after."""
+    saved = [(tuner, tuner.configs) for tuner in TUNERS]
+    for tuner in TUNERS:
+        tuner.configs = tuner.all_configs[:1]
+    _RESTORE.append(saved)
+    try:
+        yield
+    finally:
+        _RESTORE.pop()
+        for tuner, configs in reversed(saved):
+            tuner.configs = configs
 
 
 class CompileNotice:

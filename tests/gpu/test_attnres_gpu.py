@@ -13,7 +13,8 @@ import torch
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from tests.helpers import assert_as_accurate
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Tuned: the stream test compares the autotuned launch shapes with each config alone (tests/gpu/conftest.py).
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.tuned]
 
 
 @pytest.mark.parametrize("rows", [1, 4096])

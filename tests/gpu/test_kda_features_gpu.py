@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import chunk_kda, kda_decode_step
-from hybrid_attention.ops.kda.triton_utils import first_configs_only
+from hybrid_attention.ops.triton_cache import first_configs_only
 from tests.helpers import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

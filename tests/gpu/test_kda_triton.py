@@ -20,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 
-from hybrid_attention.ops.kda.triton_utils import first_configs_only
+from hybrid_attention.ops.triton_cache import first_configs_only
 from tests.helpers import HALF_ABS_FLOOR, max_abs_err, rel_err
 from tests.kda_triton_cases import (
     ALL_CONFIG_CASES,

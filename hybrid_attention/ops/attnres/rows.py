@@ -21,7 +21,7 @@ try:
     import triton
     import triton.language as tl
 
-    from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS
+    from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS, register_tuner
 except ImportError:  # the reference path still works
     triton = None
 
@@ -223,6 +223,6 @@ def _tuned(block: str, bucket: str, configs: list[tuple[int, int]]):
             **AUTOTUNE_OPTIONS,
         )(fn)
         tuner.all_configs = all_configs
-        return tuner
+        return register_tuner(tuner)
 
     return decorate

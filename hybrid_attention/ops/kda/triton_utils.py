@@ -19,13 +19,11 @@ Conventions used by every kernel (docs/kernels.md has the full story):
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS
+from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS, register_tuner
 from hybrid_attention.ops.triton_support import interpreting
 
 CHUNK = 64
@@ -52,38 +50,20 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
     return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
 
 
-# Every autotuned KDA kernel, in definition order (see `first_configs_only`).
-TUNERS: list = []
-
-
 def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
     """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
     them all, slowly). A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner.
     Every config stays listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the
-    interpreter). The choices are kept on disk across processes (`ops/triton_cache.py`)."""
+    interpreter). The choices are kept on disk across processes, and `first_configs_only` reaches the tuner
+    (`ops/triton_cache.py`)."""
     configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
 
     def decorate(fn):
         tuner = triton.autotune(configs=configs[:1] if interpreting() else configs, key=key, **AUTOTUNE_OPTIONS)(fn)
         tuner.all_configs = configs
-        TUNERS.append(tuner)
-        return tuner
+        return register_tuner(tuner)
 
     return decorate
-
-
-@contextlib.contextmanager
-def first_configs_only():
-    """Inside: every autotuned KDA kernel runs its first config without timing the others (for tools and tests
-    that compile the kernels or check their results, where tuning would only add compilations)."""
-    saved = [(tuner, tuner.configs) for tuner in TUNERS]
-    for tuner in TUNERS:
-        tuner.configs = tuner.all_configs[:1]
-    try:
-        yield
-    finally:
-        for tuner, configs in saved:
-            tuner.configs = configs
 
 
 def tuning_width(pairs: int) -> int:
