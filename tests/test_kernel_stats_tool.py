@@ -1,6 +1,10 @@
-"""tools/kernel_stats.py's SASS opcode count (the compile-only part needs ptxas and runs as a script, not here)."""
+"""tools/kernel_stats.py's SASS opcode count and its argument checks (the compile-only part needs ptxas: it runs in
+tests/test_kernels_build_sm90.py)."""
 
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +35,20 @@ def test_count_opcodes_reads_instructions_and_skips_the_rest():
     """
     ops = _count_opcodes()(sass)
     assert ops == {"LDC": 1, "FMUL": 2, "MUFU": 1, "BAR": 1}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--attnres", "0"], "--attnres: expected a width D in 1 .. 16384"),
+        (["--attnres", "64", "--softplus", "--forward-only"], "--attnres takes --dtype and --sass only, got "
+         "--softplus, --forward-only"),
+        (["--no-gate", "--softplus"], "not allowed with argument"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_before_any_compile(args, message):
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(root / "tools" / "kernel_stats.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr

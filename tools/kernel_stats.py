@@ -137,7 +137,7 @@ def compile_attnres(D: int, dtype) -> str:
     from hybrid_attention.ops.attnres import triton_block, triton_full, triton_stream
 
     M, S, K, Q = 8, 3, 4, 4
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    cdt = torch.float32  # the parameters' and statistics' dtype under every source dtype
     src = [torch.randn(M, D, dtype=dtype) for _ in range(S)]
     w = lambda *shape: torch.randn(*shape, dtype=cdt)  # noqa: E731
     x, h, stats = triton_full.full_fwd(src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True)
@@ -165,8 +165,20 @@ def main() -> None:
     args = ap.parse_args()
     from hybrid_attention.ops.attnres.rows import MAX_ROW
 
-    if args.attnres is not None and not 0 < args.attnres <= MAX_ROW:
-        ap.error(f"--attnres: expected a width D in 1 .. {MAX_ROW} (the kernels hold whole rows), got {args.attnres}")
+    if args.attnres is not None:
+        if not 0 < args.attnres <= MAX_ROW:
+            ap.error(
+                f"--attnres: expected a width D in 1 .. {MAX_ROW} (the kernels hold whole rows), got {args.attnres}"
+            )
+        kda_only = {
+            "--shape": args.shape != ap.get_default("shape"),
+            "--no-gate": args.no_gate,
+            "--softplus": args.softplus,
+            "--no-l2norm": args.no_l2norm,
+            "--forward-only": args.forward_only,
+        }
+        if any(kda_only.values()):
+            ap.error(f"--attnres takes --dtype and --sass only, got {', '.join(k for k, v in kda_only.items() if v)}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     driver.set_active(CompileOnlyDriver())
     JITFunction.run = _compile_only_run
