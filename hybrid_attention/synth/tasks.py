@@ -60,19 +60,24 @@ class Task:
                                  f"got {self.pairs!r}")  # fmt: skip
         if self.queries is not None:
             # Queries ask distinct keys, one per two-token slot after the pairs.
-            most = min(self.num_pairs, (self.seq_len - 2 * self.num_pairs) // 2)
+            most = min(self.num_pairs, self.num_query_slots)
             if not _whole(self.queries) or not 1 <= self.queries <= most:
                 raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {most}] "
                                  f"(the key-value pairs, and the slots after them), got {self.queries!r}")  # fmt: skip
-        elif self.name == "mqar" and self.num_queries > (self.seq_len - 2 * self.num_pairs) // 2:
+        elif self.name == "mqar" and self.num_queries > self.num_query_slots:
             raise ValueError(f"mqar at seq_len {self.seq_len}: {self.num_pairs} pairs leave "
-                             f"{(self.seq_len - 2 * self.num_pairs) // 2} query slots, fewer than the "
+                             f"{self.num_query_slots} query slots, fewer than the "
                              f"{self.num_queries} queries (half the pairs); pass fewer pairs or queries")  # fmt: skip
 
     @property
     def num_pairs(self) -> int:
         """MQAR: key-value pairs in the context (`pairs`, else a quarter of the sequence)."""
         return self.pairs if self.pairs is not None else max(2, self.seq_len // 8)
+
+    @property
+    def num_query_slots(self) -> int:
+        """MQAR: the two-token slots after the pairs, where the queries go."""
+        return (self.seq_len - 2 * self.num_pairs) // 2
 
     @property
     def num_queries(self) -> int:
@@ -122,8 +127,8 @@ class Task:
         ids[:, 0 : 2 * P : 2] = keys
         ids[:, 1 : 2 * P : 2] = values
         which = np.argsort(rng.random((B, P)), axis=1)[:, :Q]  # the queried pairs, in query order
-        slots = (T - 2 * P) // 2  # two-token slots after the context
-        where = np.sort(np.argsort(rng.random((B, slots)), axis=1)[:, :Q], axis=1)  # increasing slot indices
+        slots = np.argsort(rng.random((B, self.num_query_slots)), axis=1)[:, :Q]  # distinct slots after the pairs
+        where = np.sort(slots, axis=1)  # in increasing order
         rows = np.arange(B)[:, None]
         pos = 2 * P + 2 * where  # [B, Q] positions of the query keys
         ids[rows, pos] = np.take_along_axis(keys, which, axis=1)
