@@ -3,7 +3,8 @@ different lengths equals one-at-a-time generation, decoding equals the full forw
 the fused decode kernels (AttnRes + RMSNorm, KDA inputs / recurrent step / output norm, MLA append) match the eager
 PyTorch ops at k3-scaled sizes. Run: `python -m pytest -q tests/gpu/test_generate_gpu.py`.
 
-Numbers of whole-model paths are measured against the same model run in float64 on the CPU (torch paths): a path
+Numbers of whole-model paths are measured against the same model run in float64 on the GPU (float64 is not a kernel
+dtype, so every op runs its PyTorch reference there; `use_reference()` makes sure of it): a path
 passes when it is as accurate as the plain full forward at its own precision (within a factor of 2), because two
 roundings of a deep random model differ by about its conditioning times the precision, and that is what a fixed
 tolerance could not know (see make_model).
@@ -16,6 +17,7 @@ import copy
 import pytest
 import torch
 
+from hybrid_attention.backends import use_reference
 from hybrid_attention.generate import generate, prefill
 from hybrid_attention.graphs import DecodeStep
 from hybrid_attention.layers.mla import MLACache
@@ -55,8 +57,10 @@ def make_model(preset="k3-scaled", dtype=torch.bfloat16, seed=0, **overrides) ->
 
 
 def float64_copy(model: HybridLM) -> HybridLM:
-    """The same weights in float64 on the CPU (torch paths everywhere): the reference of every numeric check."""
-    return copy.deepcopy(model).to("cpu", torch.float64)
+    """The same weights in float64 on the same GPU: the reference of every numeric check. Run it inside
+    `use_reference()` (float64 CUDA tensors take the PyTorch paths anyway; the block states it). The CPU would do the
+    same arithmetic several times slower at k3-scaled sizes."""
+    return copy.deepcopy(model).to(torch.float64)
 
 
 def prompt(B, T, vocab, seed=1):
@@ -103,7 +107,8 @@ def test_graph_decoding_equals_full_recompute_float32():
     logits = torch.stack([step(seq[:, t]).clone() for t in range(29, 44)], dim=1)
     with torch.no_grad():
         full = model(seq[:, :44]).logits[:, 29:]
-        ref64 = float64_copy(model)(seq[:, :44].cpu()).logits[:, 29:]
+        with use_reference():
+            ref64 = float64_copy(model)(seq[:, :44]).logits[:, 29:]
     assert_as_accurate("graph decode (float32)", logits, ref64, full)
 
 
@@ -146,7 +151,8 @@ def test_batched_bf16_decode_close_to_full_forward():
         seq = torch.cat([p, tokens[b]])[None]
         with torch.no_grad():
             full = model(seq).logits[0, p.numel() :]  # after each of the 4 tokens
-            ref64 = ref_model(seq.cpu()).logits[0, p.numel() :]
+            with use_reference():
+                ref64 = ref_model(seq).logits[0, p.numel() :]
         assert_as_accurate(f"sequence {b}", batched[b], ref64, full)
 
 
@@ -161,7 +167,8 @@ def test_chunked_prefill_is_exact(dtype):
     b = prefill(model, ids, chunked, chunk_size=512)
     ref_model = float64_copy(model)
     ref_cache = ref_model.make_cache(1, 3001)
-    ref = prefill(ref_model, ids.cpu(), ref_cache, chunk_size=4096)
+    with use_reference():
+        ref = prefill(ref_model, ids, ref_cache, chunk_size=4096)
     assert_as_accurate("last logits", b, ref, a)
     for x, y, r in zip(whole.layers, chunked.layers, ref_cache.layers, strict=True):
         if isinstance(x, MLACache):
@@ -186,7 +193,8 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
     eager_cache = copy.deepcopy(fused_cache)
     ref_model = float64_copy(model)
     ref_cache = ref_model.make_cache(4, 56)
-    prefill(ref_model, ids[:, :45].cpu(), ref_cache)
+    with use_reference():
+        prefill(ref_model, ids[:, :45], ref_cache)
     with torch.no_grad():
         fused = torch.stack([model(ids[:, t : t + 1], cache=fused_cache).logits[:, 0] for t in range(45, 50)], 1)
         monkeypatch.setattr(kda, "_fused_decode_ok", lambda x, conv_size: False)
@@ -195,8 +203,8 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         for module in (conv, norm):  # the eager layer's own conv and output norm, not their Triton kernels
             monkeypatch.setattr(module, "use_triton", lambda *a, **k: False)
         eager = torch.stack([model(ids[:, t : t + 1], cache=eager_cache).logits[:, 0] for t in range(45, 50)], 1)
-        cpu_ids = ids.cpu()
-        ref = torch.stack([ref_model(cpu_ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
+        with use_reference():
+            ref = torch.stack([ref_model(ids[:, t : t + 1], cache=ref_cache).logits[:, 0] for t in range(45, 50)], 1)
     assert_as_accurate("fused decode logits", fused, ref, eager)
     for f, e, r in zip(fused_cache.layers, eager_cache.layers, ref_cache.layers, strict=True):
         if isinstance(f, MLACache):
@@ -226,8 +234,6 @@ def test_use_reference_launches_no_kernel(monkeypatch):
     kernel, and the forward equals the float64 model to float32 accuracy."""
     from triton.runtime.jit import JITFunction
 
-    from hybrid_attention.backends import use_reference
-
     model = make_model("tiny", torch.float32, seed=12)
     ids = prompt(2, 9, model.config.vocab_size, seed=13)
 
@@ -239,5 +245,5 @@ def test_use_reference_launches_no_kernel(monkeypatch):
         logits = model(ids).logits
         DecodeStep(model, model.make_cache(2, 4), cuda_graph=False)(ids[:, 0])
         generate(model, ids, 3, temperature=0, cuda_graph=False)
-        ref = float64_copy(model)(ids.cpu()).logits
-    assert_close("reference path vs float64", logits.cpu().double(), ref, 1e-4)
+        ref = float64_copy(model)(ids).logits
+    assert_close("reference path vs float64", logits.double(), ref, 1e-4)
