@@ -65,6 +65,7 @@ def parse_args(argv):
     p.add_argument("--data-max-bytes", type=int, help="text cap (default: train's)")
     p.add_argument("--tokenizer", default="bpe", choices=("byte", "bpe"))
     p.add_argument("--eval-batches", type=int, default=16, help="validation batches per evaluation (default 16)")
+    p.add_argument("--eval-every", type=int, help="validate (and save) every N steps (default: a tenth of the run)")
     p.add_argument("--out", default="runs/ablations", help="parent of the run directories (default runs/ablations)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--cuda-graph", action="store_true", help="replay each training step from a CUDA graph (train's "
@@ -105,8 +106,8 @@ def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
         config = TrainConfig.create(
             preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
             grad_accum=args.grad_accum, lr=args.lr, data=args.data, data_max_bytes=args.data_max_bytes,
-            tokenizer=args.tokenizer, seed=seed, out=str(out), eval_batches=args.eval_batches, device=args.device,
-            cuda_graph=args.cuda_graph,
+            tokenizer=args.tokenizer, seed=seed, out=str(out), eval_batches=args.eval_batches,
+            eval_every=args.eval_every, device=args.device, cuda_graph=args.cuda_graph,
         )  # fmt: skip
         summary = train(config, model_overrides=overrides, echo=log)
     rows = checkpoint.read_log(out)

@@ -57,7 +57,7 @@ def test_synth_rejects_a_bad_grid(tmp_path):
 
 def test_ablations_quick(tmp_path):
     script = str(ROOT / "benchmarks" / "ablations.py")
-    done = _run([script, "--quick", "--variants", "hybrid,mla-no-gate", "--out", "abl"], tmp_path)
+    done = _run([script, "--quick", "--variants", "hybrid,mla-no-gate", "--eval-every", "2", "--out", "abl"], tmp_path)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["variant"] for r in result["results"]] == ["hybrid", "mla-no-gate"]
@@ -65,3 +65,4 @@ def test_ablations_quick(tmp_path):
     assert "| mla-no-gate | 0 |" in done.stdout
     saved = json.loads((tmp_path / "abl" / "mla-no-gate-seed0" / "config.json").read_text())
     assert saved["model"]["mla_output_gate"] is False
+    assert saved["train"]["eval_every"] == 2
