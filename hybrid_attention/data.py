@@ -311,7 +311,8 @@ def eval_batches(
     if num_batches is None:
         starts = torch.arange(0, n - seq_len + 1, seq_len)
     else:
-        starts = torch.linspace(0, n - seq_len, num_batches * batch_size).round().long()
+        # float64: float32 rounds odd starts above 2**24 up by one, past the end of a split that long
+        starts = torch.linspace(0, n - seq_len, num_batches * batch_size, dtype=torch.float64).round().long()
     for i in range(0, starts.numel(), batch_size):
         index = starts[i : i + batch_size, None] + torch.arange(seq_len)
         yield tokens[_to_device(index, tokens.device)].long()

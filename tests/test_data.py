@@ -213,6 +213,15 @@ def test_eval_batches_fixed_windows():
     assert torch.equal(torch.cat(every).flatten(), torch.arange(1000))
 
 
+def test_eval_batches_stay_inside_a_split_longer_than_float32_integers():
+    """Spaced windows over 2**24 + 2048 + 1 tokens: the last one ends exactly at the last token (n - seq_len is odd
+    and above 2**24, where float32 holds only even integers)."""
+    n, seq_len = 2**24 + 2048 + 1, 2048
+    tokens = torch.arange(n, dtype=torch.int32)
+    last = list(eval_batches(tokens, 4, seq_len, num_batches=2))[-1]
+    assert int(last[-1, 0]) == n - seq_len and int(last[-1, -1]) == n - 1
+
+
 def test_unigram_loss_matches_direct_computation():
     train = torch.tensor([0, 0, 0, 1, 2, 2], dtype=torch.int32)
     val = torch.tensor([0, 2, 3])
