@@ -27,7 +27,6 @@ open() gives a new file (0666 less the umask).
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -41,6 +40,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
+
+from hybrid_attention.checks import is_finite_number, is_int
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -218,10 +219,9 @@ def _type_error(value, hint) -> str | None:
     if hint is bool:
         return None if isinstance(value, bool) else "expected true or false"
     if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+        return None if is_int(value) else "expected an integer"
     if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return None if ok else "expected a finite number"
+        return None if is_finite_number(value) else "expected a finite number"
     if hint is str:
         return None if isinstance(value, str) else "expected a string"
     if typing.get_origin(hint) is tuple:  # tuple[str, ...], stored as a JSON list

@@ -14,13 +14,13 @@ Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus), in that or
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from hybrid_attention.checks import is_finite_number, is_int
 from hybrid_attention.graphs import DecodeStep
 from hybrid_attention.ops.warm_start import wait_warm_start
 
@@ -128,23 +128,15 @@ def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | Non
     return prompts
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; expected an integer >= 0")
     # Below the smallest normal float64 the division above would meet a flushed (zero) denormal.
-    if not _is_number(temperature) or not (temperature == 0 or temperature >= sys.float_info.min):
+    if not is_finite_number(temperature) or not (temperature == 0 or temperature >= sys.float_info.min):
         raise ValueError(f"generate: temperature={temperature!r}; expected 0 (greedy) or a finite number >= 2.2e-308")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"generate: top_k={top_k!r}; expected None or an integer >= 1")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+    if top_p is not None and (not is_finite_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p={top_p!r}; expected None or a number in (0, 1]")
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from hybrid_attention.backends import BACKENDS, use_triton
 from hybrid_attention.cache import HybridCache
+from hybrid_attention.checks import is_int
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
@@ -427,7 +428,7 @@ class HybridLM(nn.Module):
     # ------------------------------------------------------------------------------------------------------- cache
     def make_cache(self, batch_size: int, max_seq_len: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_seq_len` tokens, on the model's device and dtype."""
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (batch_size, max_seq_len)):
+        if not all(is_int(n) for n in (batch_size, max_seq_len)):
             raise ValueError(f"make_cache: batch_size={batch_size!r}, max_seq_len={max_seq_len!r}; expected integers")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybrid_attention.checks import is_int
+
 PAD, SEP, PUSH, POP = 0, 1, 2, 3
 FIRST_SYMBOL = 4
 IGNORE = -100
@@ -55,13 +57,13 @@ class Task:
                 raise ValueError(f"{self.name}: {label} applies to mqar only, got {label}={value!r}")
         if self.pairs is not None:
             most = (self.seq_len - 2) // 2  # the pairs and at least one query
-            if not _whole(self.pairs) or not 2 <= self.pairs <= most:
+            if not is_int(self.pairs) or not 2 <= self.pairs <= most:
                 raise ValueError(f"mqar at seq_len {self.seq_len}: pairs must be an integer in [2, {most}], "
                                  f"got {self.pairs!r}")  # fmt: skip
         if self.queries is not None:
             # Queries ask distinct keys, one per two-token slot after the pairs.
             most = min(self.num_pairs, self.num_query_slots)
-            if not _whole(self.queries) or not 1 <= self.queries <= most:
+            if not is_int(self.queries) or not 1 <= self.queries <= most:
                 raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {most}] "
                                  f"(the key-value pairs, and the slots after them), got {self.queries!r}")  # fmt: skip
         elif self.name == "mqar" and self.num_queries > self.num_query_slots:
@@ -163,7 +165,3 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     counted = target != IGNORE
     correct = (logits[:, :-1].argmax(-1) == target) & counted
     return int(correct.sum()), int(counted.sum())
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
