@@ -10,7 +10,9 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
           the dots' own rounded operands so that the pairs cancel exactly in the reverse cumsum
     dg = reverse cumulative sum of dG over the chunk + the exclusive cumulative sum of the -G state terms
          + d Gam's state-decay part (Gam is the sum of the whole chunk's g)
-    Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads).
+    Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads). The rows of the
+    chunk's prefix whose span from the chunk's start fits in WIDE (every row, for most gates) share the anchor 0:
+    one set of dots for all of them instead of one per sub-chunk.
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
 row: when one K tile holds the row (FUSE_L2) it is done here, otherwise dq, dk leave this kernel in float32 and
@@ -78,6 +80,30 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
     return dq_s, dk_s, dg_s
 
 
+@triton.jit
+def _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: tl.constexpr, PREC: tl.constexpr,
+                 EMU: tl.constexpr):  # fmt: skip
+    """Add the score gradients of the pairs (t, i), t in `rows`, i <= t in `cols` ([64] masks), anchored at ca
+    ([1, BK]): row factor 2^(G_t - ca + SHIFT), column factor 2^(ca - SHIFT - G_i) (clamped to 2^SHIFT: the
+    pairs it would overflow for are dropped from dA_f, dAk_f), -inf exponents outside the masks (a product with
+    a mask could meet an overflowed inf). dA_f, dAk_f [64, 64] enter unmasked: the same dot operands for every
+    anchor."""
+    rowf = tl.exp2(tl.where(rows[:, None], G - ca + SHIFT, float("-inf")))
+    colf = tl.exp2(tl.where(cols[:, None], tl.minimum(ca - SHIFT - G, SHIFT), float("-inf")))
+    kc = dot_operand(kn * colf, ADT, PREC)
+    qr = dot_operand(qn * rowf, ADT, PREC)
+    kr = dot_operand(kn * rowf, ADT, PREC)
+    pq = mm(dA_f, kc, ADT, PREC, EMU)
+    pk = mm(dAk_f, kc, ADT, PREC, EMU)
+    pc = mm(tl.trans(dA_f), qr, ADT, PREC, EMU) + mm(tl.trans(dAk_f), kr, ADT, PREC, EMU)
+    # Each score pair (t, i) adds x to dG_t (row factor) and -x to dG_i (column factor). Built from the dots' own
+    # rounded operands, the pairs inside any suffix of the chunk cancel exactly in the reverse cumsum; from q * dq
+    # and k * dk they cancel only to bf16 rounding, which the cumsum turned into relative errors in dg of 2.1e-2
+    # (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this way (bf16,
+    # tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
+    return dq_s + rowf * pq, dk_s + rowf * pk + colf * pc, dg_s + qr * pq + kr * pk - kc * pc
+
+
 # Pipelined loads hide part of the latency of this register-bound kernel. The V tile is fixed
 # (chunk_bwd.reduction_tile): the tuner's choice never changes the order of the sums.
 @autotune([{}, {}], [(8, 2), (8, 3)], ["K", "V", "GATE", "NARROW", "L2NORM"])
@@ -114,9 +140,7 @@ def _dqkg_kernel(
     kn = load_tile(k + h * K, t0, nv, sk, kk, K, 64, BK) * rkn[:, None]
     b = load_rows(beta + h, t0, nv, H, 64)
 
-    # ---- through the score blocks: for each row sub-chunk a, anchored at c_a (the exponents of the forward) ----
-    # The row factor is zero outside the rows of a, so dAqk and dAkk enter unmasked: the same dot operands for
-    # all four sub-chunks.
+    # ---- through the score blocks: one anchor for the chunk's prefix that fits, one per row sub-chunk after it ----
     dA = load_lower(daq + h.to(tl.int64) * T_tot * 64, t0, nv)  # stored in ADT by stage 2
     dAk = load_lower(dak + h.to(tl.int64) * T_tot * 64, t0, nv)
     # The diagonal pairs (t, t) of Aqk carry no decay: they go straight to dq and dk, and add nothing to dG (through
@@ -141,27 +165,21 @@ def _dqkg_kernel(
             drop = drop | pairs
             dAk_f = tl.where(pairs, 0.0, dAk.to(tl.float32)).to(dAk.dtype)
     dA_f = tl.where(drop, 0.0, dA.to(tl.float32)).to(dA.dtype)
+    # Rows t < f, the chunk's prefix whose span from the chunk's start, -G_t, is at most WIDE on this tile (G finite
+    # and <= 0), share one anchor, the chunk's start: their pairs (t, i <= t) take one set of dots instead of one per
+    # sub-chunk. f depends on rows up to f only, so a row's path, and its bits, never depend on later tokens.
+    # Fast rows are never wide (their span from any anchor is at most -G_t).
+    fits = tl.min(((G >= -WIDE) & (G <= 0.0)).to(tl.int32), 1) > 0
+    f = tl.min(tl.where(fits, 64, r), 0)  # the first row that does not fit (64: all do)
+    if f > 0:
+        start = tl.zeros([1, BK], dtype=tl.float32)
+        dq_s, dk_s, dg_s = _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, r < f, r < f, start, ADT, PREC, EMU)
     for a in range(4):
-        in_a = (blk == a)[:, None]
-        ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
-        # Row factor 2^(G_t - c_a + SHIFT) on the rows of a, column factor 2^(c_a - SHIFT - G_i) on the columns
-        # up to a; elsewhere the exponent is -inf (a product with a mask could meet an overflowed inf).
-        rowf = tl.exp2(tl.where(in_a, G - ca[None, :] + SHIFT, float("-inf")))
-        colf = tl.exp2(tl.where((blk <= a)[:, None], tl.minimum(ca[None, :] - SHIFT - G, SHIFT), float("-inf")))
-        kc = dot_operand(kn * colf, ADT, PREC)
-        qr = dot_operand(qn * rowf, ADT, PREC)
-        kr = dot_operand(kn * rowf, ADT, PREC)
-        pq = mm(dA_f, kc, ADT, PREC, EMU)
-        pk = mm(dAk_f, kc, ADT, PREC, EMU)
-        pc = mm(tl.trans(dA_f), qr, ADT, PREC, EMU) + mm(tl.trans(dAk_f), kr, ADT, PREC, EMU)
-        dq_s += rowf * pq
-        dk_s += rowf * pk + colf * pc
-        # Each score pair (t, i) adds x to dG_t (row factor) and -x to dG_i (column factor). Built from the dots'
-        # own rounded operands, the pairs inside any suffix of the chunk cancel exactly in the reverse cumsum
-        # below; from q * dq and k * dk they cancel only to bf16 rounding, which the cumsum turned into relative
-        # errors in dg of 2.1e-2 (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this
-        # way (bf16, tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
-        dg_s += qr * pq + kr * pk - kc * pc
+        if f < 16 * a + 16:  # sub-chunk a holds rows from f on: anchored at c_a, the exponents of the forward
+            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
+            dq_s, dk_s, dg_s = _score_grads(
+                dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, (blk == a) & (r >= f), blk <= a, ca[None, :], ADT, PREC, EMU
+            )
 
     # ---- V contractions for this K tile ----
     dqg = tl.zeros([64, BK], dtype=tl.float32)
