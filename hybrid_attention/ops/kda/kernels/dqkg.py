@@ -11,8 +11,8 @@ With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) 
     dg = reverse cumulative sum of dG over the chunk + the exclusive cumulative sum of the -G state terms
          + d Gam's state-decay part (Gam is the sum of the whole chunk's g)
     Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads). The rows of the
-    chunk's prefix whose span from the chunk's start fits in WIDE (every row, for most gates) share the anchor 0:
-    one set of dots for all of them instead of one per sub-chunk.
+    chunk's prefix whose span from the chunk's start fits in WIDE (every row where the chunk's whole decay fits) share
+    the anchor 0: one set of dots for all of them instead of one per sub-chunk.
 
 The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
 row: when one K tile holds the row (FUSE_L2) it is done here, otherwise dq, dk leave this kernel in float32 and
