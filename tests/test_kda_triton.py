@@ -240,25 +240,27 @@ def test_prefix_invariance_forward_and_backward():
 
 
 def test_shared_anchor_prefix(monkeypatch):
-    """The dq/dk/dg kernel takes the rows of a chunk's prefix whose span from the chunk's start fits in WIDE on one
-    anchor, and the rows after it (f onwards) per sub-chunk. With K tiles of 16 and a decay per tile of -0.5, -8 and
-    -3 per step, f is 64 (every row fits), 10 (inside sub-chunk 0) and 26 (inside sub-chunk 1), in both chunks:
-    every gradient matches the float64 reference. Changing the inputs after t = 37, so that the rows a few steps
-    after it stop fitting, leaves every output and gradient up to t bit-identical (a row's path depends on its
-    prefix only)."""
+    """The prep and dq/dk/dg kernels take the rows of a chunk's prefix whose span from the chunk's start fits in WIDE
+    on one anchor, and the rows after it (f onwards) per sub-chunk. With a decay of -0.5, -0.5, -8 and -3 per step
+    on the four 16-channel K tiles of the dq/dk/dg kernel, f is 64 (every row fits), 64, 10 (inside sub-chunk 0)
+    and 26 (inside sub-chunk 1), in both chunks; the prep's 32-channel tiles have f = 64 and 10. Every output and
+    gradient matches the float64 reference. Changing the inputs after t = 37, so that the rows a few steps after it
+    stop fitting, leaves every output and gradient up to t bit-identical (a row's path depends on its prefix
+    only)."""
     from hybrid_attention.ops.kda import chunk_bwd
 
     monkeypatch.setattr(chunk_bwd, "DQKG_BK", 16)
-    base = list(make_inputs(1, 100, 1, 48, 16, seed=49))
-    base[3] = torch.tensor([-0.5, -8.0, -3.0], device=DEV).repeat_interleave(16).expand_as(base[3]).contiguous()
+    base = list(make_inputs(1, 100, 1, 64, 16, seed=49))
+    decay = torch.tensor([-0.5, -0.5, -8.0, -3.0], device=DEV).repeat_interleave(16)
+    base[3] = decay.expand_as(base[3]).contiguous()
     compare(base, TOL32, TOL32, grad_tols={"g": 5e-5})  # dg: the cancelling reverse cumsum of the bound test
 
     t = 37
-    changed = changed_after(base, list(make_inputs(1, 100, 1, 48, 16, seed=50)), t)
-    changed[3][:, t + 1 :] = -9.0  # every tile stops fitting a few rows after t (the first from f = 64)
+    changed = changed_after(base, list(make_inputs(1, 100, 1, 64, 16, seed=50)), t)
+    changed[3][:, t + 1 :] = -9.0  # every tile stops fitting a few rows after t (the first two from f = 64)
     do, _ = _grad_draw(base)
     do[:, t + 1 :] = 0
-    dS = torch.zeros(1, 1, 48, 16, dtype=torch.float64, device=DEV)
+    dS = torch.zeros(1, 1, 64, 16, dtype=torch.float64, device=DEV)
     (o1, _, g1), (o2, _, g2) = (run(triton_kda, x, do, dS) for x in (base, changed))
     assert torch.equal(o1[:, : t + 1], o2[:, : t + 1])
     for name in ("q", "k", "v", "g", "beta"):

@@ -74,7 +74,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     BV = min(128, max(16, triton.next_power_of_2(V)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     outputs = [out[name] for name in ("w", "u", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "akk")]
-    ldiag = empty(q, layout.n_chunks, H, 64, 16, dtype=torch.float32)
+    lscr = empty(q, layout.n_chunks, H, 64, 64, dtype=torch.float32)  # L, for the inverse (kernels/prep.py)
     redo = empty(q, layout.n_chunks, H, dtype=torch.int8)
     meta = dict(
         H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
@@ -82,7 +82,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
         IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
     )  # fmt: skip
     _prep_kernel[(layout.n_chunks, H)](
-        q, k, v, g, beta, a_log, dt_bias, *outputs, ldiag, redo, cu, chunk_seq, chunk_tok,
+        q, k, v, g, beta, a_log, dt_bias, *outputs, lscr, redo, cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot, **meta,
     )  # fmt: skip
     if checked_everywhere:
@@ -91,7 +91,7 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     # inputs"); without a host sync the launch always happens, and costs one flag load per program when none is set.
     n_flags = layout.n_chunks * H
     _prep_redo_kernel[(triton.cdiv(n_flags, REDO_FLAGS),)](
-        q, k, v, g, beta, a_log, dt_bias, *outputs, ldiag, redo, cu, chunk_seq, chunk_tok,
+        q, k, v, g, beta, a_log, dt_bias, *outputs, lscr, redo, cu, chunk_seq, chunk_tok,
         scale, lower_bound, T, NT, T_tot, n_flags, **meta, FLAGS=REDO_FLAGS, num_warps=4, num_stages=1,
     )  # fmt: skip
 

@@ -5,11 +5,12 @@ Conventions used by every kernel (docs/kernels.md has the full story):
     (g * log2(e)) so every decay is an exp2; G is the inclusive cumulative sum of g inside the chunk.
   * Pairwise decays exp(G_t - G_i) are split into a row factor exp2(G_t - c_a + SHIFT) and a column factor
     exp2(c_a - SHIFT - G_i), where c_a is the cumulative gate just before sub-chunk a starts (it depends on
-    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range. Where a row's span
-    from its anchor, c_a - G_t, is at most WIDE = 2 SHIFT (always for g >= -5 per step), both factors stay within
+    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range; the rows of a
+    chunk's prefix whose span from the chunk's start fits share the anchor 0. Where a row's span from its anchor,
+    c_a - G_t, is at most WIDE = 2 SHIFT (always for g >= -5 per step inside a sub-chunk), both factors stay within
     2^(+-58) for every pair of that row: far from float32 (and bfloat16) overflow. Rows with a wider span take their
-    diagonal-block pairs one by one from exp2(G_t - G_i) with the exponent <= 0 (`exact_diag`), so any decay g <= 0
-    is exact; off-diagonal blocks only get smaller. Steps below 2^STEP_FLOOR are taken at the floor.
+    diagonal-block pairs one by one from exp2(G_t - G_i) with the exponent <= 0, so any decay g <= 0 is exact;
+    off-diagonal blocks only get smaller. Steps below 2^STEP_FLOOR are taken at the floor.
   * From the first token of a chunk with a non-finite k, g, beta or v, a g > 0 or a beta outside [0, 1], the
     chunk's outputs and the state after it are NaN (the prep writes NaN into qg and Gam); dots by lower triangular
     matrices take zeros in those rows (W and U are zero there), so no earlier row ever meets them (0 * NaN).
@@ -178,6 +179,16 @@ def load_lower(ptr, row0, nrows):
 
 
 @triton.jit
+def store_lower(ptr, x, row0, nrows):
+    """The block-lower part of a chunk's [64, 64] matrix x (the blocks load_lower reads) into its [rows, 64] storage,
+    rows below nrows."""
+    r = tl.arange(0, 64)
+    mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & (r < nrows)[:, None]
+    offs = r[:, None] * 64 + r[None, :]
+    tl.store(_row_base(ptr, row0, 64) + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def store_tile(ptr, x, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.constexpr):
     r = tl.arange(0, R)
     c = col0 + tl.arange(0, C)
@@ -291,25 +302,6 @@ def first_bad_row(ok, row0, R: tl.constexpr):
 
 
 @triton.jit
-def exact_diag(q, k, G):
-    """The diagonal score block computed pair by pair: [t, i] = sum_c x_tc k_ic 2^(G_tc - G_ic) for i <= t, for x = q
-    and x = k ([16, C] tiles, G the log2 cumulative gate). Every exponent is <= 0, so any decay is exact; the
-    anchored dots cover the rows whose span fits (WIDE), this the others."""
-    r = tl.arange(0, 16)
-    eq = tl.zeros([16, 16], dtype=tl.float32)
-    ek = tl.zeros([16, 16], dtype=tl.float32)
-    for j in range(16):
-        sel = (r == j)[:, None]
-        kj = tl.sum(tl.where(sel, k, 0.0), 0)
-        Gj = tl.sum(tl.where(sel, G, 0.0), 0)
-        kje = kj[None, :] * tl.exp2(tl.where((r >= j)[:, None], G - Gj[None, :], float("-inf")))
-        col = (r == j)[None, :]
-        eq = tl.where(col, tl.sum(q * kje, 1)[:, None], eq)
-        ek = tl.where(col, tl.sum(k * kje, 1)[:, None], ek)
-    return eq, ek
-
-
-@triton.jit
 def state_slice(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """(offsets, mask) of V tile iv of a row-major [K, V] state: every row (BK >= K), columns iv * BV + [0, BV)."""
     rk = tl.arange(0, BK)
@@ -369,26 +361,15 @@ def seq_info(n, cu, chunk_off, T, NT, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def tril(x, STRICT: tl.constexpr):
-    """Lower triangle of a [16, 16] block (strict: below the diagonal)."""
-    r = tl.arange(0, 16)
-    if STRICT:
-        keep = r[:, None] > r[None, :]
-    else:
-        keep = r[:, None] >= r[None, :]
-    return tl.where(keep, x, 0.0)
-
-
-@triton.jit
 def _lower_row(ptr, i, a: tl.constexpr, bcast):
-    """Row i of diagonal block a of a chunk's [64, 16] scratch, broadcast so that element [j, c] holds L_a[i, j]."""
-    return tl.load(ptr + (16 * a + i) * 16 + bcast)
+    """Row i of diagonal block a of a chunk's [64, 64] scratch, broadcast so that element [j, c] holds L_a[i, j]."""
+    return tl.load(ptr + (16 * a + i) * 64 + 16 * a + bcast)
 
 
 @triton.jit
 def inv_unit_lower4(ptr):
-    """(I + L_a)^{-1} for the four strictly lower [16, 16] float32 blocks L_a stored at ptr as a [64, 16] row-major
-    scratch (block a in rows 16a..16a+15, every row written), by forward substitution.
+    """(I + L_a)^{-1} for the four strictly lower [16, 16] float32 diagonal blocks L_a of a [64, 64] row-major
+    scratch at ptr (block a in rows and columns 16a..16a+15, every row written), by forward substitution.
 
     Row i of X = (I + L)^{-1} is e_i - L[i, :] X: rows j < i are final and L[i, j >= i] = 0, so the whole
     current X can be used. Row i of L is read back from memory already broadcast to X's layout, so a step costs
