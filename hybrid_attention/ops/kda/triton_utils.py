@@ -284,6 +284,12 @@ def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, G
 
 
 @triton.jit
+def row_of(x, i):
+    """Row i of a [64, C] tile as a [C] vector; zeros for an i outside [0, 64) (the anchor before sub-chunk 0)."""
+    return tl.sum(tl.where((tl.arange(0, 64) == i)[:, None], x, 0.0), 0)
+
+
+@triton.jit
 def finite(x):
     """|x| < inf: false for NaN and +-inf (an unordered comparison is false)."""
     return tl.abs(x) < float("inf")

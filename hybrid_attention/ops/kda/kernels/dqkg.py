@@ -37,6 +37,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_rows,
     load_tile,
     mm,
+    row_of,
     rows_or_one,
     store_rows,
     store_tile,
@@ -63,8 +64,8 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
     blk = r // 16
     for j in range(64):
         row_j = (r == j)[:, None]
-        kj = tl.sum(tl.where(row_j, kn, 0.0), 0)
-        Gj = tl.sum(tl.where(row_j, G, 0.0), 0)
+        kj = row_of(kn, j)
+        Gj = row_of(G, j)
         pairs = wide & (r > j) & (blk == j // 16)
         e = tl.exp2(tl.where(pairs[:, None], G - Gj[None, :], float("-inf")))
         col_j = (r == j)[None, :]
@@ -157,7 +158,7 @@ def _dqkg_kernel(
     if not NARROW:  # with NARROW no row is wide: the pair-by-pair path is not compiled
         wide = tl.zeros([64], dtype=tl.int1)
         for a in range(4):
-            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)
+            ca = row_of(G, 16 * a - 1)
             wide = wide | ((blk == a) & (tl.max(ca[None, :] - G, 1) > WIDE))
         if tl.max(wide.to(tl.int32), 0) > 0:  # before the dots: only the masked dAqk and dAkk stay live through them
             dq_s, dk_s, dg_s = _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide)
@@ -176,7 +177,7 @@ def _dqkg_kernel(
         dq_s, dk_s, dg_s = _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, r < f, r < f, start, ADT, PREC, EMU)
     for a in range(4):
         if f < 16 * a + 16:  # sub-chunk a holds rows from f on: anchored at c_a, the exponents of the forward
-            ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)  # G before sub-chunk a (0 for a = 0)
+            ca = row_of(G, 16 * a - 1)  # G before sub-chunk a (0 for a = 0)
             dq_s, dk_s, dg_s = _score_grads(
                 dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, (blk == a) & (r >= f), blk <= a, ca[None, :], ADT, PREC, EMU
             )
@@ -206,7 +207,7 @@ def _dqkg_kernel(
 
     # ---- assemble dq, dk, dG; dg is the reverse cumulative sum of dG inside the chunk plus d Gam ----
     e = tl.exp2(G)
-    gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
+    gam = row_of(G, 63)  # rows past the end have g = 0
     decay = tl.exp2(gam[None, :] - G)
     dq_state = scale * e * dqg
     pos = -b[:, None] * e * dr  # state parts of dk whose factor holds +G

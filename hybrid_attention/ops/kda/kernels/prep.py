@@ -43,6 +43,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     load_tile,
     mm,
     mm32,
+    row_of,
     rows_or_one,
     store_lower,
     store_rows,
@@ -89,9 +90,8 @@ def _exact_pairs(aq, ak, q, k, G, wide):
     r = tl.arange(0, 64)
     blk = r // 16
     for i in range(64):
-        row_i = (r == i)[:, None]
-        ki = tl.sum(tl.where(row_i, k, 0.0), 0)
-        Gi = tl.sum(tl.where(row_i, G, 0.0), 0)
+        ki = row_of(k, i)
+        Gi = row_of(G, i)
         pairs = wide & (r >= i) & (blk == i // 16)
         eki = tl.exp2(tl.where(pairs[:, None], G - Gi[None, :], float("-inf"))) * ki[None, :]
         col_i = (r == i)[None, :]
@@ -123,7 +123,7 @@ def _scores(aq, ak, q, k, G, BK: tl.constexpr, NARROW: tl.constexpr, ADT: tl.con
         wide = tl.zeros([64], dtype=tl.int1)
         for a in range(4):
             if f < 16 * a + 16:  # sub-chunk a holds rows from f on
-                ca = tl.sum(tl.where((r == 16 * a - 1)[:, None], G, 0.0), 0)[None, :]  # G before it (0 for a = 0)
+                ca = row_of(G, 16 * a - 1)[None, :]  # G before it (0 for a = 0)
                 rows = (blk == a) & (r >= f)
                 pq, pk = _anchored(q, k, G, rows, blk <= a, ca, ADT, PREC, EMU)
                 if not NARROW:
@@ -294,7 +294,7 @@ def _prep_chunk(
         qnan = tl.where(r < fb_all, 1.0, float("nan"))  # NaN rows by a product, not by a select on the whole tile
     for kk in range(0, K, BKW):
         G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 64, BKW), 0)
-        gam = tl.sum(tl.where((r == 63)[:, None], G, 0.0), 0)  # rows past the end have g = 0
+        gam = row_of(G, 63)  # rows past the end have g = 0
         e = tl.exp2(G)
         kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
         qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
