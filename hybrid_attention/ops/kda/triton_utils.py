@@ -290,6 +290,27 @@ def row_of(x, i):
 
 
 @triton.jit
+def fitting_prefix(G):
+    """f, the end of the chunk prefix that can share the chunk's start as its anchor: the first row of a [64, C]
+    cumulative gate whose span from the start, -G_t, exceeds WIDE on some channel, or whose G is not finite or above
+    0 (64 when every row fits). It depends on the rows up to it only."""
+    fits = tl.min(((G >= -WIDE) & (G <= 0.0)).to(tl.int32), 1) > 0
+    return first_bad_row(fits, 0, 64)
+
+
+@triton.jit
+def anchor_factors(G, rows, cols, ca):
+    """The anchored factors of the pairs (t, i), t in `rows`, i in `cols` ([64] masks), for the anchor ca ([1, C]):
+    row factor 2^(G_t - ca + SHIFT) and column factor 2^(ca - SHIFT - G_i), whose product is exactly 2^(G_t - G_i),
+    both [64, C]. Outside the masks the exponent is -inf (a factor of 0). The column exponent is clamped at SHIFT,
+    so no factor is inf (a zero row factor times inf would put a NaN outside the masks); the clamp bites only for
+    pairs of rows wider than WIDE, which the kernels take pair by pair."""
+    rowf = tl.exp2(tl.where(rows[:, None], G - ca + SHIFT, float("-inf")))
+    colf = tl.exp2(tl.where(cols[:, None], tl.minimum(ca - SHIFT - G, SHIFT), float("-inf")))
+    return rowf, colf
+
+
+@triton.jit
 def finite(x):
     """|x| < inf: false for NaN and +-inf (an unordered comparison is false)."""
     return tl.abs(x) < float("inf")

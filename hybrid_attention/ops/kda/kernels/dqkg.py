@@ -25,11 +25,12 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
-    SHIFT,
     WIDE,
+    anchor_factors,
     autotune,
     chunk_info,
     dot_operand,
+    fitting_prefix,
     gate_parts,
     load_gate,
     load_lower,
@@ -85,12 +86,9 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
 def _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: tl.constexpr, PREC: tl.constexpr,
                  EMU: tl.constexpr):  # fmt: skip
     """Add the score gradients of the pairs (t, i), t in `rows`, i <= t in `cols` ([64] masks), anchored at ca
-    ([1, BK]): row factor 2^(G_t - ca + SHIFT), column factor 2^(ca - SHIFT - G_i) (clamped to 2^SHIFT: the
-    pairs it would overflow for are dropped from dA_f, dAk_f), -inf exponents outside the masks (a product with
-    a mask could meet an overflowed inf). dA_f, dAk_f [64, 64] enter unmasked: the same dot operands for every
-    anchor."""
-    rowf = tl.exp2(tl.where(rows[:, None], G - ca + SHIFT, float("-inf")))
-    colf = tl.exp2(tl.where(cols[:, None], tl.minimum(ca - SHIFT - G, SHIFT), float("-inf")))
+    ([1, BK]) by `anchor_factors` (the pairs whose clamped column factor would be wrong are dropped from dA_f,
+    dAk_f). dA_f, dAk_f [64, 64] enter unmasked: the same dot operands for every anchor."""
+    rowf, colf = anchor_factors(G, rows, cols, ca)
     kc = dot_operand(kn * colf, ADT, PREC)
     qr = dot_operand(qn * rowf, ADT, PREC)
     kr = dot_operand(kn * rowf, ADT, PREC)
@@ -170,8 +168,7 @@ def _dqkg_kernel(
     # and <= 0), share one anchor, the chunk's start: their pairs (t, i <= t) take one set of dots instead of one per
     # sub-chunk. f depends on rows up to f only, so a row's path, and its bits, never depend on later tokens.
     # Fast rows are never wide (their span from any anchor is at most -G_t).
-    fits = tl.min(((G >= -WIDE) & (G <= 0.0)).to(tl.int32), 1) > 0
-    f = tl.min(tl.where(fits, 64, r), 0)  # the first row that does not fit (64: all do)
+    f = fitting_prefix(G)  # the first row that does not fit (64: all do)
     if f > 0:
         start = tl.zeros([1, BK], dtype=tl.float32)
         dq_s, dk_s, dg_s = _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, r < f, r < f, start, ADT, PREC, EMU)

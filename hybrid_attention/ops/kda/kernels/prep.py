@@ -29,13 +29,14 @@ import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
-    SHIFT,
     WIDE,
     all_finite,
+    anchor_factors,
     autotune,
     chunk_info,
     finite,
     first_bad_row,
+    fitting_prefix,
     inv_unit_lower4,
     load_gate,
     load_lower,
@@ -72,12 +73,8 @@ def _rstd(ss):
 @triton.jit
 def _anchored(q, k, G, rows, cols, ca, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
     """One K tile's part of Aqk and Akk ([64, 64]) for the pairs (t, i), t in `rows`, i in `cols` ([64] masks),
-    anchored at ca ([1, BKA]): rows (q, k) * 2^(G_t - ca + SHIFT) times columns k_i * 2^(ca - SHIFT - G_i), whose
-    product is exactly 2^(G_t - G_i). Outside the masks the exponents are -inf (a factor of 0); the column exponent
-    is clamped at SHIFT so that no factor is inf (a zero row factor times inf would put a NaN in a row outside the
-    mask). The clamp bites only for pairs of wide rows, which the caller replaces."""
-    rowf = tl.exp2(tl.where(rows[:, None], G - ca + SHIFT, float("-inf")))
-    colf = tl.exp2(tl.where(cols[:, None], tl.minimum(ca - SHIFT - G, SHIFT), float("-inf")))
+    anchored at ca ([1, BKA]): rows (q, k) times their row factors, columns k_i times theirs (`anchor_factors`)."""
+    rowf, colf = anchor_factors(G, rows, cols, ca)
     kc = tl.trans(k * colf)
     return mm(q * rowf, kc, ADT, PREC, EMU), mm(k * rowf, kc, ADT, PREC, EMU)
 
@@ -107,14 +104,13 @@ def _scores(aq, ak, q, k, G, BK: tl.constexpr, NARROW: tl.constexpr, ADT: tl.con
 
     The rows t < f, the chunk's prefix whose span from the chunk's start (-G_t) is at most WIDE on this tile (G
     finite and <= 0), share the chunk's start as their anchor: two M = 64 dots for all of them. The rows from f on
-    (where the chunk's decay is strong) take the anchor c_a of their sub-chunk a, the cumulative gate before it, as
-    the 16-row blocks used to: two dots per sub-chunk that holds such rows. f depends on the rows up to it only, so a
+    (where the chunk's decay is strong) take the anchor c_a of their sub-chunk a, the cumulative gate before it: two
+    dots per sub-chunk that holds such rows. f depends on the rows up to it only, so a
     row's path, and its bits, never depend on later tokens. A row whose span from c_a still exceeds WIDE (only where
     a step can fall below -WIDE / 16; never with NARROW) takes its own sub-chunk's pairs one by one instead."""
     r = tl.arange(0, 64)
     blk = r // 16
-    fits = tl.min(((G >= -WIDE) & (G <= 0.0)).to(tl.int32), 1) > 0
-    f = tl.min(tl.where(fits, 64, r), 0)  # the first row that does not fit (64: all do)
+    f = fitting_prefix(G)
     if f > 0:
         pq, pk = _anchored(q, k, G, r < f, r < f, tl.zeros([1, BK], dtype=tl.float32), ADT, PREC, EMU)
         aq += pq
