@@ -11,6 +11,9 @@ in float64, so that a mismatch of our own at float32 level (1e-7) cannot hide be
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -40,6 +43,31 @@ class Float32AsFloat64(TorchFunctionMode):
             func = torch.Tensor.double
         swap = lambda a: torch.float64 if a is torch.float32 else a  # noqa: E731
         return func(*(swap(a) for a in args), **{k: swap(v) for k, v in (kwargs or {}).items()})
+
+
+# transformers' KDA layers call these through a hub wrapper that picks FLA's Triton kernels when FLA is installed;
+# a float64 reference on the CPU needs transformers' own PyTorch functions, which the wrapper keeps as __wrapped__.
+KERNEL_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                    "causal_conv1d_update")  # fmt: skip
+
+
+@contextlib.contextmanager
+def transformers_torch_functions():
+    """While active, transformers' GLM-5-next and Kimi Linear layers run their PyTorch functions, never FLA's."""
+    saved = [(module, name, getattr(module, name)) for module in (glm5_next, kimi_linear) for name in KERNEL_FUNCTIONS]
+    try:
+        for module, name, fn in saved:
+            setattr(module, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+@pytest.fixture(autouse=True)
+def _reference_functions():
+    with transformers_torch_functions():
+        yield
 
 
 def _randomize(layer: torch.nn.Module, seed: int) -> None:

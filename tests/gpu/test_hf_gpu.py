@@ -24,7 +24,13 @@ from hybrid_attention.hf.convert import convert_kda, convert_mla  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
 from tests.conftest import needs_cuda  # noqa: E402
 from tests.helpers import assert_as_accurate  # noqa: E402
-from tests.test_hf_convert import Float32AsFloat64, _causal_mask, kimi_linear_mla, transformers_kda  # noqa: E402
+from tests.test_hf_convert import (  # noqa: E402
+    Float32AsFloat64,
+    _causal_mask,
+    kimi_linear_mla,
+    transformers_kda,
+    transformers_torch_functions,
+)
 
 pytestmark = needs_cuda
 
@@ -89,7 +95,7 @@ def test_converted_kda_on_cuda_as_accurate_as_transformers(source, lower_bound):
     def our_call(layer, piece, cache, _):
         return layer(piece, cache=cache)
 
-    with Float32AsFloat64():
+    with transformers_torch_functions(), Float32AsFloat64():  # the float64 reference runs on the CPU
         expected = _layer_outputs(ref64, x, splits, lambda: DynamicCache(config=config), hf_call)
     xc = x.to("cuda", torch.bfloat16)
     baseline = _layer_outputs(theirs, xc, splits, lambda: DynamicCache(config=config), hf_call)
@@ -111,9 +117,11 @@ def test_converted_mla_on_cuda_as_accurate_as_transformers(q_lora_rank):
         return layer(piece, _causal_mask(past, piece.shape[1]).to(piece), cache)[0]
 
     def our_call(layer, piece, cache, _):
+        if cache is not None:
+            cache.seqlens.advance(piece.shape[1])  # the caller counts the tokens it feeds (HybridLM.forward does)
         return layer(piece, cache=cache)
 
-    with Float32AsFloat64():
+    with transformers_torch_functions(), Float32AsFloat64():  # the float64 reference runs on the CPU
         expected = _layer_outputs(ref64, x, splits, lambda: DynamicCache(config=config), hf_call)
     xc = x.to("cuda", torch.bfloat16)
     baseline = _layer_outputs(theirs, xc, splits, lambda: DynamicCache(config=config), hf_call)
