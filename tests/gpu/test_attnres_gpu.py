@@ -157,7 +157,7 @@ def _stream_params(S, D, g):
     ]
 
 
-@pytest.mark.parametrize("config", ["tuned", *range(6)])
+@pytest.mark.parametrize("config", ["tuned", *range(8)])
 def test_fused_training_stream_at_model_sizes(config, monkeypatch):
     """A Full AttnRes stream of 27 sources (the k3-scaled depth), whose backwards assemble each source's gradient
     once, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against float64 as the bf16

@@ -70,8 +70,9 @@ if triton is not None:
         else:
             tl.store(dzr + at, val.to(dzr.dtype.element_ty), mask=m_ok)
 
-    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
-    @tuned_over_rows([(4, 8), (2, 4), (1, 4), (8, 8), (4, 4), (2, 8)])
+    # (BLOCK_M, num_warps); the first is the one the interpreter runs. Two warps per tile sum each row over fewer
+    # warps: the fastest shape for most steps (benchmarks/bench_attnres_configs.py).
+    @tuned_over_rows([(4, 8), (2, 4), (1, 4), (8, 8), (4, 4), (2, 8), (4, 2), (2, 2)])
     @triton.jit
     def _stream_bwd_kernel(
         table,  # int64 [n]: data pointers of the n sources to assemble, each [M, D] contiguous

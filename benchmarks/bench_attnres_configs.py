@@ -1,0 +1,121 @@
+"""Benchmark: every launch shape of the Full AttnRes stream kernels, each alone, at the k3-scaled training size.
+
+The stream's forward (`_full_fwd_kernel`, one program per row) over S sources, and the backward of one stream step
+(`_stream_bwd_kernel`) that assembles the gradient of its newest source from the dh rows of the later steps, at
+M = 8 x 2048 rows, D = 1024, bf16 sources, K = 27 steps (the k3-scaled depth). Each (BLOCK, num_warps) pair runs
+alone, bypassing the autotuner, so the table shows what the tuner chooses between; the backward also at 8 and 16
+programs per SM (`STREAM_BWD_PROGRAMS_PER_SM`). Times are `triton.testing.do_bench` medians in microseconds.
+
+    python benchmarks/bench_attnres_configs.py --out bench_attnres_configs.json
+
+Prints one line per case, fastest first, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+from bench_common import emit_json, env_info, log
+
+M, D, K = 8 * 2048, 1024, 27
+EPS = 1e-6
+WARPS = (1, 2, 4, 8)
+
+
+def _launcher(kernel, grid, *args, **meta):
+    """One launch of the tuned kernel's JIT function with fixed launch parameters (the autotuner bypassed)."""
+    return lambda: kernel.fn[grid](*args, **meta)
+
+
+def _time_us(fn) -> float:
+    from triton.testing import do_bench
+
+    try:
+        return do_bench(fn, warmup=20, rep=60) * 1000
+    except Exception as exc:  # a launch shape the compiler refuses: listed, not fatal
+        log(f"  failed: {exc!r:.120}")
+        return float("nan")
+
+
+def forward_sweep(sources, queries, key_ws, norm_w, counts) -> dict:
+    import triton.language as tl
+
+    from hybrid_attention.ops.attnres.rows import pointer_table, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.triton_full import _full_fwd_kernel
+
+    out, h = torch.empty_like(sources[0]), torch.empty_like(sources[0])
+    stats = torch.empty(2, M, device=out.device)
+    results = {}
+    for S in counts:
+        table = pointer_table(sources[:S])
+        for block_s, warps in itertools.product((1, 2, 4, 8), WARPS):
+            launch = _launcher(
+                _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, M, S, D,
+                *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, CDT=tl.float32,
+                BLOCK_S=block_s, BLOCK_D=D, num_warps=warps,
+            )  # fmt: skip
+            results[f"S={S} BLOCK_S={block_s} warps={warps}"] = _time_us(launch)
+    return results
+
+
+def backward_sweep(sources, queries, key_ws, norm_w, steps) -> dict:
+    import triton.language as tl
+
+    from hybrid_attention.ops.attnres.rows import pointer_table, row_programs, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.triton_stream import _stream_bwd_kernel
+
+    dev = sources[0].device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    dx = torch.randn(M, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    h = torch.randn(M, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    stats = torch.rand(2, M, device=dev, generator=gen) + 0.5
+    dh = torch.randn(K, M, D, device=dev, dtype=torch.bfloat16, generator=gen) * 0.01
+    rows = torch.rand(K, 2, M, device=dev, generator=gen)
+    cols = torch.randn(2, K, D, device=dev, generator=gen)
+    dv = torch.empty(1, M, D, device=dev, dtype=torch.bfloat16)
+    results = {}
+    for k in steps:
+        table = pointer_table(sources[k : k + 1])
+        dzr = torch.empty(1, 2, K - k, M, device=dev, dtype=torch.bfloat16)
+        for per_sm, block_m, warps in itertools.product((8, 16), (1, 2, 4, 8), WARPS):
+            programs = row_programs(M, dev, per_sm)
+            part = torch.empty(programs, D, device=dev)
+            launch = _launcher(
+                _stream_bwd_kernel, (programs,), table, dv, dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
+                dzr, part, M, D, K, k, 1, *split_scalar(EPS), source_bucket(K - k), HAS_DX=True, SPLIT_DZR=True,
+                CDT=tl.float32, BLOCK_M=block_m, BLOCK_D=D, num_warps=warps,
+            )  # fmt: skip
+            results[f"step={k} later={K - 1 - k} per_sm={per_sm} BLOCK_M={block_m} warps={warps}"] = _time_us(launch)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--counts", default="8,27", help="source counts of the forward cases")
+    parser.add_argument("--steps", default="13,25", help="stream steps k of the backward cases (of 27)")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        log("bench_attnres_configs: needs a CUDA GPU")
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sources = [torch.randn(M, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(K)]
+    queries = torch.randn(K, D, device="cuda", generator=gen) * D**-0.5
+    key_ws = torch.rand(K, D, device="cuda", generator=gen) + 0.5
+    norm_w = torch.rand(D, device="cuda", generator=gen) + 0.5
+    result = {"env": env_info(sys.argv)}
+    result["forward_us"] = forward_sweep(sources, queries, key_ws, norm_w, [int(s) for s in args.counts.split(",")])
+    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, [int(k) for k in args.steps.split(",")])
+    for part in ("forward_us", "backward_us"):
+        log(f"## {part}, fastest first")
+        for name, t in sorted(result[part].items(), key=lambda kv: (kv[0].split(" ")[0], kv[1])):
+            log(f"  {name:<56} {t:9.1f}")
+    emit_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
