@@ -53,7 +53,9 @@ def sample_next_token(
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
+    # Drawn from float32 probabilities: on CUDA the draw consumes the generator's stream per dtype, and float32 is
+    # what transformers' sampling uses, so one seed gives the same tokens through either API.
+    probs = logits.softmax(-1).float()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
