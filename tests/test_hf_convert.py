@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from unittest import mock
 
 import pytest
 import torch
@@ -54,14 +55,11 @@ KERNEL_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attentio
 @contextlib.contextmanager
 def transformers_torch_functions():
     """While active, transformers' GLM-5-next and Kimi Linear layers run their PyTorch functions, never FLA's."""
-    saved = [(module, name, getattr(module, name)) for module in (glm5_next, kimi_linear) for name in KERNEL_FUNCTIONS]
-    try:
-        for module, name, fn in saved:
-            setattr(module, name, inspect.unwrap(fn))
+    with contextlib.ExitStack() as patches:
+        for module in (glm5_next, kimi_linear):
+            for name in KERNEL_FUNCTIONS:
+                patches.enter_context(mock.patch.object(module, name, inspect.unwrap(getattr(module, name))))
         yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 @pytest.fixture(autouse=True)
