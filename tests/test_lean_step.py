@@ -35,11 +35,11 @@ def test_fast_training_step_matches_the_reference(monkeypatch):
     ref_loss, ref = _step(model, ids)
     monkeypatch.setattr(backends, "triton_runs_on", lambda x, cpu_interpreter=False: triton_runs_on(x))
     calls = Counter()
-    for mod, name in ((rms_norm_mod, "rms_norm_fused"), (swiglu_mod, "swiglu_fused")):
+    for mod, name in ((rms_norm_mod, "rms_norm_fused"), (swiglu_mod, "swiglu_down")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name: calls.update([name]) or real(*a))
     _step(model, ids)
-    assert calls == {"rms_norm_fused": 7, "swiglu_fused": 2}, calls  # 3 norms per MLA layer and the final one
+    assert calls == {"rms_norm_fused": 7, "swiglu_down": 2}, calls  # 3 norms per MLA layer and the final one
     for label, fn in (
         ("eager", None),
         ("compiled", torch.compile(lambda ids: model(ids, labels=ids, return_logits=False).loss, fullgraph=True,

@@ -1,10 +1,11 @@
 """SwiGLU feed-forward: down(SiLU(gate(x)) * up(x)).
 
 In training on CUDA (the rule of `hybrid_attention.backends`) gate and up run as one matmul against their weights
-stacked, and SiLU(a) * b as one Triton kernel each way on that matmul's output (`ops.swiglu`): the backward then
-takes one matmul for dx and one for the stacked weights' gradient instead of two each and a sum. The parameters stay
-separate; stacking them costs one copy of the two weights per step, small next to the activations. Elsewhere the
-eager code below runs, the reference.
+stacked, then SiLU(a) * b and the down projection as one op (`ops.swiglu`) that keeps only that matmul's output and
+the down weight for the backward, which recomputes SiLU(a) * b in the kernel that writes the gradient. The backward
+then takes one matmul for dx and one for the stacked weights' gradient instead of two each and a sum. The parameters
+stay separate; stacking them costs one copy of the two weights per step, small next to the activations. Elsewhere
+the eager code below runs, the reference.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, *, decode: PackedProjections | None = None) -> torch.Tensor:
         """x: [..., hidden] -> [..., hidden]. `decode`: a decode step's packed projections (layers/packed.py)."""
         if decode is None and stack_in_training(x, self.packed_linears()):
-            from hybrid_attention.ops.swiglu import swiglu_fused  # imports triton
+            from hybrid_attention.ops.swiglu import swiglu_down  # imports triton
 
             gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # [..., 2 intermediate]
-            return self.down_proj(swiglu_fused(gate_up))
+            # The cast nn.Linear makes under autocast, so that the op's two matmuls read one dtype.
+            return swiglu_down(gate_up, self.down_proj.weight.to(gate_up.dtype))
         gate, up = project(self, x, decode)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_SiLUMul.apply(gate, up))

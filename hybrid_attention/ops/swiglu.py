@@ -1,21 +1,23 @@
-"""SwiGLU's product SiLU(a) * b for training, one Triton kernel each way, from the packed projection [a | b].
+"""SwiGLU's product and down projection for training, (SiLU(a) * b) W^T, from the packed projection [a | b].
 
-    y = round(SiLU(a)) * b,     da = dy b s (1 + a (1 - s)),     db = dy round(SiLU(a)),     s = sigmoid(a)
+    y = round(SiLU(a)) * b,     out = y W^T,
+    da = dy b s (1 + a (1 - s)),     db = dy round(SiLU(a)),     s = sigmoid(a),     dy = dout W,     dW = dout^T y
 
-in float32 (float64 for float64 inputs), rounded where the eager `F.silu(a) * b` rounds (docs/math.md, "SwiGLU
-product"). The input is one [..., 2F] tensor, a = its first F columns and b the last F: the output of one matmul
-against the gate and up weights stacked. The backward writes da and db into one [..., 2F] gradient, which is that
-matmul's output gradient as it is (separate a and b would need a concatenation). Autograd keeps the input only
-(eager autograd also keeps SiLU(a)); eager PyTorch runs two kernels forward and about eight backward.
+in float32 (float64 for float64 inputs), rounded where the eager `F.linear(F.silu(a) * b, W)` rounds (docs/math.md,
+"SwiGLU product"). The input is one [..., 2F] tensor, a = its first F columns and b the last F: the output of one
+matmul against the gate and up weights stacked. Autograd keeps that input and W only: the backward's one Triton
+kernel recomputes y (bit for bit the forward's) for dW while it writes da and db into one [..., 2F] gradient, which
+is that matmul's output gradient as it is. Eager autograd keeps SiLU(a) and y too, two more [..., F] tensors per MLP.
 
-Eager calls run an autograd Function; under `torch.compile` the same kernels run as custom ops with fake
-implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes. `layers.mlp.SwiGLU`
-uses it in training on CUDA (the rule of `hybrid_attention.backends`); its eager code is the reference.
+Eager calls run an autograd Function; under `torch.compile` the same code runs as custom ops with fake
+implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes. `layers.mlp.SwiGLU` uses it in
+training on CUDA (the rule of `hybrid_attention.backends`); its eager code is the reference.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -28,7 +30,8 @@ BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu, dy, dgu, width, stride_gu, stride_dy, BLOCK: tl.constexpr, CDT: tl.constexpr):
+def _swiglu_bwd_kernel(gu, dy, dgu, y, width, stride_gu, stride_dy, STORE_Y: tl.constexpr, BLOCK: tl.constexpr,
+                       CDT: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -42,14 +45,16 @@ def _swiglu_bwd_kernel(gu, dy, dgu, width, stride_gu, stride_dy, BLOCK: tl.const
     out = dgu + row * (2 * width) + cols
     tl.store(out, da.to(dgu.dtype.element_ty), mask=ok)
     tl.store(out + width, (g * silu).to(dgu.dtype.element_ty), mask=ok)
+    if STORE_Y:  # the forward's product, as _act_mul_kernel computes it
+        tl.store(y + row * width + cols, (silu * bf).to(y.dtype.element_ty), mask=ok)
 
 
 def _grid(n: int, width: int) -> tuple[int, int]:
     return (n, triton.cdiv(width, BLOCK))
 
 
-def _forward(gate_up: Tensor) -> Tensor:
-    """[..., 2F] -> [..., F] in gate_up's dtype."""
+def _product(gate_up: Tensor) -> Tensor:
+    """[..., 2F] -> SiLU(a) * b [..., F] in gate_up's dtype."""
     width = gate_up.shape[-1] // 2
     gu = as_rows(gate_up, 2 * width)
     y = gate_up.new_empty(*gate_up.shape[:-1], width)
@@ -61,81 +66,105 @@ def _forward(gate_up: Tensor) -> Tensor:
     return y
 
 
-def _backward_kernel(dy: Tensor, gate_up: Tensor) -> Tensor:
-    """[..., F], [..., 2F] -> d gate_up [..., 2F] in gate_up's dtype."""
+def _product_bwd(dy: Tensor, gate_up: Tensor, keep_y: bool) -> tuple[Tensor, Tensor]:
+    """dy [..., F], gate_up [..., 2F] -> (d gate_up [..., 2F], the product y [..., F] or an empty tensor)."""
     width = gate_up.shape[-1] // 2
     gu, g = as_rows(gate_up, 2 * width), as_rows(dy, width)
     dgu = torch.empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
+    y = gate_up.new_empty(*gate_up.shape[:-1], width) if keep_y else gate_up.new_empty(0)
     if dgu.numel():
         _swiglu_bwd_kernel[_grid(gu.shape[0], width)](
-            gu, g, dgu, width, gu.stride(0), g.stride(0), BLOCK=BLOCK, CDT=compute_tl_dtype(gate_up.dtype)
-        )
-    return dgu
+            gu, g, dgu, y, width, gu.stride(0), g.stride(0), STORE_Y=keep_y, BLOCK=BLOCK,
+            CDT=compute_tl_dtype(gate_up.dtype),
+        )  # fmt: skip
+    return dgu, y
+
+
+def _forward(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """[..., 2F], [O, F] -> [..., O]."""
+    return F.linear(_product(gate_up), weight)
+
+
+def _backward(dout: Tensor, gate_up: Tensor, weight: Tensor, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+    """dout [..., O] -> (d gate_up [..., 2F], d weight [O, F] or an empty tensor)."""
+    dgu, y = _product_bwd(dout @ weight, gate_up, need_weight_grad)
+    if not need_weight_grad:
+        return dgu, y
+    return dgu, dout.reshape(-1, dout.shape[-1]).T @ y.reshape(-1, y.shape[-1])
 
 
 # Eager calls launch the kernels from an autograd Function (a custom op's dispatch costs more host time than these
 # kernels take on the GPU); torch.compile traces the custom ops below, which run the same two functions.
-class _SwiGLUFn(torch.autograd.Function):
+class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up):
-        ctx.save_for_backward(gate_up)
-        return _forward(gate_up)
+    def forward(ctx, gate_up, weight):
+        ctx.save_for_backward(gate_up, weight)
+        return _forward(gate_up, weight)
 
     @staticmethod
-    def backward(ctx, dy):
-        return _backward_kernel(dy, *ctx.saved_tensors)
+    def backward(ctx, dout):
+        dgu, dw = _backward(dout.contiguous(), *ctx.saved_tensors, ctx.needs_input_grad[1])
+        return dgu, (dw if ctx.needs_input_grad[1] else None)
 
 
-@torch.library.custom_op("hybrid_attention::swiglu_fwd", mutates_args=())
-def _fwd_op(gate_up: Tensor) -> Tensor:
-    """[..., 2F] -> [..., F] in gate_up's dtype."""
-    return _forward(gate_up)
+@torch.library.custom_op("hybrid_attention::swiglu_down_fwd", mutates_args=())
+def _fwd_op(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """[..., 2F], [O, F] -> [..., O] in gate_up's dtype."""
+    return _forward(gate_up, weight)
 
 
 @_fwd_op.register_fake
-def _(gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+def _(gate_up, weight):
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("hybrid_attention::swiglu_bwd", mutates_args=())
-def _bwd_op(dy: Tensor, gate_up: Tensor) -> Tensor:
-    """[..., F], [..., 2F] -> d gate_up [..., 2F] in gate_up's dtype."""
-    return _backward_kernel(dy, gate_up)
+@torch.library.custom_op("hybrid_attention::swiglu_down_bwd", mutates_args=())
+def _bwd_op(dout: Tensor, gate_up: Tensor, weight: Tensor, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+    """[..., O], [..., 2F], [O, F] -> (d gate_up [..., 2F], d weight [O, F] or an empty tensor)."""
+    return _backward(dout.contiguous(), gate_up, weight, need_weight_grad)
 
 
 @_bwd_op.register_fake
-def _(dy, gate_up):
-    return torch.empty_like(gate_up)
+def _(dout, gate_up, weight, need_weight_grad):
+    return torch.empty_like(gate_up), (torch.empty_like(weight) if need_weight_grad else weight.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+    ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy):
-    (gate_up,) = ctx.saved_tensors
-    return _bwd_op(dy, gate_up)
+def _op_backward(ctx, dout):
+    dgu, dw = _bwd_op(dout, *ctx.saved_tensors, ctx.needs_input_grad[1])
+    return dgu, (dw if ctx.needs_input_grad[1] else None)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup)
+_fwd_op.register_autograd(_op_backward, setup_context=_setup)
 
 
-def swiglu_fused_supported(x: Tensor) -> bool:
+def swiglu_down_supported(x: Tensor) -> bool:
     """The kernels take x: a Triton dtype on CUDA or under the interpreter (there float64 too, for tests)."""
     if not triton_available():
         return False
     return triton_runs_on(x) or (x.dtype == torch.float64 and x.device.type == "cpu" and interpreting())
 
 
-def swiglu_fused(gate_up: Tensor) -> Tensor:
-    """gate_up [..., 2F] (each row with unit stride; a = [..., :F], b = [..., F:]) -> SiLU(a) * b [..., F] in its
-    dtype, as `F.silu(a) * b` computes it, differentiable (the backward keeps gate_up only)."""
-    if not swiglu_fused_supported(gate_up) or gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+def swiglu_down(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """gate_up [..., 2F] (each row with unit stride; a = [..., :F], b = [..., F:]), weight [O, F] of gate_up's dtype
+    -> F.linear(SiLU(a) * b, weight) [..., O], as the eager ops compute it, differentiable in both (the backward
+    keeps gate_up and weight only)."""
+    if not swiglu_down_supported(gate_up) or gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(
-            f"swiglu_fused: needs triton and a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1) of float16, "
+            f"swiglu_down: needs triton and a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1) of float16, "
             f"bfloat16 or float32 (float64 under the interpreter) of shape [..., 2F]; got {gate_up.dtype} "
             f"{tuple(gate_up.shape)} on {gate_up.device}"
         )
+    width = gate_up.shape[-1] // 2
+    bad_shape = weight.dim() != 2 or weight.shape[1] != width
+    if bad_shape or (weight.dtype, weight.device) != (gate_up.dtype, gate_up.device):
+        raise ValueError(
+            f"swiglu_down: weight must be [O, {width}] of {gate_up.dtype} on {gate_up.device} (gate_up is "
+            f"{tuple(gate_up.shape)}); got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
     if torch.compiler.is_compiling():
-        return _fwd_op(gate_up)
-    return _SwiGLUFn.apply(gate_up)
+        return _fwd_op(gate_up, weight)
+    return _SwiGLUDownFn.apply(gate_up, weight)

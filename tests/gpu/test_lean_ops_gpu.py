@@ -13,7 +13,7 @@ from hybrid_attention.backends import use_reference
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.rms_norm import rms_norm_fused
-from hybrid_attention.ops.swiglu import swiglu_fused
+from hybrid_attention.ops.swiglu import swiglu_down
 from tests.conftest import needs_cuda
 from tests.helpers import assert_as_accurate, assert_close
 
@@ -53,14 +53,16 @@ def test_swiglu_real_size():
     g = torch.Generator(device="cuda").manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         gate_up = (2 * torch.randn(ROWS + 3, 2 * 2816, device="cuda", generator=g)).to(dtype)
-        dy = torch.randn(ROWS + 3, 2816, device="cuda", generator=g).to(dtype)
+        weight = (torch.randn(1024, 2816, device="cuda", generator=g) / 2816**0.5).to(dtype)
+        dout = torch.randn(ROWS + 3, 1024, device="cuda", generator=g).to(dtype)
 
-        def eager(gu):
+        def eager(gu, w):
             a, b = gu.chunk(2, dim=-1)
-            return F.silu(a) * b
+            return F.linear(F.silu(a) * b, w)
 
-        ours = _grads(swiglu_fused, (gate_up,), dy)
-        _check(("y", "d gate_up"), ours, _grads(eager, (gate_up.double(),), dy.double()), _grads(eager, (gate_up,), dy))
+        ours = _grads(swiglu_down, (gate_up, weight), dout)
+        exact = _grads(eager, (gate_up.double(), weight.double()), dout.double())
+        _check(("out", "d gate_up", "d weight"), ours, exact, _grads(eager, (gate_up, weight), dout))
 
 
 def test_training_step_matches_reference():
