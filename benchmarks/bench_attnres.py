@@ -110,7 +110,7 @@ def op_cases(B, T):
     for N in (2, 8):
         blk = sources(N, B, T)
         qs, kws = (torch.randn(4, D, device="cuda").requires_grad_() for _ in range(2))
-        fused = lambda blk=blk, qs=qs, kws=kws: attn_res_partial_train(blk, qs, kws)[0]
+        fused = lambda blk=blk, qs=qs, kws=kws: torch.stack(attn_res_partial_train(blk, qs, kws)[0])
         ref = lambda blk=blk, qs=qs, kws=kws: torch.stack([attn_res_partial(blk, qs[i], kws[i])[0] for i in range(4)])
         variants = {
             "fused fwd+bwd": fwd_bwd(fused, [*blk, qs, kws]),

@@ -270,15 +270,30 @@ def test_partial_matches_reference(N, Q, zero_query, poisoned):
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
     blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
     ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
-    ref_out, ref_lse = torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref])
-    assert out.shape == (Q, *SHAPE, D) and lse.shape == (Q, *SHAPE)
-    assert_close(f"partial N={N} Q={Q} out", out, ref_out, TOL)
+    ref_out, ref_lse = [r[0] for r in ref], torch.stack([r[1] for r in ref])
+    assert len(out) == Q and all(o.shape == (*SHAPE, D) for o in out) and lse.shape == (Q, *SHAPE)
+    assert_close(f"partial N={N} Q={Q} out", torch.stack(out), torch.stack(ref_out), TOL)
     assert_close(f"partial N={N} Q={Q} lse", lse, ref_lse, TOL)
     labels = [f"block {i}" for i in range(N)] + ["queries", "key_weights"]
-    fused_grads = grads((out, lse), [*blocks, queries, key_ws])
+    fused_grads = grads((*out, lse), [*blocks, queries, key_ws])
     check_grads(
-        f"partial N={N} Q={Q}", fused_grads, grads((ref_out, ref_lse), [*blocks64, queries64, key_ws64]), labels
+        f"partial N={N} Q={Q}", fused_grads, grads((*ref_out, ref_lse), [*blocks64, queries64, key_ws64]), labels
     )
+
+
+def test_partial_with_unused_outputs():
+    """Only some of phase 1's outputs reach the loss (the others get zero gradients): every gradient still equals
+    the reference's."""
+    D, Q = 20, 4
+    blocks = sources(3, D, seed=17)
+    queries, key_ws = vectors(D, 2, seed=18, rows=Q)
+    out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
+    blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
+    ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
+    labels = [f"block {i}" for i in range(3)] + ["queries", "key_weights"]
+    fused = grads((out[2], lse[0]), [*blocks, queries, key_ws])
+    check_grads("partial, outputs 2 and lse 0", fused, grads((ref[2][0], ref[0][1]), [*blocks64, queries64, key_ws64]),
+                labels)  # fmt: skip
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
@@ -344,7 +359,11 @@ def test_opcheck():
         torch.library.opcheck(ops.attn_res_stream_bwd, args)
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
-    out, lse = (t.detach().requires_grad_() for t in attn_res_partial_train(src, queries, key_ws, EPS))
+    out, lse = attn_res_partial_train(src, queries, key_ws, EPS)
+    out, lse = [o.detach().requires_grad_() for o in out], lse.detach().requires_grad_()
+    plain = [s.detach() for s in src], queries.detach(), key_ws.detach(), [o.detach() for o in out], lse.detach()
+    bwd_args = ([torch.randn_like(o) for o in out], torch.randn_like(lse), *plain, EPS)
+    torch.library.opcheck(ops.attn_res_partial_bwd, bwd_args)
     for partial in (src[0], None):
         args = (out[0], lse[0], partial, query, key_w, norm_w, EPS, NORM_EPS, F64)
         torch.library.opcheck(ops.attn_res_merge_norm_fwd, args)

@@ -152,7 +152,7 @@ def block_attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step], block_
         key_weights = torch.stack([r.key_norm.weight for r in res_group])
         out, lse = attn_res_partial_train(blocks, queries, key_weights, eps)
         partial = None
-        for i, o, s in zip(group, out.unbind(0), lse.unbind(0), strict=True):
+        for i, o, s in zip(group, out, lse.unbind(0), strict=True):
             res, norm, g = steps[i]
             dtype = blocks[-1].dtype if partial is None else partial.dtype
             x = attn_res_merge_norm_train(

@@ -35,31 +35,36 @@ def _distinct_empty(like: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------- Block AttnRes, phase 1
+# The Q outputs are separate tensors, not one [Q, ..., D]: each sublayer's phase 2 reads one and its backward returns
+# that one's gradient, which the phase-1 backward reads where it lies (a stacked output would have autograd copy the
+# Q gradients into one tensor first).
 @torch.library.custom_op("hybrid_attention::attn_res_partial_fwd", mutates_args=())
-def _partial_fwd_op(blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(out [Q, ..., D], lse [Q, ...]) in the compute dtype."""
+def _partial_fwd_op(
+    blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float
+) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+    """(out: Q x [..., D], lse [Q, ...]) in the compute dtype."""
     shape, Q = blocks[0].shape, queries.shape[0]
     out, lse = partial_fwd(_flat(blocks), queries, key_weights, eps)
-    return out.view(Q, *shape), lse.view(Q, *shape[:-1])
+    return [o.view(shape) for o in out], lse.view(Q, *shape[:-1])
 
 
 @_partial_fwd_op.register_fake
 def _(blocks, queries, key_weights, eps):
     b0, Q = blocks[0], queries.shape[0]
     cdt = compute_dtype(b0)
-    return b0.new_empty(Q, *b0.shape, dtype=cdt), b0.new_empty(Q, *b0.shape[:-1], dtype=cdt)
+    return [b0.new_empty(b0.shape, dtype=cdt) for _ in range(Q)], b0.new_empty(Q, *b0.shape[:-1], dtype=cdt)
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_partial_bwd", mutates_args=())
 def _partial_bwd_op(
-    dout: Tensor, dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, out: Tensor, lse: Tensor,
-    eps: float,
+    dout: list[Tensor], dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, out: list[Tensor],
+    lse: Tensor, eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
-    shape, Q, D = blocks[0].shape, queries.shape[0], queries.shape[1]
+    shape, Q = blocks[0].shape, queries.shape[0]
     dblk, du = partial_bwd(
-        dout.contiguous().view(Q, -1, D), dlse.contiguous().view(Q, -1), _flat(blocks), queries, key_weights,
-        out.view(Q, -1, D), lse.view(Q, -1), eps,
+        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks), queries, key_weights,
+        _flat(out), lse.view(Q, -1), eps,
     )  # fmt: skip
     return dblk.view(len(blocks), *shape), du
 
@@ -67,18 +72,20 @@ def _partial_bwd_op(
 @_partial_bwd_op.register_fake
 def _(dout, dlse, blocks, queries, key_weights, out, lse, eps):
     b0 = blocks[0]
-    return b0.new_empty(len(blocks), *b0.shape), out.new_empty(queries.shape)
+    return b0.new_empty(len(blocks), *b0.shape), lse.new_empty(queries.shape)
 
 
 def _partial_setup(ctx, inputs, output):
     blocks, queries, key_weights, eps = inputs
-    ctx.save_for_backward(*blocks, queries, key_weights, *output)
-    ctx.eps = eps
+    out, lse = output
+    ctx.save_for_backward(*blocks, queries, key_weights, *out, lse)
+    ctx.n_blocks, ctx.eps = len(blocks), eps
 
 
 def _partial_backward(ctx, dout, dlse):
-    *blocks, queries, key_weights, out, lse = ctx.saved_tensors
-    dblk, du = _partial_bwd_op(dout, dlse, blocks, queries, key_weights, out, lse, ctx.eps)
+    saved, n = ctx.saved_tensors, ctx.n_blocks
+    blocks, (queries, key_weights), out, lse = saved[:n], saved[n : n + 2], saved[n + 2 : -1], saved[-1]
+    dblk, du = _partial_bwd_op(list(dout), dlse, list(blocks), queries, key_weights, list(out), lse, ctx.eps)
     dq, dkw = (du * key_weights).to(queries.dtype), (du * queries).to(key_weights.dtype)
     return list(dblk.unbind(0)), dq, dkw, None
 
@@ -155,7 +162,7 @@ _merge_fwd_op.register_autograd(_merge_backward, setup_context=_merge_setup)
 # ----------------------------------------------------------------------------------------------- public functions
 def attn_res_partial_train(
     blocks: Sequence[Tensor], queries: Tensor, key_weights: Tensor, eps: float = 1e-6
-) -> tuple[Tensor, Tensor]:
+) -> tuple[list[Tensor], Tensor]:
     """Block AttnRes phase 1 for the Q sublayers of a block at once, differentiable.
 
     Args:
@@ -163,7 +170,7 @@ def attn_res_partial_train(
         queries, key_weights: [Q, D], the pseudo-queries and key-norm weights of the Q sublayers.
 
     Returns:
-        out [Q, B, T, D] and lse [Q, B, T] in float32 (float64 for float64 blocks): row q equals
+        out: Q x [B, T, D] and lse [Q, B, T] in float32 (float64 for float64 blocks): (out[q], lse[q]) equals
         `attn_res_partial(blocks, queries[q], key_weights[q], eps)`.
     """
     name = "attn_res_partial_train"

@@ -5,7 +5,9 @@ sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never
 
     z_qk = r_k (u_q . b_k),  out_q = sum_k softmax_k(z_q) b_k,  lse_q = logsumexp_k(z_q)      (u_q = w_q * gamma_q)
 
-kept in the compute dtype so that phase 2 is exact. Phase 2, per sublayer, fused with its RMSNorm: fold the
+kept in the compute dtype so that phase 2 is exact; each out_q is its own [M, D] tensor (written and, in the
+backward, read with its gradient through pointer tables), so that each sublayer's phase 2 takes one and hands back
+its gradient without a stack of them being copied. Phase 2, per sublayer, fused with its RMSNorm: fold the
 partial sum P of the sublayer's own block in with an online-softmax update, then normalise,
 
     s = r_P (u . P),  alpha = sigmoid(s - lse),  h = out + alpha (P - out),  x = norm_weight * h * rho
@@ -45,7 +47,7 @@ if triton is not None:
         first,  # block 0 (its element type is the blocks')
         queries,  # [Q, D]
         key_ws,  # [Q, D]
-        out,  # [Q, M, D] compute dtype
+        out_table,  # int64 [Q]: data pointers of the Q outputs, each [M, D] contiguous in the compute dtype
         lse_ptr,  # [Q, M] compute dtype
         N,
         Q,
@@ -79,9 +81,9 @@ if triton is not None:
             run_sum = run_sum * rescale + p
             acc = acc * rescale[:, None] + p[:, None] * b[None, :]
             run_max = new_max
-        q_rows = offs_q.to(tl.int64) * M + row
-        tl.store(out + q_rows[:, None] * D + offs_d[None, :], acc / run_sum[:, None], mask=qd_ok)
-        tl.store(lse_ptr + q_rows, run_max + tl.log(run_sum), mask=q_ok)
+        out = tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
+        tl.store(out[:, None] + row * D + offs_d[None, :], acc / run_sum[:, None], mask=qd_ok)
+        tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
     @triton.jit
     def _partial_bwd_kernel(
@@ -89,9 +91,9 @@ if triton is not None:
         first,
         queries,  # [Q, D]
         key_ws,  # [Q, D]
-        out,  # [Q, M, D] the forward's output
+        out_table,  # int64 [Q]: the forward's outputs, as in the forward
         lse_ptr,  # [Q, M]
-        dout,  # [Q, M, D] its gradient
+        dout_table,  # int64 [Q]: their gradients, each [M, D] contiguous in the compute dtype
         dlse,  # [Q, M] the gradient of lse
         dblk,  # [N, M, D] gradients of the blocks (the blocks' dtype)
         du_part,  # [programs, Q, D] partial sums of dL/du_q
@@ -114,12 +116,14 @@ if triton is not None:
         qd = offs_q[:, None] * D + offs_d[None, :]
         qd_ok = q_ok[:, None] & d_ok[None, :]
         u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
+        out = tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
+        dout = tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
         du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         for row in range(pid, M, tl.num_programs(0)):
             base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
             q_rows = offs_q.to(tl.int64) * M + row
-            o = tl.load(out + q_rows[:, None] * D + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
-            do = tl.load(dout + q_rows[:, None] * D + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
+            o = tl.load(out[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0)
+            do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0)
             lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
             dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
             c = tl.sum(do * o, axis=1)  # sum_k p_qk (dout_q . b_k)
@@ -244,32 +248,36 @@ def _warps(elements: int) -> int:
 
 
 def partial_fwd(blocks, queries, key_weights, eps):
-    """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out [Q, M, D], lse [Q, M])
+    """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out: Q x [M, D], lse [Q, M])
     in the compute dtype."""
     N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
     cdt = compute_dtype(blocks[0])
-    out = torch.empty(Q, M, D, device=blocks[0].device, dtype=cdt)
+    out = [torch.empty(M, D, device=blocks[0].device, dtype=cdt) for _ in range(Q)]
     lse = torch.empty(Q, M, device=blocks[0].device, dtype=cdt)
     if M > 0:
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, N, Q, M, D, *split_scalar(eps),
+            pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, N, Q, M, D,
+            *split_scalar(eps),
             CDT=compute_tl_dtype(cdt), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return out, lse
 
 
 def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
-    """-> (d blocks [N, M, D] in the blocks' dtype, du [Q, D] = dL/d(queries * key_weights) in compute dtype)."""
+    """dout, out: Q x [M, D] contiguous in the compute dtype; dlse, lse [Q, M]
+    -> (d blocks [N, M, D] in the blocks' dtype, du [Q, D] = dL/d(queries * key_weights) in compute dtype)."""
     N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
-    dblk = torch.empty(N, M, D, device=dout.device, dtype=blocks[0].dtype)
-    programs = row_programs(M, dout.device)
-    du = torch.empty(programs, Q, D, device=dout.device, dtype=out.dtype)
+    device = blocks[0].device
+    dblk = torch.empty(N, M, D, device=device, dtype=blocks[0].dtype)
+    programs = row_programs(M, device)
+    du = torch.empty(programs, Q, D, device=device, dtype=lse.dtype)
     if M > 0:
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_bwd_kernel[(programs,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, out, lse, dout, dlse, dblk, du, N, Q, M, D,
-            *split_scalar(eps), CDT=compute_tl_dtype(out.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, pointer_table(dout), dlse,
+            dblk, du, N, Q, M, D,
+            *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 
