@@ -203,6 +203,7 @@ def test_every_access_in_bounds_at_head_size_128(checker, monkeypatch, case, out
         "_prep_kernel",
         "_prep_redo_kernel",
         "_state_fwd_kernel",
+        "_regate_kernel",
         "_state_bwd_kernel",
         "_score_grad_kernel",
         "_dqkg_kernel",

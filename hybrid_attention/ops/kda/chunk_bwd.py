@@ -1,5 +1,6 @@
 """KDA chunk backward driver: allocates the gradients, picks the grids and launches the stages in order.
 
+    0. W, qg, kg again (kernels/regate.py), one program per (chunk, head): the forward does not keep them
     1. reverse state walk (kernels/state_bwd.py), one program per (V tile, sequence, head): dS1 per chunk, dD and
        d initial_state
     2. score gradients (kernels/score_grad.py), one program per (chunk, head): dv, beta's v and Akk parts, dAqk
@@ -18,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.chunk_fwd import TL_DTYPES
+from hybrid_attention.ops.kda.chunk_fwd import TL_DTYPES, gated_tile_width
 from hybrid_attention.ops.kda.kernels.dqkg import _dqkg_kernel
 from hybrid_attention.ops.kda.kernels.l2norm_bwd import _l2norm_bwd_kernel
+from hybrid_attention.ops.kda.kernels.regate import _regate_kernel
 from hybrid_attention.ops.kda.kernels.score_grad import _score_grad_kernel
 from hybrid_attention.ops.kda.kernels.state_bwd import _state_bwd_kernel
 from hybrid_attention.ops.kda.triton_utils import ChunkLayout, dot_setup, empty, narrow_span, tuning_width
@@ -35,8 +37,26 @@ def reduction_tile(V: int) -> int:
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
-def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
-    """Stage 1: returns (dh0 [N, H, K, V] f32 or empty, dS1 per chunk [chunks, H, K, V], dD [H, T_total, V])."""
+def regate(q, k, g, beta, a_log, dt_bias, saved, layout, *, scale, lower_bound, gate, l2norm, io, dtypes):
+    """Stage 0: W, qg, kg [H, T_total, K] in the io dtype (v's), as the forward's prep kernel computed them. q, k, g
+    [T_total, H, K], beta [T_total, H] (contiguous), as the forward took them."""
+    IO, _, PREC, EMU = dtypes
+    T_tot, H, K = q.shape
+    w, qg, kg = (empty(q, H, T_tot, K, dtype=io) for _ in range(3))
+    cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
+    _regate_kernel[(layout.n_chunks, H)](
+        q, k, g, beta, a_log, dt_bias, saved["tm"], saved["rq"], saved["rk"], saved["fbad"], w, qg, kg,
+        cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
+        H=H, K=K, BKW=gated_tile_width(K), VARLEN=layout.varlen, GATE=gate,
+        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, IO=IO, PREC=PREC, EMU=EMU, num_warps=4,
+    )  # fmt: skip
+    return w, qg, kg
+
+
+def state_bwd(saved, gated, do, dht, h0_needed, layout, *, K, V, dtypes):
+    """Stage 1, with `gated` = (W, qg, kg) from stage 0.
+
+    Returns (dh0 [N, H, K, V] f32 or empty, dS1 per chunk [chunks, H, K, V], dD [H, T_total, V])."""
     IO, _, PREC, EMU = dtypes
     T_tot, H, _ = do.shape
     N = layout.n_seq
@@ -48,7 +68,7 @@ def state_bwd(saved, do, dht, h0_needed, layout, *, K, V, dtypes):
     cu, _, _, chunk_off, T, NT = layout.args()
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N, H)
     _state_bwd_kernel[grid](
-        saved["qg"], saved["kg"], saved["w"], saved["aqk"], saved["glast"], do, dht if dht is not None else none,
+        gated[1], gated[2], gated[0], saved["aqk"], saved["glast"], do, dht if dht is not None else none,
         dh0, dhbuf, dvnew,
         cu, chunk_off, T, NT, T_tot, tuning_width(N * H),
         H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_DHT=dht is not None,
@@ -105,7 +125,11 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     layout = ChunkLayout(B, T, q.device, cu_seqlens)
     prec, emu, a32 = dot_setup(io)
     dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
-    dh0, dhbuf, dvnew = state_bwd(saved, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
+    none = empty(q, 0, dtype=torch.float32)
+    gated = regate(q, k, g, beta, a_log if gate else none, dt_bias if gate else none, saved, layout, scale=scale,
+                   lower_bound=lower_bound, gate=gate, l2norm=l2norm, io=io, dtypes=dtypes)  # fmt: skip
+    dh0, dhbuf, dvnew = state_bwd(saved, gated, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
+    del gated  # only the state walk reads them
 
     BK = min(DQKG_BK, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
@@ -117,7 +141,6 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     dq = empty(q, T_tot, H, K, dtype=f32 if (l2norm and not fuse_l2) else q.dtype)
     dk = empty(k, T_tot, H, K, dtype=f32 if (l2norm and not fuse_l2) else k.dtype)
     dg = empty(g, *g.shape)
-    none = empty(q, 0, dtype=f32)
     parts = (lambda: torch.zeros(layout.n_chunks, H, K, device=q.device, dtype=f32)) if gate else (lambda: none)
     dalog, dbias = parts(), parts()
     cu, chunk_seq, chunk_tok, _, Tn, NT = layout.args()

@@ -27,6 +27,14 @@ def split_output(pairs: int) -> bool:
     return tuning_width(pairs) <= 32
 
 
+def gated_tile_width(K: int) -> int:
+    """The K tile of W, qg, kg (kernels/regate.py): whole [64, 128] tiles, fewer and larger dots."""
+    return min(128, max(16, triton.next_power_of_2(K)))
+
+
+# What `allocate_fwd` allocates for the forward alone: the rest is kept for the backward.
+SCRATCH = ("u", "w", "qg", "kg")
+
 # Flags each program of the checked-path launch reads at once: few programs when none is set.
 REDO_FLAGS = 256
 
@@ -43,9 +51,6 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
     o = empty(q, B, T, H, V, dtype=io)
     ht = empty(q, n_seq, H, K, V, dtype=f32) if final else none()
     saved = {
-        "w": empty(q, H, T_tot, K, dtype=io),
-        "qg": empty(q, H, T_tot, K, dtype=io),
-        "kg": empty(q, H, T_tot, K, dtype=io),
         "aqk": empty(q, H, T_tot, 64, dtype=io),
         "tm": empty(q, H, T_tot, 64, dtype=io),  # also a scratch of the prep kernel when not saving
         "akk": empty(q, H, T_tot, 64, dtype=io) if save else none(),
@@ -54,7 +59,12 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
         "rk": empty(q, T_tot, H, dtype=f32) if l2norm else none(),
         "h": empty(q, n_chunks, H, K, V, dtype=io) if save else none(),
         "vnew": empty(q, H, T_tot, V, dtype=io) if save else none(),
+        "fbad": empty(q, n_chunks, H, dtype=torch.int32) if save else none(),  # the first bad row per chunk
+        # Forward scratch (SCRATCH): the backward computes W, qg, kg again (kernels/regate.py).
         "u": empty(q, H, T_tot, V, dtype=io),
+        "w": empty(q, H, T_tot, K, dtype=io),
+        "qg": empty(q, H, T_tot, K, dtype=io),
+        "kg": empty(q, H, T_tot, K, dtype=io),
     }
     return o, ht, saved
 
@@ -64,16 +74,15 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     """Launch the prep kernels: the plain path for every chunk, then the checked path for the chunks it flags (every
     chunk with `checked_everywhere`, which tests use to compare the two paths). q, k, g [T_total, H, K];
     v [T_total, H, V]; beta [T_total, H] (contiguous). `out` holds the preallocated outputs w, u, qg, kg, aqk, tm,
-    glast, rq, rk, akk (see allocate_fwd); `dtypes` = (IO, ADT, PREC, EMU)."""
+    glast, rq, rk, akk, fbad (see allocate_fwd); `dtypes` = (IO, ADT, PREC, EMU)."""
     T_tot, H, K = q.shape
     V = v.shape[-1]
     IO, ADT, PREC, EMU = dtypes
     BKA = min(32, max(16, triton.next_power_of_2(K)))
-    # Whole [64, 128] tiles for W, U, qg, kg: fewer, larger dots.
-    BKW = min(128, max(16, triton.next_power_of_2(K)))
+    BKW = gated_tile_width(K)
     BV = min(128, max(16, triton.next_power_of_2(V)))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
-    outputs = [out[name] for name in ("w", "u", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "akk")]
+    outputs = [out[name] for name in ("w", "u", "qg", "kg", "aqk", "tm", "glast", "rq", "rk", "akk", "fbad")]
     lscr = empty(q, layout.n_chunks, H, 64, 64, dtype=torch.float32)  # L, for the inverse (kernels/prep.py)
     redo = empty(q, layout.n_chunks, H, dtype=torch.int8)
     meta = dict(
@@ -101,8 +110,8 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     [N, H, K, V] float32 or None; cu_seqlens [N + 1] or None; a_log [H], dt_bias [H, K] with `gate`.
 
     Returns o [B, T, H, V] (v.dtype), the final state [N, H, K, V] float32 (empty unless `final`) and the dict
-    of tensors the backward needs (allocated empty unless `save`; "u" is a forward-only scratch, and
-    without `save` so are "tm", "rq" and "rk").
+    of tensors the backward needs (allocated empty unless `save`; the SCRATCH tensors are the forward's alone and
+    dropped here, and without `save` so are "tm", "rq" and "rk").
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -140,5 +149,6 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
             saved["qg"], saved["aqk"], hbuf, vnew, o, cu, chunk_seq, chunk_tok, Tn, NT, T_tot,
             H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, IO=io, PREC=prec, EMU=emu,
         )  # fmt: skip
-    del saved["u"]
+    for name in SCRATCH:
+        del saved[name]
     return o, ht, saved

@@ -24,7 +24,7 @@ from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import CHUNK, MAX_DIM, MAX_TILE_SPAN, ChunkLayout, empty
 from hybrid_attention.ops.triton_support import triton_runs_on
 
-_SAVED = ("w", "qg", "kg", "aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew")
+_SAVED = ("aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew", "fbad")
 _NAME = "chunk_kda[triton]"
 FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the op's schema needs the count
 

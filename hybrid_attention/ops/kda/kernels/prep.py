@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybrid_attention.ops.kda.kernels.regate import gated_tiles
 from hybrid_attention.ops.kda.triton_utils import (
     L2_EPS,
     WIDE,
@@ -157,7 +158,7 @@ def _clean(x, row0, f, CHECKED: tl.constexpr):
 @triton.jit
 def _prep_chunk(
     c, h, t0, eos,
-    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, lscr, scale, lower_bound, T_tot,
+    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, scale, lower_bound, T_tot,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
@@ -279,35 +280,13 @@ def _prep_chunk(
         else:
             needs_check = needs_check | bad_tile
 
-    # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile ----
-    w_h = w + h.to(tl.int64) * T_tot * K
-    qg_h = qg + h.to(tl.int64) * T_tot * K
-    kg_h = kg + h.to(tl.int64) * T_tot * K
+    # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile (kernels/regate.py, which the backward runs again) ----
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
-    if CHECKED:
-        good = (r < fb_all)[:, None]  # all true when no row is bad, and then the selects below change no bit
-        qnan = tl.where(r < fb_all, 1.0, float("nan"))  # NaN rows by a product, not by a select on the whole tile
-    for kk in range(0, K, BKW):
-        G = tl.cumsum(load_gate(gh, a_log, dt_bias, h, lower_bound, t0, n0, sk, kk, K, GATE, NARROW, 64, BKW), 0)
-        gam = row_of(G, 63)  # rows past the end have g = 0
-        e = tl.exp2(G)
-        kn = load_tile(kh, t0, n0, sk, kk, K, 64, BKW) * rkn[:, None]
-        qn = load_tile(qh, t0, n0, sk, kk, K, 64, BKW) * rqn[:, None]
-        qgt = qn * e * scale
-        if CHECKED:
-            qgt = qgt * qnan[:, None]
-        store_tile(qg_h, qgt, t0, n0, K, kk, K, 64, BKW)
-        store_tile(kg_h, kn * tl.exp2(gam[None, :] - G), t0, n0, K, kk, K, 64, BKW)
-        if CHECKED:
-            wt = tl.where(good, mm(tmat, tl.where(good, kn * e * b[:, None], 0.0), IO, PREC, EMU), 0.0)
-        else:
-            wt = mm(tmat, kn * e * b[:, None], IO, PREC, EMU)
-        store_tile(w_h, wt, t0, n0, K, kk, K, 64, BKW)
-        cols = kk + tl.arange(0, BKW)
-        if CHECKED:
-            gam = tl.where(fb_all < 64, float("nan"), gam)  # rows past the end are never bad: 64 means none
-        tl.store(glast + (c * H + h).to(tl.int64) * K + cols, gam, mask=cols < K)
+    gated_tiles(c, h, t0, n0, q, k, g, a_log, dt_bias, w, qg, kg, glast, tmat, b, rqn, rkn, fb_all, scale,
+                lower_bound, T_tot, H, K, BKW, GATE, NARROW, IO, PREC, EMU, CHECKED, STORE_GAM=True)  # fmt: skip
+    if SAVE:  # the backward masks the same rows when it computes the gated tiles again
+        tl.store(fbad + c * H + h, fb_all.to(tl.int32))
     return needs_check
 
 
@@ -317,7 +296,7 @@ def _prep_chunk(
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
     q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk, akk,  # outputs (see the module docstring)
+    w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad,  # outputs (see the module docstring)
     lscr,  # float32 scratch [chunks, H, 64, 64]: L
     redo,  # int8 [chunks, H]: 1 where the chunk needs the checked path
     cu, chunk_seq, chunk_tok,
@@ -336,7 +315,7 @@ def _prep_kernel(
         tl.store(redo + c * H + h, tl.zeros([], dtype=tl.int8))
         return
     bad = _prep_chunk(
-        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, lscr, scale,
+        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, scale,
         lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE, IO, ADT, PREC, EMU, CHECKED=False,
     )  # fmt: skip
     tl.store(redo + c * H + h, bad.to(tl.int8))
@@ -344,7 +323,7 @@ def _prep_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "n_flags"])
 def _prep_redo_kernel(
-    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, lscr, redo,
+    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, redo,
     cu, chunk_seq, chunk_tok,
     scale, lower_bound, T, NT, T_tot, n_flags,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -365,6 +344,6 @@ def _prep_redo_kernel(
                 if seq >= 0:  # a spare grid slot (varlen) holds no chunk, whatever its flag says
                     _prep_chunk(
                         c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk,
-                        akk, lscr, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE,
+                        akk, fbad, lscr, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE,
                         IO, ADT, PREC, EMU, CHECKED=True,
                     )  # fmt: skip
