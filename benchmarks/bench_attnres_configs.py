@@ -40,7 +40,7 @@ def _time_us(fn) -> float:
         return float("nan")
 
 
-def forward_sweep(sources, queries, key_ws, norm_w, counts) -> dict:
+def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, source_bucket, split_scalar
@@ -51,17 +51,17 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts) -> dict:
     results = {}
     for S in counts:
         table = pointer_table(sources[:S])
-        for block_s, warps in itertools.product((1, 2, 4, 8), WARPS):
+        for align, block_s, warps in itertools.product(aligns, (1, 2, 4, 8), WARPS):
             launch = _launcher(
                 _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, M, S, D,
-                *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, CDT=tl.float32,
+                *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, CDT=tl.float32, ALIGN=align,
                 BLOCK_S=block_s, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
-            results[f"S={S} BLOCK_S={block_s} warps={warps}"] = _time_us(launch)
+            results[f"S={S} ALIGN={align} BLOCK_S={block_s} warps={warps}"] = _time_us(launch)
     return results
 
 
-def backward_sweep(sources, queries, key_ws, norm_w, steps) -> dict:
+def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, row_programs, source_bucket, split_scalar
@@ -80,15 +80,16 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps) -> dict:
     for k in steps:
         table = pointer_table(sources[k : k + 1])
         dzr = torch.empty(1, 2, K - k, M, device=dev, dtype=torch.bfloat16)
-        for per_sm, block_m, warps in itertools.product((8, 16), (1, 2, 4, 8), WARPS):
+        for align, per_sm, block_m, warps in itertools.product(aligns, (8, 16), (1, 2, 4, 8), WARPS):
             programs = row_programs(M, dev, per_sm)
             part = torch.empty(programs, D, device=dev)
             launch = _launcher(
                 _stream_bwd_kernel, (programs,), table, dv, dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
                 dzr, part, M, D, K, k, 1, *split_scalar(EPS), source_bucket(K - k), HAS_DX=True, SPLIT_DZR=True,
-                CDT=tl.float32, BLOCK_M=block_m, BLOCK_D=D, num_warps=warps,
+                CDT=tl.float32, ALIGN=align, BLOCK_M=block_m, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
-            results[f"step={k} later={K - 1 - k} per_sm={per_sm} BLOCK_M={block_m} warps={warps}"] = _time_us(launch)
+            name = f"step={k} later={K - 1 - k} ALIGN={align} per_sm={per_sm} BLOCK_M={block_m} warps={warps}"
+            results[name] = _time_us(launch)
     return results
 
 
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counts", default="8,27", help="source counts of the forward cases")
     parser.add_argument("--steps", default="13,25", help="stream steps k of the backward cases (of 27)")
+    parser.add_argument("--aligns", default="16", help="ALIGN values of the source tables (1: no alignment hint)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -107,12 +109,16 @@ def main(argv=None) -> int:
     key_ws = torch.rand(K, D, device="cuda", generator=gen) + 0.5
     norm_w = torch.rand(D, device="cuda", generator=gen) + 0.5
     result = {"env": env_info(sys.argv)}
-    result["forward_us"] = forward_sweep(sources, queries, key_ws, norm_w, [int(s) for s in args.counts.split(",")])
-    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, [int(k) for k in args.steps.split(",")])
+    counts, steps = ([int(x) for x in arg.split(",")] for arg in (args.counts, args.steps))
+    aligns = [int(a) for a in args.aligns.split(",")]
+    if any(a not in (1, 16) for a in aligns):
+        parser.error(f"--aligns takes 1 and 16, got {args.aligns}")
+    result["forward_us"] = forward_sweep(sources, queries, key_ws, norm_w, counts, aligns)
+    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, steps, aligns)
     for part in ("forward_us", "backward_us"):
         log(f"## {part}, fastest first")
         for name, t in sorted(result[part].items(), key=lambda kv: (kv[0].split(" ")[0], kv[1])):
-            log(f"  {name:<56} {t:9.1f}")
+            log(f"  {name:<66} {t:9.1f}")
     emit_json(result, args.out)
     return 0
 

@@ -405,3 +405,37 @@ def test_bad_inputs():
         attn_res_norm_stream_start([src[0], strided], queries, key_ws, norm_w)
     with pytest.raises(ValueError, match=r"key_weights must have shape \[K, 16\]"):
         attn_res_norm_stream_start(src, queries, key_ws[:1], norm_w)
+
+
+def _off_boundary(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element past a 16-byte boundary (a view into a larger tensor)."""
+    flat = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+    view = flat[1:].view(t.shape)
+    view.copy_(t.detach())
+    return view.requires_grad_()
+
+
+def test_sources_off_16_byte_boundaries():
+    """Sources the kernels cannot read as 16-byte vectors (views that start mid-vector) take the unhinted kernels
+    (`table_alignment` 1) and give the same outputs and gradients, bit for bit, as aligned copies (16)."""
+    from hybrid_attention.ops.attnres.rows import table_alignment
+
+    D = 16
+    aligned = sources(4, D, seed=81)
+    shifted = [_off_boundary(s) for s in aligned]
+    assert table_alignment(aligned) == 16 and table_alignment(shifted) == 1
+    query, key_w, norm_w = vectors(D, 3, seed=81)
+    queries, key_ws = vectors(D, 2, seed=82, rows=3)
+    results = {}
+    for name, src in (("aligned", aligned), ("shifted", shifted)):
+        full = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
+        x0, carrier = attn_res_norm_stream_start(src[:2], queries, key_ws, norm_w, EPS, NORM_EPS)
+        x1, _ = attn_res_norm_step(src[:3], carrier, norm_w, NORM_EPS)
+        out, lse = attn_res_partial_train(src[:3], queries, key_ws, EPS)
+        outs = (full, x0, x1, *out, lse)
+        results[name] = (outs, grads(outs, [*src, query, key_w, norm_w, queries, key_ws]))
+    (a_out, a_grads), (s_out, s_grads) = results["aligned"], results["shifted"]
+    for i, (a, s) in enumerate(zip(a_out, s_out, strict=True)):
+        assert torch.equal(a, s), f"output {i}"
+    for i, (a, s) in enumerate(zip(a_grads, s_grads, strict=True)):
+        assert (a is None and s is None) or torch.equal(a, s), f"gradient {i}"

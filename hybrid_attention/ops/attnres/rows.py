@@ -122,6 +122,14 @@ def captured_tables(arena_entries: int = 1 << 16):
         _captured.remove(kept)
 
 
+def table_alignment(tensors: Sequence[torch.Tensor]) -> int:
+    """The kernels' ALIGN for a `pointer_table` of `tensors`: 16 when every tensor starts on a 16-byte boundary, else
+    1. A pointer loaded from a table carries no alignment the compiler can see, so without the hint each element of
+    a row is its own 2- or 4-byte load; with it (and D a multiple of 16) rows load and store as 16-byte vectors. Fresh
+    allocations are aligned; a view into another tensor may not be, and then the kernels take the unhinted build."""
+    return 16 if all(t.data_ptr() % 16 == 0 for t in tensors) else 1
+
+
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 [S] of the tensors' data pointers, on their device.
 

@@ -28,6 +28,7 @@ from hybrid_attention.ops.attnres.rows import (
     pointer_table,
     row_programs,
     split_scalar,
+    table_alignment,
 )
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -56,6 +57,7 @@ if triton is not None:
         eps,
         eps_lo,
         CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -72,7 +74,7 @@ if triton is not None:
         run_sum = tl.zeros([BLOCK_Q], CDT)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         for k in range(0, N):
-            ptr = tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty))
+            ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty)), ALIGN)
             b = tl.load(ptr + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
             z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
             new_max = tl.maximum(run_max, z)
@@ -81,7 +83,7 @@ if triton is not None:
             run_sum = run_sum * rescale + p
             acc = acc * rescale[:, None] + p[:, None] * b[None, :]
             run_max = new_max
-        out = tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
+        out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
         tl.store(out[:, None] + row * D + offs_d[None, :], acc / run_sum[:, None], mask=qd_ok)
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
@@ -104,6 +106,7 @@ if triton is not None:
         eps,
         eps_lo,
         CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -116,8 +119,8 @@ if triton is not None:
         qd = offs_q[:, None] * D + offs_d[None, :]
         qd_ok = q_ok[:, None] & d_ok[None, :]
         u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
-        out = tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
-        dout = tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT))
+        out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
+        dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
         du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         for row in range(pid, M, tl.num_programs(0)):
             base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
@@ -128,7 +131,7 @@ if triton is not None:
             dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
             c = tl.sum(do * o, axis=1)  # sum_k p_qk (dout_q . b_k)
             for k in range(0, N):
-                ptr = tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty))
+                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty)), ALIGN)
                 b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
                 dot_u = tl.sum(u * b[None, :], axis=1)
@@ -258,8 +261,8 @@ def partial_fwd(blocks, queries, key_weights, eps):
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
             pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, N, Q, M, D,
-            *split_scalar(eps),
-            CDT=compute_tl_dtype(cdt), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            *split_scalar(eps), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment([*blocks, *out]), BLOCK_Q=bq,
+            BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return out, lse
 
@@ -276,8 +279,8 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_bwd_kernel[(programs,)](
             pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, pointer_table(dout), dlse,
-            dblk, du, N, Q, M, D,
-            *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            dblk, du, N, Q, M, D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype),
+            ALIGN=table_alignment([*blocks, *out, *dout]), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 

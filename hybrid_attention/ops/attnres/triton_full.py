@@ -23,6 +23,7 @@ from hybrid_attention.ops.attnres.rows import (
     row_programs,
     source_bucket,
     split_scalar,
+    table_alignment,
     tuned_over_sources,
 )
 from hybrid_attention.ops.numerics import compute_dtype
@@ -70,6 +71,7 @@ if triton is not None:
         S_BUCKET,  # autotuning key only
         SAVE_H: tl.constexpr,
         CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -88,6 +90,7 @@ if triton is not None:
         for s0 in range(0, S, BLOCK_S):
             s_ok = s0 + offs_s < S
             ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))
+            ptr = tl.multiple_of(ptr, ALIGN)
             v = tl.load(ptr[:, None] + row * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             v = v.to(CDT)
             z = tl.sum(v * u[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
@@ -128,6 +131,7 @@ if triton is not None:
         eps_lo,
         S_BUCKET,  # autotuning key only
         CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -150,6 +154,7 @@ if triton is not None:
             for s0 in range(0, S, BLOCK_S):
                 s_ok = s0 + offs_s < S
                 ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))
+                ptr = tl.multiple_of(ptr, ALIGN)
                 v = tl.load(ptr[:, None] + base + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
                 v = v.to(CDT)
                 z = tl.sum(v * u[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
@@ -165,6 +170,7 @@ if triton is not None:
             for s0 in range(0, S, BLOCK_S):
                 s_ok = s0 + offs_s < S
                 ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))
+                ptr = tl.multiple_of(ptr, ALIGN)
                 mask = s_ok[:, None] & d_ok[None, :]
                 slot = (s0 + offs_s).to(tl.int64)[:, None] * M * D + base + offs_d[None, :]
                 v = tl.load(ptr[:, None] + base + offs_d[None, :], mask=mask, other=0.0).to(CDT)
@@ -223,7 +229,8 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=Fals
         S = len(sources)
         _full_fwd_kernel[(M,)](
             pointer_table(sources), s0, query, key_weight, norm_weight, out, h, stats, M, S, D, *split_scalar(eps),
-            *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+            *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, CDT=compute_tl_dtype(cdt),
+            ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
         )  # fmt: skip
     return (out, h, stats) if save_h else (out, stats)
 
@@ -243,7 +250,8 @@ def full_bwd(dout, sources, query, key_weight, norm_weight, stats, eps):
         return dsrc, grads.zero_()
     _full_bwd_kernel[(programs,)](
         pointer_table(sources), s0, query, key_weight, norm_weight, dout, stats, dsrc, part[0], part[1], M, S, D,
-        *split_scalar(eps), source_bucket(S), CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+        *split_scalar(eps), source_bucket(S), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources),
+        BLOCK_D=block_d(D),
     )  # fmt: skip
     bd = min(PARAM_BLOCK, block_d(D))
     _param_grads_kernel[(-(-D // bd),)](

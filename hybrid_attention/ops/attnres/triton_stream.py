@@ -31,6 +31,7 @@ from hybrid_attention.ops.attnres.rows import (
     row_programs,
     source_bucket,
     split_scalar,
+    table_alignment,
     tuned_over_rows,
 )
 
@@ -99,6 +100,7 @@ if triton is not None:
         HAS_DX: tl.constexpr,
         SPLIT_DZR: tl.constexpr,
         CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -139,7 +141,7 @@ if triton is not None:
             tl.store(rows + k64 * 2 * M + M + rm, lse, mask=m_ok)
             for j in range(0, n):
                 j64 = tl.zeros([], tl.int64) + j
-                ptr = tl.load(table + j).to(tl.pointer_type(src_ty))
+                ptr = tl.multiple_of(tl.load(table + j).to(tl.pointer_type(src_ty)), ALIGN)
                 v = tl.load(ptr + at, mask=mask, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
                 acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
@@ -204,7 +206,7 @@ def stream_bwd_(dx, h, stats, queries, key_weights, norm_weight, sources, dh, ro
     _stream_bwd_kernel[(programs,)](
         pointer_table(sources), dv, h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows,
         cols, dzr, dnw_part, M, D, K, step, n, *split_scalar(eps), source_bucket(K - step), HAS_DX=dx is not None,
-        SPLIT_DZR=split, CDT=compute_tl_dtype(cdt), BLOCK_D=block_d(D),
+        SPLIT_DZR=split, CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
     )  # fmt: skip
     du = cols[1, step:]
     for i, v in enumerate(sources):  # a fixed order: deterministic

@@ -169,12 +169,22 @@ def load_raw(ptr, row0, nrows, stride, col0, ncols, R: tl.constexpr, C: tl.const
 
 
 @triton.jit
-def load_lower(ptr, row0, nrows):
+def load_lower(ptr, row0, nrows, VECTOR: tl.constexpr = True):
     """A chunk's [64, 64] block-lower matrix (Aqk, Akk, T, dAqk, dAkk) from its [rows, 64] storage, in the stored
-    dtype; upper 16x16 blocks, which are never written, read as zero, and so do columns past the valid rows."""
+    dtype; upper 16x16 blocks, which are never written, read as zero, and so do columns past the valid rows.
+
+    VECTOR: the load's mask is constant over each 16-column block, so the compiler loads 16-byte vectors (not one
+    2-byte load per element), and the columns past the valid rows, which rows below nrows store, are zeroed after the
+    load; it holds more registers while the select runs (the prep kernel, at its register limit, takes the
+    elementwise load)."""
     r = tl.arange(0, 64)
-    mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & (r < nrows)[:, None] & (r < nrows)[None, :]
+    rows_ok = (r < nrows)[:, None]
     offs = r[:, None] * 64 + r[None, :]
+    if VECTOR:
+        x = tl.load(_row_base(ptr, row0, 64) + offs, mask=((r[None, :] // 16) <= (r[:, None] // 16)) & rows_ok,
+                    other=0.0)  # fmt: skip
+        return tl.where((r < nrows)[None, :], x, tl.zeros_like(x))
+    mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & rows_ok & (r < nrows)[None, :]
     return tl.load(_row_base(ptr, row0, 64) + offs, mask=mask, other=0.0)
 
 

@@ -251,7 +251,7 @@ def _prep_chunk(
     _store_blk(tm_h, t32, t0, n0, 3, 2)
     _store_blk(tm_h, d3, t0, n0, 3, 3)
     tl.debug_barrier()
-    tmat = load_lower(tm_h, t0, n0)
+    tmat = load_lower(tm_h, t0, n0, VECTOR=False)
 
     # ---- U = T Diag(beta) v, per V tile ----
     # T has a unit diagonal, so a non-finite row of T or of x = Diag(beta) v makes the sum of the tile T x
