@@ -44,11 +44,12 @@ def regate(q, k, g, beta, a_log, dt_bias, saved, layout, *, scale, lower_bound, 
     T_tot, H, K = q.shape
     w, qg, kg = (empty(q, H, T_tot, K, dtype=io) for _ in range(3))
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
+    # Eight warps: the [64, 128] float32 tiles of W, qg and kg spill registers on four.
     _regate_kernel[(layout.n_chunks, H)](
         q, k, g, beta, a_log, dt_bias, saved["tm"], saved["rq"], saved["rk"], saved["fbad"], w, qg, kg,
         cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
         H=H, K=K, BKW=gated_tile_width(K), VARLEN=layout.varlen, GATE=gate,
-        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, IO=IO, PREC=PREC, EMU=EMU, num_warps=4,
+        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, IO=IO, PREC=PREC, EMU=EMU, num_warps=8,
     )  # fmt: skip
     return w, qg, kg
 
