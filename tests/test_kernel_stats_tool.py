@@ -11,14 +11,14 @@ import pytest
 pytest.importorskip("triton")
 
 
-def _count_opcodes():
+def _tool():
     saved = dict(os.environ)  # the tool drops TRITON_INTERPRET when imported
     try:
-        from tools.kernel_stats import count_opcodes
+        import tools.kernel_stats as tool
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return count_opcodes
+    return tool
 
 
 def test_count_opcodes_reads_instructions_and_skips_the_rest():
@@ -33,8 +33,21 @@ def test_count_opcodes_reads_instructions_and_skips_the_rest():
         /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         .L_x_12:
     """
-    ops = _count_opcodes()(sass)
+    ops = _tool().count_opcodes(sass)
     assert ops == {"LDC": 1, "FMUL": 2, "MUFU": 1, "BAR": 1}
+
+
+def test_global_accesses_by_width():
+    sass = """
+        /*0100*/                   LDG.E.U16 R4, desc[UR6][R2.64] ;       /* 0x0000000602047981 */
+        /*0110*/               @!P1 LDG.E.U16 R5, desc[UR6][R2.64+0x2] ;
+        /*0120*/                   LDG.E.128 R8, desc[UR6][R6.64] ;
+        /*0130*/                   STG.E.128 desc[UR6][R10.64], R12 ;
+        /*0140*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;
+        /*0150*/                   LDS.128 R16, [R3] ;
+    """
+    accesses = _tool().global_accesses(sass)
+    assert accesses == {"LDG.E.U16": 2, "LDG.E.128": 1, "STG.E.128": 1}
 
 
 @pytest.mark.parametrize(

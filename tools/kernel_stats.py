@@ -13,7 +13,9 @@ Spilled registers in these kernels cost far more than any tuning gains, so this 
 kernel change; it needs the `triton` package (its bundled ptxas and cuobjdump) but no CUDA. Every kernel compiles
 its first config only (`first_configs_only`). --sass adds each kernel's static SASS instruction count
 and its most frequent opcodes: the prep kernel is bound by the instructions it issues at low occupancy
-(docs/kernels.md), so a change that removes instructions without adding registers is the one to time.
+(docs/kernels.md), so a change that removes instructions without adding registers is the one to time. It also
+counts the global loads and stores by width (LDG.E.128 against LDG.E.U16 ...), which shows rows read one element
+at a time.
 """
 
 from __future__ import annotations
@@ -104,11 +106,21 @@ def count_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
+def global_accesses(sass: str) -> collections.Counter:
+    """Global loads and stores (LDG, STG) of cuobjdump --dump-sass text by their full opcode, whose suffix gives the
+    width: LDG.E.U16 is one 2-byte element per instruction, LDG.E.128 a 16-byte vector. Many narrow ones on a tile's
+    rows mean the compiler could not prove the rows aligned (a pointer loaded from memory carries no alignment)."""
+    return collections.Counter(re.findall(r"\b((?:LDG|STG)(?:\.[A-Z0-9_]+)*)(?![A-Z0-9_])", sass))
+
+
 def sass_summary(cubin: bytes, top: int = 8) -> str:
-    """Static instruction count of a compiled kernel and its `top` most frequent opcodes (cuobjdump --dump-sass)."""
-    ops = count_opcodes(cuobjdump(cubin, "--dump-sass"))
+    """Static instruction count of a compiled kernel, its `top` most frequent opcodes and its global loads and
+    stores by width (cuobjdump --dump-sass)."""
+    sass = cuobjdump(cubin, "--dump-sass")
+    ops = count_opcodes(sass)
     common = " ".join(f"{op} {n}" for op, n in ops.most_common(top))
-    return f"    {sum(ops.values())} SASS instructions: {common}"
+    memory = " ".join(f"{op} {n}" for op, n in sorted(global_accesses(sass).items()))
+    return f"    {sum(ops.values())} SASS instructions: {common}\n    global loads and stores: {memory}"
 
 
 def compile_kda(args, dtype) -> str:
