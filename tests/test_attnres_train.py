@@ -16,7 +16,7 @@ from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_r
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.conftest import DEV
-from tests.helpers import assert_close
+from tests.helpers import assert_as_accurate, assert_close
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -333,6 +333,56 @@ def test_two_phases_equal_full_attnres():
     check_grads("two phases vs one", grads(x, inputs), grads(full, inputs), ["b0", "b1", "b2", "b3", "w", "g", "nw"])
 
 
+def test_block_low_precision():
+    """bf16 blocks and partial sum, float32 parameters: phase 1 stores its outputs in bf16 (the blocks' dtype), phase
+    2 + RMSNorm reads them. Outputs and every gradient as accurate against float64 as the bf16 reference composition
+    (which keeps phase 1's outputs in float32)."""
+    D, N, Q, shape = 64, 4, 3, (4, 8)
+    blocks64 = sources(N + 1, D, seed=61, dtype=torch.float64, shape=shape)
+    queries, key_ws = vectors(D, 2, seed=62, rows=Q)
+    norm_w = vectors(D, 2, seed=63)[1]
+    cots = torch.randn(Q, *shape, D, generator=torch.Generator().manual_seed(64), dtype=torch.float64)
+    results = {}
+    for name, dtype in (("fused", torch.bfloat16), ("plain", torch.bfloat16), ("ref", torch.float64)):
+        blocks = [b.detach().bfloat16().to(dtype).requires_grad_() for b in blocks64]
+        pdt = torch.float32 if dtype == torch.bfloat16 else dtype
+        params = [t.detach().to(pdt).requires_grad_() for t in (queries, key_ws, norm_w)]
+        qs, kws, nw = params
+        if name == "fused":
+            out, lse = attn_res_partial_train(blocks[:-1], qs, kws, EPS)
+            assert all(o.dtype == torch.bfloat16 for o in out) and lse.dtype == torch.float32
+            xs = [attn_res_merge_norm_train(out[q], lse[q], blocks[-1], qs[q], kws[q], nw, EPS, NORM_EPS)
+                  for q in range(Q)]  # fmt: skip
+        else:
+            parts = [attn_res_partial(blocks[:-1], qs[q], kws[q], EPS) for q in range(Q)]
+            xs = [rms_norm(attn_res_merge(*parts[q], blocks[-1], qs[q], kws[q], EPS), nw, NORM_EPS) for q in range(Q)]
+        loss = sum((x.double() * cot).sum() for x, cot in zip(xs, cots, strict=True))
+        results[name] = (torch.stack(xs).detach(), torch.autograd.grad(loss, [*blocks, *params]))
+    (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]
+    assert fo.dtype == torch.bfloat16
+    assert_as_accurate("block bf16 out", fo, ro, po, floor=2**-8)
+    labels = [f"block {i}" for i in range(N)] + ["partial", "queries", "key_weights", "norm_weight"]
+    for label, f, p, r in zip(labels, fg, pg, rg, strict=True):
+        assert f.dtype == p.dtype, label
+        assert_as_accurate(f"block bf16 d {label}", f, r, p, floor=2**-8)
+
+
+def test_partial_backward_reads_blocks_not_outputs():
+    """Phase 1's backward sums dout_q . out_q over the blocks, never from the stored outputs (rounded to the blocks'
+    dtype): outputs overwritten after the forward leave every gradient unchanged, bit for bit."""
+    D, Q = 16, 2
+    blocks = sources(3, D, seed=71)
+    queries, key_ws = vectors(D, 2, seed=72, rows=Q)
+    inputs = [*blocks, queries, key_ws]
+    out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
+    kept = grads((*out, lse), inputs)
+    out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
+    for o in out:
+        o.data.fill_(float("nan"))
+    for label, a, b in zip(["b0", "b1", "b2", "queries", "key_weights"], grads((*out, lse), inputs), kept, strict=True):
+        assert torch.equal(a, b), label
+
+
 def test_opcheck():
     D = 16
     src = sources(3, D, seed=31)
@@ -361,7 +411,7 @@ def test_opcheck():
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = attn_res_partial_train(src, queries, key_ws, EPS)
     out, lse = [o.detach().requires_grad_() for o in out], lse.detach().requires_grad_()
-    plain = [s.detach() for s in src], queries.detach(), key_ws.detach(), [o.detach() for o in out], lse.detach()
+    plain = [s.detach() for s in src], queries.detach(), key_ws.detach(), lse.detach()
     bwd_args = ([torch.randn_like(o) for o in out], torch.randn_like(lse), *plain, EPS)
     torch.library.opcheck(ops.attn_res_partial_bwd, bwd_args)
     for partial in (src[0], None):

@@ -157,7 +157,7 @@ def compile_attnres(D: int, dtype) -> str:
     tables = (torch.zeros(K, M, D, dtype=dtype), torch.zeros(K, 2, M, dtype=cdt), torch.zeros(2, K, D, dtype=cdt))
     triton_stream.stream_bwd_(x, h, stats, w(K, D), w(K, D), w(D), src[:1], *tables, 1, 1e-6)
     out, lse = triton_block.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
-    triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), out, lse, 1e-6)  # out: Q tensors, read as gradients
+    triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
     xm, rho = triton_block.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
     triton_block.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
     return f"sm_{ARCH}, triton {triton.__version__}, AttnRes training kernels, D {D}, {dtype}"

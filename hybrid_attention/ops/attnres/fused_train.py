@@ -42,7 +42,7 @@ def _distinct_empty(like: Tensor) -> Tensor:
 def _partial_fwd_op(
     blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float
 ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
-    """(out: Q x [..., D], lse [Q, ...]) in the compute dtype."""
+    """(out: Q x [..., D] in the blocks' dtype, lse [Q, ...] in the compute dtype)."""
     shape, Q = blocks[0].shape, queries.shape[0]
     out, lse = partial_fwd(_flat(blocks), queries, key_weights, eps)
     return [o.view(shape) for o in out], lse.view(Q, *shape[:-1])
@@ -52,40 +52,39 @@ def _partial_fwd_op(
 def _(blocks, queries, key_weights, eps):
     b0, Q = blocks[0], queries.shape[0]
     cdt = compute_dtype(b0)
-    return [b0.new_empty(b0.shape, dtype=cdt) for _ in range(Q)], b0.new_empty(Q, *b0.shape[:-1], dtype=cdt)
+    return [b0.new_empty(b0.shape) for _ in range(Q)], b0.new_empty(Q, *b0.shape[:-1], dtype=cdt)
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_partial_bwd", mutates_args=())
 def _partial_bwd_op(
-    dout: list[Tensor], dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, out: list[Tensor],
-    lse: Tensor, eps: float,
+    dout: list[Tensor], dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, lse: Tensor,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
     shape, Q = blocks[0].shape, queries.shape[0]
     dblk, du = partial_bwd(
-        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks), queries, key_weights,
-        _flat(out), lse.view(Q, -1), eps,
+        _flat([d.to(blocks[0].dtype).contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
+        queries, key_weights, lse.view(Q, -1), eps,
     )  # fmt: skip
     return dblk.view(len(blocks), *shape), du
 
 
 @_partial_bwd_op.register_fake
-def _(dout, dlse, blocks, queries, key_weights, out, lse, eps):
+def _(dout, dlse, blocks, queries, key_weights, lse, eps):
     b0 = blocks[0]
     return b0.new_empty(len(blocks), *b0.shape), lse.new_empty(queries.shape)
 
 
 def _partial_setup(ctx, inputs, output):
     blocks, queries, key_weights, eps = inputs
-    out, lse = output
-    ctx.save_for_backward(*blocks, queries, key_weights, *out, lse)
+    ctx.save_for_backward(*blocks, queries, key_weights, output[1])  # the backward never reads out
     ctx.n_blocks, ctx.eps = len(blocks), eps
 
 
 def _partial_backward(ctx, dout, dlse):
     saved, n = ctx.saved_tensors, ctx.n_blocks
-    blocks, (queries, key_weights), out, lse = saved[:n], saved[n : n + 2], saved[n + 2 : -1], saved[-1]
-    dblk, du = _partial_bwd_op(list(dout), dlse, list(blocks), queries, key_weights, list(out), lse, ctx.eps)
+    blocks, (queries, key_weights), lse = saved[:n], saved[n : n + 2], saved[-1]
+    dblk, du = _partial_bwd_op(list(dout), dlse, list(blocks), queries, key_weights, lse, ctx.eps)
     dq, dkw = (du * key_weights).to(queries.dtype), (du * queries).to(key_weights.dtype)
     return list(dblk.unbind(0)), dq, dkw, None
 
@@ -170,8 +169,9 @@ def attn_res_partial_train(
         queries, key_weights: [Q, D], the pseudo-queries and key-norm weights of the Q sublayers.
 
     Returns:
-        out: Q x [B, T, D] and lse [Q, B, T] in float32 (float64 for float64 blocks): (out[q], lse[q]) equals
-        `attn_res_partial(blocks, queries[q], key_weights[q], eps)`.
+        out: Q x [B, T, D] in the blocks' dtype and lse [Q, B, T] in float32 (float64 for float64 blocks):
+        (out[q], lse[q]) equals `attn_res_partial(blocks, queries[q], key_weights[q], eps)`, with out[q] rounded to
+        the blocks' dtype (as the sublayer outputs are; the reference keeps it in the compute dtype).
     """
     name = "attn_res_partial_train"
     blocks = check_sources(name, blocks)
@@ -197,7 +197,8 @@ def attn_res_merge_norm_train(
     """Block AttnRes phase 2 fused with the sublayer's RMSNorm, differentiable.
 
     Args:
-        out, lse: [B, T, D] and [B, T], this sublayer's row of phase 1 (float32, or float64).
+        out, lse: [B, T, D] and [B, T], this sublayer's row of phase 1: out in any float dtype (the blocks' from
+            `attn_res_partial_train`, float32 from the reference), lse in out's compute dtype.
         partial: [B, T, D], the partial sum of the sublayer's block, or None for the sublayer that opens the block
             (then h = out).
         query, key_weight: [D], as in phase 1; norm_weight: [D], the RMSNorm's weight, norm_eps its epsilon.
@@ -209,16 +210,16 @@ def attn_res_merge_norm_train(
     name = "attn_res_merge_norm_train"
     D = out.shape[-1]
     check_vectors(name, D, query=query, key_weight=key_weight, norm_weight=norm_weight)
-    if out.dtype != compute_dtype(out) or lse.dtype != out.dtype or lse.shape != out.shape[:-1]:
+    if not out.is_floating_point() or lse.dtype != compute_dtype(out) or lse.shape != out.shape[:-1]:
         raise ValueError(
-            f"{name}: out and lse must be phase-1 results (float32 or float64, lse [...] for out [..., D]), got "
+            f"{name}: out and lse must be phase-1 results (lse [...] in out's compute dtype for out [..., D]), got "
             f"out {out.dtype} {tuple(out.shape)}, lse {lse.dtype} {tuple(lse.shape)}"
         )
     if partial is not None:
         check_sources(name, [partial])
-        if partial.shape != out.shape or compute_dtype(partial) != out.dtype:
+        if partial.shape != out.shape or compute_dtype(partial) != lse.dtype:
             raise ValueError(
-                f"{name}: partial must be {tuple(out.shape)} with compute dtype {out.dtype}, got "
+                f"{name}: partial must be {tuple(out.shape)} with compute dtype {lse.dtype}, got "
                 f"{partial.dtype} {tuple(partial.shape)}"
             )
     elif dtype is None:

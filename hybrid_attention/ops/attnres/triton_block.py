@@ -5,10 +5,15 @@ sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never
 
     z_qk = r_k (u_q . b_k),  out_q = sum_k softmax_k(z_q) b_k,  lse_q = logsumexp_k(z_q)      (u_q = w_q * gamma_q)
 
-kept in the compute dtype so that phase 2 is exact; each out_q is its own [M, D] tensor (written and, in the
-backward, read with its gradient through pointer tables), so that each sublayer's phase 2 takes one and hands back
-its gradient without a stack of them being copied. Phase 2, per sublayer, fused with its RMSNorm: fold the
-partial sum P of the sublayer's own block in with an online-softmax update, then normalise,
+out_q stored in the blocks' dtype, like every other activation kept for the backward (the merge below is exact in
+real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
+own [M, D] tensor (written, and its gradient read, through pointer tables), so that each sublayer's phase 2 takes
+one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: it
+sums c_q = sum_k p_qk (dout_q . b_k) over the blocks first, then makes the gradient pass over them again (a re-read
+that the cache serves), so the gradient is that of the unrounded out_q.
+
+Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
+online-softmax update, then normalise,
 
     s = r_P (u . P),  alpha = sigmoid(s - lse),  h = out + alpha (P - out),  x = norm_weight * h * rho
 
@@ -48,7 +53,7 @@ if triton is not None:
         first,  # block 0 (its element type is the blocks')
         queries,  # [Q, D]
         key_ws,  # [Q, D]
-        out_table,  # int64 [Q]: data pointers of the Q outputs, each [M, D] contiguous in the compute dtype
+        out_table,  # int64 [Q]: data pointers of the Q outputs, each [M, D] contiguous in the blocks' dtype
         lse_ptr,  # [Q, M] compute dtype
         N,
         Q,
@@ -83,8 +88,9 @@ if triton is not None:
             run_sum = run_sum * rescale + p
             acc = acc * rescale[:, None] + p[:, None] * b[None, :]
             run_max = new_max
-        out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
-        tl.store(out[:, None] + row * D + offs_d[None, :], acc / run_sum[:, None], mask=qd_ok)
+        elem = first.dtype.element_ty
+        out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
+        tl.store(out[:, None] + row * D + offs_d[None, :], (acc / run_sum[:, None]).to(elem), mask=qd_ok)
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
     @triton.jit
@@ -93,9 +99,8 @@ if triton is not None:
         first,
         queries,  # [Q, D]
         key_ws,  # [Q, D]
-        out_table,  # int64 [Q]: the forward's outputs, as in the forward
         lse_ptr,  # [Q, M]
-        dout_table,  # int64 [Q]: their gradients, each [M, D] contiguous in the compute dtype
+        dout_table,  # int64 [Q]: the gradients of the Q outputs, each [M, D] contiguous in the blocks' dtype
         dlse,  # [Q, M] the gradient of lse
         dblk,  # [N, M, D] gradients of the blocks (the blocks' dtype)
         du_part,  # [programs, Q, D] partial sums of dL/du_q
@@ -119,19 +124,24 @@ if triton is not None:
         qd = offs_q[:, None] * D + offs_d[None, :]
         qd_ok = q_ok[:, None] & d_ok[None, :]
         u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
-        out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
-        dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(CDT)), ALIGN)
+        elem = first.dtype.element_ty
+        dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
         du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         for row in range(pid, M, tl.num_programs(0)):
             base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
             q_rows = offs_q.to(tl.int64) * M + row
-            o = tl.load(out[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0)
-            do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0)
+            do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
             lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
             dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
-            c = tl.sum(do * o, axis=1)  # sum_k p_qk (dout_q . b_k)
+            # c_q = sum_k p_qk (dout_q . b_k) = dout_q . out_q, from the blocks: the stored out_q is rounded.
+            c = tl.zeros([BLOCK_Q], CDT)
             for k in range(0, N):
-                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty)), ALIGN)
+                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
+                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
+                c += tl.where(q_ok, tl.exp(z - lse), 0.0) * tl.sum(do * b[None, :], axis=1)
+            for k in range(0, N):
+                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
                 b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
                 dot_u = tl.sum(u * b[None, :], axis=1)
@@ -148,8 +158,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_norm_fwd_kernel(
-        out,  # [M, D] phase-1 output for this sublayer (compute dtype)
-        lse_ptr,  # [M]
+        out,  # [M, D] phase-1 output for this sublayer
+        lse_ptr,  # [M] compute dtype
         partial,  # [M, D] the block's partial sum (HAS_PARTIAL only)
         query,  # [D]
         key_w,  # [D]
@@ -185,15 +195,15 @@ if triton is not None:
 
     @triton.jit
     def _merge_norm_bwd_kernel(
-        out,  # [M, D] phase-1 output (compute dtype)
-        lse_ptr,  # [M]
+        out,  # [M, D] phase-1 output
+        lse_ptr,  # [M] compute dtype
         partial,  # [M, D] (HAS_PARTIAL only)
         query,
         key_w,
         norm_w,
         rho_ptr,  # [M]
         dx_ptr,  # [M, D] gradient of the result
-        dout,  # [M, D] gradient of `out` (compute dtype)
+        dout,  # [M, D] gradient of `out`, in out's dtype
         dlse,  # [M] (HAS_PARTIAL only)
         dpartial,  # [M, D] (HAS_PARTIAL only), the partial sum's dtype
         du_part,  # [programs, D] (HAS_PARTIAL only)
@@ -232,14 +242,14 @@ if triton is not None:
             dh = rho * a - (rho * rho * rho / D) * tl.sum(a * hr, axis=0) * hr
             if HAS_PARTIAL:
                 # d out = (1 - alpha) dh, dt = (dh . (P - out)) alpha (1 - alpha) with t = s - lse.
-                tl.store(dout + base + offs_d, (1.0 - alpha) * dh, mask=d_ok)
+                tl.store(dout + base + offs_d, ((1.0 - alpha) * dh).to(dout.dtype.element_ty), mask=d_ok)
                 dt = tl.sum(dh * (P - o), axis=0) * alpha * (1.0 - alpha)
                 tl.store(dlse + row, -dt)
                 dp = alpha * dh + (dt * r) * u - (dt * r * r * r * dot_u / D) * P
                 tl.store(dpartial + base + offs_d, dp.to(dpartial.dtype.element_ty), mask=d_ok)
                 du_acc += (dt * r) * P
             else:
-                tl.store(dout + base + offs_d, dh, mask=d_ok)
+                tl.store(dout + base + offs_d, dh.to(dout.dtype.element_ty), mask=d_ok)
         if HAS_PARTIAL:
             tl.store(du_part + pid * D + offs_d, du_acc, mask=d_ok)
         tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
@@ -251,11 +261,11 @@ def _warps(elements: int) -> int:
 
 
 def partial_fwd(blocks, queries, key_weights, eps):
-    """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out: Q x [M, D], lse [Q, M])
-    in the compute dtype."""
+    """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out: Q x [M, D] in the blocks'
+    dtype, lse [Q, M] in the compute dtype)."""
     N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
     cdt = compute_dtype(blocks[0])
-    out = [torch.empty(M, D, device=blocks[0].device, dtype=cdt) for _ in range(Q)]
+    out = [torch.empty(M, D, device=blocks[0].device, dtype=blocks[0].dtype) for _ in range(Q)]
     lse = torch.empty(Q, M, device=blocks[0].device, dtype=cdt)
     if M > 0:
         bq, bd = next_power_of_2(Q), block_d(D)
@@ -267,8 +277,8 @@ def partial_fwd(blocks, queries, key_weights, eps):
     return out, lse
 
 
-def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
-    """dout, out: Q x [M, D] contiguous in the compute dtype; dlse, lse [Q, M]
+def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
+    """dout: Q x [M, D] contiguous in the blocks' dtype; dlse, lse [Q, M] in the compute dtype
     -> (d blocks [N, M, D] in the blocks' dtype, du [Q, D] = dL/d(queries * key_weights) in compute dtype)."""
     N, (M, D), Q = len(blocks), blocks[0].shape, queries.shape[0]
     device = blocks[0].device
@@ -278,24 +288,25 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, out, lse, eps):
     if M > 0:
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_bwd_kernel[(programs,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, pointer_table(dout), dlse,
-            dblk, du, N, Q, M, D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype),
-            ALIGN=table_alignment([*blocks, *out, *dout]), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            pointer_table(blocks), blocks[0], queries, key_weights, lse, pointer_table(dout), dlse, dblk, du, N, Q, M,
+            D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), ALIGN=table_alignment([*blocks, *dout]),
+            BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 
 
 def merge_norm_fwd(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
-    """out [M, D], lse [M] (compute dtype), partial [M, D] or None -> (x [M, D] in `dtype`, rho [M])."""
+    """out [M, D], lse [M] (compute dtype), partial [M, D] or None -> (x [M, D] in `dtype`, rho [M] in lse's
+    dtype)."""
     M, D = out.shape
     x = torch.empty(M, D, device=out.device, dtype=dtype)
-    rho = torch.empty(M, device=out.device, dtype=out.dtype)
+    rho = torch.empty(M, device=out.device, dtype=lse.dtype)
     if M > 0:
         bd = block_d(D)
         _merge_norm_fwd_kernel[(M,)](
             out, lse, partial if partial is not None else out, query, key_weight, norm_weight, x, rho, D,
             *split_scalar(eps), *split_scalar(norm_eps), HAS_PARTIAL=partial is not None,
-            CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
+            CDT=compute_tl_dtype(lse.dtype), BLOCK_D=bd, num_warps=_warps(bd),
         )  # fmt: skip
     return x, rho
 
@@ -308,13 +319,13 @@ def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, e
     dlse = torch.empty_like(lse) if has_partial else None
     dpartial = torch.empty_like(partial) if has_partial else None
     programs = row_programs(M, out.device)
-    du = torch.empty(programs, D, device=out.device, dtype=out.dtype)
-    dnw = torch.empty(programs, D, device=out.device, dtype=out.dtype)
+    du = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
+    dnw = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
     if M > 0:
         bd = block_d(D)
         _merge_norm_bwd_kernel[(programs,)](
             out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
             dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
-            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(out.dtype), BLOCK_D=bd, num_warps=_warps(bd),
+            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(lse.dtype), BLOCK_D=bd, num_warps=_warps(bd),
         )  # fmt: skip
     return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)
