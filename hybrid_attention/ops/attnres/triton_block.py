@@ -9,8 +9,8 @@ out_q stored in the blocks' dtype, like every other activation kept for the back
 real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
 own [M, D] tensor (written, and its gradient read, through pointer tables), so that each sublayer's phase 2 takes
 one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: it
-sums c_q = sum_k p_qk (dout_q . b_k) over the blocks first, then makes the gradient pass over them again (a re-read
-that the cache serves), so the gradient is that of the unrounded out_q.
+sums c_q = sum_k p_qk (dout_q . b_k) over the blocks first, keeping the dot products, then makes the gradient pass
+over them again (a re-read that the cache serves), so the gradient is that of the unrounded out_q.
 
 Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
 online-softmax update, then normalise,
@@ -112,11 +112,13 @@ if triton is not None:
         eps_lo,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
+        offs_n = tl.arange(0, BLOCK_N)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -133,22 +135,34 @@ if triton is not None:
             do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
             lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
             dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
-            # c_q = sum_k p_qk (dout_q . b_k) = dout_q . out_q, from the blocks: the stored out_q is rounded.
+            # Pass 1: c_q = sum_k p_qk (dout_q . b_k) = dout_q . out_q from the blocks (the stored out_q is
+            # rounded), keeping each block's dot products in [BLOCK_N, BLOCK_Q] tiles for pass 2, which then only
+            # re-reads b_k (from the cache) for the gradients.
+            dots_u = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
+            dots_do = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
+            rs = tl.zeros([BLOCK_N], CDT)
             c = tl.zeros([BLOCK_Q], CDT)
-            for k in range(0, N):
-                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
-                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
-                z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
-                c += tl.where(q_ok, tl.exp(z - lse), 0.0) * tl.sum(do * b[None, :], axis=1)
             for k in range(0, N):
                 ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
                 b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
                 dot_u = tl.sum(u * b[None, :], axis=1)
+                dot_do = tl.sum(do * b[None, :], axis=1)
+                c += tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0) * dot_do
+                is_k = offs_n == k
+                dots_u = tl.where(is_k[:, None], dot_u[None, :], dots_u)
+                dots_do = tl.where(is_k[:, None], dot_do[None, :], dots_do)
+                rs = tl.where(is_k, r, rs)
+            for k in range(0, N):
+                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
+                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                is_k = offs_n == k
+                r = tl.sum(tl.where(is_k, rs, 0.0), axis=0)
+                dot_u = tl.sum(tl.where(is_k[:, None], dots_u, 0.0), axis=0)
                 p = tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0)
                 # dz_qk = p_qk (dout_q . b_k - c_q + dlse_q)
                 # db_k = sum_q p_qk dout_q + dz_qk (r u_q - r^3 (u_q . b_k) b_k / D)
-                dz = p * (tl.sum(do * b[None, :], axis=1) - c + dl)
+                dz = p * (tl.sum(tl.where(is_k[:, None], dots_do, 0.0), axis=0) - c + dl)
                 db = tl.sum(p[:, None] * do + (dz * r)[:, None] * u, axis=0)
                 db -= (r * r * r / D) * tl.sum(dz * dot_u, axis=0) * b
                 slot = tl.full([], 0, tl.int64) + k  # int64: N * M * D may pass 2^31
@@ -290,7 +304,7 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
         _partial_bwd_kernel[(programs,)](
             pointer_table(blocks), blocks[0], queries, key_weights, lse, pointer_table(dout), dlse, dblk, du, N, Q, M,
             D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), ALIGN=table_alignment([*blocks, *dout]),
-            BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            BLOCK_N=next_power_of_2(N), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 
