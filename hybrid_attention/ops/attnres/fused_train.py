@@ -63,7 +63,7 @@ def _partial_bwd_op(
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
     shape, Q = blocks[0].shape, queries.shape[0]
     dblk, du = partial_bwd(
-        _flat([d.to(blocks[0].dtype).contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
+        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
         queries, key_weights, lse.view(Q, -1), eps,
     )  # fmt: skip
     return dblk.view(len(blocks), *shape), du

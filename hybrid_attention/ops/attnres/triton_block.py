@@ -48,6 +48,12 @@ if triton is not None:
     from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
+    def _block_row(table, k, at, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr, ALIGN: tl.constexpr):
+        """Block k's row at the offsets `at` [BLOCK_D], read through the pointer table, in the compute dtype."""
+        ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(ELEM)), ALIGN)
+        return tl.load(ptr + at, mask=d_ok, other=0.0).to(CDT)
+
+    @triton.jit
     def _partial_fwd_kernel(
         table,  # int64 [N]: data pointers of the N completed blocks, each [M, D] contiguous
         first,  # block 0 (its element type is the blocks')
@@ -78,9 +84,9 @@ if triton is not None:
         run_max = tl.full([BLOCK_Q], float("-inf"), CDT)
         run_sum = tl.zeros([BLOCK_Q], CDT)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
+        elem = first.dtype.element_ty
         for k in range(0, N):
-            ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(first.dtype.element_ty)), ALIGN)
-            b = tl.load(ptr + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
+            b = _block_row(table, k, row * D + offs_d, d_ok, elem, CDT, ALIGN)
             z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
             new_max = tl.maximum(run_max, z)
             rescale = tl.exp(run_max - new_max)  # 0 for the first block
@@ -88,7 +94,6 @@ if triton is not None:
             run_sum = run_sum * rescale + p
             acc = acc * rescale[:, None] + p[:, None] * b[None, :]
             run_max = new_max
-        elem = first.dtype.element_ty
         out = tl.multiple_of(tl.load(out_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
         tl.store(out[:, None] + row * D + offs_d[None, :], (acc / run_sum[:, None]).to(elem), mask=qd_ok)
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
@@ -143,8 +148,7 @@ if triton is not None:
             rs = tl.zeros([BLOCK_N], CDT)
             c = tl.zeros([BLOCK_Q], CDT)
             for k in range(0, N):
-                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
-                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
                 r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
                 dot_u = tl.sum(u * b[None, :], axis=1)
                 dot_do = tl.sum(do * b[None, :], axis=1)
@@ -154,8 +158,7 @@ if triton is not None:
                 dots_do = tl.where(is_k[:, None], dot_do[None, :], dots_do)
                 rs = tl.where(is_k, r, rs)
             for k in range(0, N):
-                ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(elem)), ALIGN)
-                b = tl.load(ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
                 is_k = offs_n == k
                 r = tl.sum(tl.where(is_k, rs, 0.0), axis=0)
                 dot_u = tl.sum(tl.where(is_k[:, None], dots_u, 0.0), axis=0)
