@@ -3,8 +3,9 @@
 The stream's forward (`_full_fwd_kernel`, one program per row) over S sources, and the backward of one stream step
 (`_stream_bwd_kernel`) that assembles the gradient of its newest source from the dh rows of the later steps, at
 M = 8 x 2048 rows, D = 1024, bf16 sources, K = 27 steps (the k3-scaled depth). Each (BLOCK, num_warps) pair runs
-alone, bypassing the autotuner, so the table shows what the tuner chooses between; the backward also at 8 and 16
-programs per SM (`STREAM_BWD_PROGRAMS_PER_SM`). Times are `triton.testing.do_bench` medians in microseconds.
+alone, bypassing the autotuner, so the table shows what the tuner chooses between (the backward's are its tuned
+(BLOCK_M, num_warps, STAGES) configs); the backward at 8 and 16 programs per SM
+(`STREAM_BWD_PROGRAMS_PER_SM`, --per-sm). Times are `triton.testing.do_bench` medians in microseconds.
 
     python benchmarks/bench_attnres_configs.py --out bench_attnres_configs.json
 
@@ -22,7 +23,6 @@ from bench_common import emit_json, env_info, log
 
 M, D, K = 8 * 2048, 1024, 27
 EPS = 1e-6
-WARPS = (1, 2, 4, 8)
 
 
 def _launcher(kernel, grid, *args, **meta):
@@ -44,28 +44,28 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, source_bucket, split_scalar
-    from hybrid_attention.ops.attnres.triton_full import _full_fwd_kernel
+    from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS, _full_fwd_kernel
 
     out, h = torch.empty_like(sources[0]), torch.empty_like(sources[0])
     stats = torch.empty(2, M, device=out.device)
     results = {}
     for S in counts:
         table = pointer_table(sources[:S])
-        for align, block_s, warps in itertools.product(aligns, (1, 2, 4, 8), WARPS):
+        for align, (block_s, warps, stages) in itertools.product(aligns, FULL_FWD_CONFIGS):
             launch = _launcher(
                 _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, M, S, D,
                 *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, CDT=tl.float32, ALIGN=align,
-                BLOCK_S=block_s, BLOCK_D=D, num_warps=warps,
+                BLOCK_S=block_s, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
-            results[f"S={S} ALIGN={align} BLOCK_S={block_s} warps={warps}"] = _time_us(launch)
+            results[f"S={S} ALIGN={align} BLOCK_S={block_s} warps={warps} STAGES={stages}"] = _time_us(launch)
     return results
 
 
-def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns) -> dict:
+def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, row_programs, source_bucket, split_scalar
-    from hybrid_attention.ops.attnres.triton_stream import _stream_bwd_kernel
+    from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS, _stream_bwd_kernel
 
     dev = sources[0].device
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -80,15 +80,18 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns) -> dict:
     for k in steps:
         table = pointer_table(sources[k : k + 1])
         dzr = torch.empty(1, 2, K - k, M, device=dev, dtype=torch.bfloat16)
-        for align, per_sm, block_m, warps in itertools.product(aligns, (8, 16), (1, 2, 4, 8), WARPS):
+        for align, per_sm, (block_m, warps, stages) in itertools.product(aligns, per_sms, STREAM_BWD_CONFIGS):
             programs = row_programs(M, dev, per_sm)
             part = torch.empty(programs, D, device=dev)
             launch = _launcher(
                 _stream_bwd_kernel, (programs,), table, dv, dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
                 dzr, part, M, D, K, k, 1, *split_scalar(EPS), source_bucket(K - k), HAS_DX=True, SPLIT_DZR=True,
-                CDT=tl.float32, ALIGN=align, BLOCK_M=block_m, BLOCK_D=D, num_warps=warps,
+                CDT=tl.float32, ALIGN=align, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
-            name = f"step={k} later={K - 1 - k} ALIGN={align} per_sm={per_sm} BLOCK_M={block_m} warps={warps}"
+            name = (
+                f"step={k} later={K - 1 - k} ALIGN={align} per_sm={per_sm} BLOCK_M={block_m} warps={warps} "
+                f"STAGES={stages}"
+            )
             results[name] = _time_us(launch)
     return results
 
@@ -98,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--counts", default="8,27", help="source counts of the forward cases")
     parser.add_argument("--steps", default="13,25", help="stream steps k of the backward cases (of 27)")
     parser.add_argument("--aligns", default="16", help="ALIGN values of the source tables (1: no alignment hint)")
+    parser.add_argument("--per-sm", default="8,16", help="backward programs per SM to time each config at")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,7 +118,8 @@ def main(argv=None) -> int:
     if any(a not in (1, 16) for a in aligns):
         parser.error(f"--aligns takes 1 and 16, got {args.aligns}")
     result["forward_us"] = forward_sweep(sources, queries, key_ws, norm_w, counts, aligns)
-    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, steps, aligns)
+    per_sms = [int(x) for x in args.per_sm.split(",")]
+    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms)
     for part in ("forward_us", "backward_us"):
         log(f"## {part}, fastest first")
         for name, t in sorted(result[part].items(), key=lambda kv: (kv[0].split(" ")[0], kv[1])):

@@ -234,3 +234,30 @@ def _tuned(block: str, bucket: str, configs: list[tuple[int, int]]):
         return register_tuner(tuner)
 
     return decorate
+
+
+def tuned_over_configs(configs: list[dict], key: list[str], keep=None, tile_size=None):
+    """triton.autotune over `configs` (dicts of the kernel's tuned constexprs plus "num_warps"), keyed by the
+    arguments named in `key`. `keep(config, named_args, BLOCK_D)` prunes at tuning time; when nothing is kept, the
+    config with the smallest `tile_size(config)` runs (the first without one). Only the first config runs under the
+    interpreter; every one stays listed in the tuner's `all_configs`, so tests can run each alone (the kernels only
+    write their outputs: a timing run needs no restore)."""
+    all_configs = [
+        triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in configs
+    ]
+
+    def prune(configs, named_args, **kwargs):
+        kept = [c for c in configs if keep is None or keep(c, named_args, kwargs["BLOCK_D"])]
+        return kept or [min(configs, key=tile_size) if tile_size else configs[0]]
+
+    def decorate(fn):
+        tuner = triton.autotune(
+            configs=all_configs[:1] if interpreting() else all_configs,
+            key=key,
+            prune_configs_by={"early_config_prune": prune},
+            **AUTOTUNE_OPTIONS,
+        )(fn)
+        tuner.all_configs = all_configs
+        return register_tuner(tuner)
+
+    return decorate

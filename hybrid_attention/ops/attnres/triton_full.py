@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.rows import (
+    MAX_TILE,
     block_d,
     compute_tl_dtype,
     pointer_table,
@@ -24,6 +25,7 @@ from hybrid_attention.ops.attnres.rows import (
     source_bucket,
     split_scalar,
     table_alignment,
+    tuned_over_configs,
     tuned_over_sources,
 )
 from hybrid_attention.ops.numerics import compute_dtype
@@ -40,6 +42,20 @@ PARAM_BLOCK = 256  # columns per program of the parameter-gradient sum
 FULL_BWD_PROGRAMS_PER_SM = 8
 
 
+FULL_FWD_CONFIGS = [  # (BLOCK_S, num_warps, STAGES)
+    (4, 2, 3),
+    (2, 1, 3),
+    (4, 1, 3),
+    (1, 1, 3),
+    (2, 2, 3),
+    (4, 4, 3),
+    (2, 1, 1),
+    (4, 2, 1),
+    (4, 4, 1),
+    (2, 2, 1),
+]
+
+
 if triton is not None:
 
     @triton.jit
@@ -48,9 +64,17 @@ if triton is not None:
         w = tl.load(query + offs_d, mask=d_ok, other=0.0).to(CDT)
         return w * tl.load(key_w + offs_d, mask=d_ok, other=0.0).to(CDT)
 
-    # (BLOCK_S, num_warps); the first is the one the interpreter runs. With one warp per row the row sums need no
-    # shared memory, and small programs keep more rows in flight per SM.
-    @tuned_over_sources([(4, 4), (2, 4), (8, 4), (2, 2), (4, 8), (8, 8), (1, 1), (2, 1), (1, 2), (4, 2)])
+    # (BLOCK_S, num_warps, STAGES); the first is the one the interpreter runs. With one warp per row the row sums
+    # need no shared memory, and small programs keep more rows in flight per SM; STAGES > 1 has the compiler copy the
+    # next source tiles into shared memory while this one computes, without holding them in registers.
+    @tuned_over_configs(
+        [{"BLOCK_S": b, "num_warps": w, "STAGES": st} for b, w, st in FULL_FWD_CONFIGS],
+        key=["D", "S_BUCKET"],
+        keep=lambda config, named_args, width: (
+            config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
+        ),
+        tile_size=lambda config: config.kwargs["BLOCK_S"],
+    )
     @triton.jit
     def _full_fwd_kernel(
         table,  # int64 [S]: data pointers of the S sources, each [M, D] contiguous
@@ -73,6 +97,7 @@ if triton is not None:
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         # Scalars come as fp32 (fp64 under inductor): one dtype for the loop-carried softmax state.
@@ -86,8 +111,7 @@ if triton is not None:
         run_max = tl.full([], float("-inf"), CDT)
         run_sum = tl.zeros([], CDT)
         acc = tl.zeros([BLOCK_D], CDT)
-        # Loading the next tile while this one computes costs registers (fewer programs per SM): it measured slower.
-        for s0 in range(0, S, BLOCK_S):
+        for s0 in tl.range(0, S, BLOCK_S, num_stages=STAGES):
             s_ok = s0 + offs_s < S
             ptr = tl.load(table + s0 + offs_s, mask=s_ok, other=0).to(tl.pointer_type(first.dtype.element_ty))
             ptr = tl.multiple_of(ptr, ALIGN)

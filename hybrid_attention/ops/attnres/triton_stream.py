@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.rows import (
+    MAX_TILE,
     block_d,
     compute_tl_dtype,
     pointer_table,
@@ -32,7 +33,7 @@ from hybrid_attention.ops.attnres.rows import (
     source_bucket,
     split_scalar,
     table_alignment,
-    tuned_over_rows,
+    tuned_over_configs,
 )
 
 try:
@@ -45,6 +46,16 @@ except ImportError:  # the reference path still works
 # program keeps more in flight.
 STREAM_BWD_PROGRAMS_PER_SM = 8
 HALF = (torch.bfloat16, torch.float16)
+STREAM_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
+    (2, 2, 3),
+    (2, 2, 4),
+    (4, 2, 3),
+    (4, 4, 3),
+    (2, 2, 1),
+    (2, 4, 1),
+    (4, 2, 1),
+    (4, 4, 1),
+]
 
 
 if triton is not None:
@@ -54,9 +65,10 @@ if triton is not None:
     def _step_terms(v, r, dh, c, lse, u, acc, s):
         """One step's terms of the gradients of a block of rows v [BLOCK_M, BLOCK_D] of a source (r [BLOCK_M] its
         reciprocal norms): adds p dh + dz r u to acc and dz r (u . v) to s; returns (acc, s, dz r)."""
-        dot_u = tl.sum(v * u[None, :], axis=1)
+        # Both dot products from one reduction over D: its cross-warp step is paid once.
+        dot_u, dot_dh = tl.split(tl.sum(tl.join(v * u[None, :], v * dh), axis=1))
         p = tl.exp(dot_u * r - lse)
-        dzr = p * (tl.sum(v * dh, axis=1) - c) * r
+        dzr = p * (dot_dh - c) * r
         acc += p[:, None] * dh + dzr[:, None] * u[None, :]
         return acc, s + dzr * dot_u, dzr
 
@@ -71,9 +83,15 @@ if triton is not None:
         else:
             tl.store(dzr + at, val.to(dzr.dtype.element_ty), mask=m_ok)
 
-    # (BLOCK_M, num_warps); the first is the one the interpreter runs. Two warps per tile sum each row over fewer
-    # warps: the fastest shape for most steps (benchmarks/bench_attnres_configs.py).
-    @tuned_over_rows([(4, 8), (2, 4), (1, 4), (8, 8), (4, 4), (2, 8), (4, 2), (2, 2)])
+    # STREAM_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the later
+    # steps' rows into shared memory that many steps ahead, so loads are in flight without holding registers: the
+    # fastest for long loops; plain loops win for the last few steps (benchmarks/bench_attnres_configs.py).
+    @tuned_over_configs(
+        [{"BLOCK_M": m, "num_warps": w, "STAGES": st} for m, w, st in STREAM_BWD_CONFIGS],
+        key=["D", "K_BUCKET"],
+        keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
+        tile_size=lambda config: config.kwargs["BLOCK_M"],
+    )
     @triton.jit
     def _stream_bwd_kernel(
         table,  # int64 [n]: data pointers of the n sources to assemble, each [M, D] contiguous
@@ -102,6 +120,7 @@ if triton is not None:
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
@@ -152,9 +171,7 @@ if triton is not None:
                 else:
                     slot = j64 * plane
                 _store_dzr(dzr, slot + rm, plane, m_ok, dzr_k, SPLIT_DZR)
-                # Loading step kk + 1's entries while step kk computes costs registers, so fewer programs fit on an
-                # SM: it measured slower than this plain loop.
-                for kk in range(k + 1, K):
+                for kk in tl.range(k + 1, K, num_stages=STAGES):
                     kk64 = tl.zeros([], tl.int64) + kk
                     dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
                     c_l = tl.load(rows + kk64 * 2 * M + rm, mask=m_ok, other=0.0)
