@@ -8,9 +8,14 @@ sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never
 out_q stored in the blocks' dtype, like every other activation kept for the backward (the merge below is exact in
 real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
 own [M, D] tensor (written, and its gradient read, through pointer tables), so that each sublayer's phase 2 takes
-one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: it
-sums c_q = sum_k p_qk (dout_q . b_k) over the blocks first, keeping the dot products, then makes the gradient pass
-over them again (a re-read that the cache serves), so the gradient is that of the unrounded out_q.
+one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: per
+row it gathers all N blocks through the pointer table into one [BLOCK_N, BLOCK_D] tile, read once, and for each
+query (unrolled) forms the dot products u_q . b_k and dout_q . b_k of every block at once, then
+c_q = sum_k p_qk (dout_q . b_k) (so the gradient is that of the unrounded out_q), dz_qk = p_qk (dout_q . b_k - c_q +
+dlse_q), and adds the query's share to the blocks' gradient tile, stored with one 2-D store once all queries are in;
+dL/du_q = sum_rows sum_k dz_qk r_k b_k is summed in registers, one partial [Q, D] per program. With more blocks
+than one tile holds (PARTIAL_BWD_BLOCKS) it takes them in chunks, in two passes per row: the first sums c_q over
+every chunk, the second reads each chunk again (from the cache) for its gradients.
 
 Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
 online-softmax update, then normalise,
@@ -19,7 +24,8 @@ online-softmax update, then normalise,
 
 (a sublayer that opens its block has no P: h = out). The backward recomputes z, p and alpha from the inputs and
 the two saved per-row numbers (docs/math.md, "AttnRes backward"). One program per row forward; in the backward
-each program loops over rows and sums the parameter gradients in registers, one partial row per program.
+each program loops over blocks of BLOCK_M rows ([BLOCK_M, BLOCK_D] tiles, a tuned height) and sums the parameter
+gradients per row in registers, adding the rows up once at the end: one partial row per program.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.rows import (
+    MAX_TILE,
     block_d,
     compute_tl_dtype,
     next_power_of_2,
@@ -34,6 +41,7 @@ from hybrid_attention.ops.attnres.rows import (
     row_programs,
     split_scalar,
     table_alignment,
+    tuned_over_configs,
 )
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -42,6 +50,10 @@ try:
     import triton.language as tl
 except ImportError:  # the reference path still works
     triton = None
+
+PARTIAL_BWD_BLOCKS = 8  # most blocks one tile of the phase-1 backward holds; more are taken in chunks of this many
+PARTIAL_BWD_WARPS = [4, 8]  # num_warps of the phase-1 backward
+MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (2, 8), (2, 4), (4, 8)]  # (BLOCK_M, num_warps) of the phase-2 backward
 
 
 if triton is not None:
@@ -99,11 +111,57 @@ if triton is not None:
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
     @triton.jit
+    def _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
+                     ALIGN: tl.constexpr):  # fmt: skip
+        """Blocks n0 .. n0 + BLOCK_N - 1 at the row offset `base`, gathered through the pointer table into one
+        [BLOCK_N, BLOCK_D] tile in the compute dtype (zero past N); -> (tile, which of its rows are blocks)."""
+        n_ok = n0 + offs_n < N
+        ptrs = tl.multiple_of(tl.load(table + n0 + offs_n, mask=n_ok, other=0).to(tl.pointer_type(ELEM)), ALIGN)
+        b = tl.load(ptrs[:, None] + base + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        return b.to(CDT), n_ok
+
+    @triton.jit
+    def _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
+                    ALIGN: tl.constexpr):  # fmt: skip
+        """Query q's u_q and the row of dout_q at `base`, both [BLOCK_D] in the compute dtype."""
+        u = tl.load(folded + q * D + offs_d, mask=d_ok, other=0.0)
+        dout = tl.multiple_of(tl.load(dout_table + q).to(tl.pointer_type(ELEM)), ALIGN)
+        return u, tl.load(dout + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+
+    @triton.jit
+    def _query_dots(b, r, n_ok, u, do, lse):
+        """u_q . b_k, dout_q . b_k and p_qk for the blocks of the tile b [BLOCK_N, BLOCK_D], each [BLOCK_N] (p is
+        zero past N)."""
+        dot_u = tl.sum(b * u[None, :], axis=1)
+        dot_do = tl.sum(b * do[None, :], axis=1)
+        return dot_u, dot_do, tl.where(n_ok, tl.exp(dot_u * r - lse), 0.0)
+
+    @triton.jit
+    def _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, is_q):
+        """Query q's share of the tile's gradients, with dz_qk = p_qk (dout_q . b_k - c_q + dlse_q):
+        db [BLOCK_N, BLOCK_D] += p dout_q + dz r u_q, s [BLOCK_N] += dz r (u_q . b_k) (the norm term, applied once
+        all queries are in), and row q of du [BLOCK_Q, BLOCK_D] (`is_q`) += sum_k dz_qk r_k b_k."""
+        dzr = p * (dot_do - c + dl) * r
+        db += p[:, None] * do[None, :] + dzr[:, None] * u[None, :]
+        du += tl.where(is_q[:, None], tl.sum(dzr[:, None] * b, axis=0)[None, :], 0.0)
+        return db, s + dzr * dot_u, du
+
+    @triton.jit
+    def _store_block_grads(dblk, n0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok):
+        """d b_k = db - (r^3 / D) (sum_q dz (u_q . b_k)) b_k for the tile's blocks, one 2-D store."""
+        db -= (r * r / D * s)[:, None] * b
+        slots = (n0 + offs_n).to(tl.int64) * M * D  # int64: N * M * D may pass 2^31
+        at = slots[:, None] + base + offs_d[None, :]
+        tl.store(dblk + at, db.to(dblk.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+    # num_warps; the first is the one the interpreter runs. With 4 warps the blocks' axis of the tile stays within each
+    # thread, so the sums over blocks need no shared memory.
+    @tuned_over_configs([{"num_warps": w} for w in PARTIAL_BWD_WARPS], key=["D", "BLOCK_N", "BLOCK_Q"])
+    @triton.jit
     def _partial_bwd_kernel(
         table,  # int64 [N] block pointers, as in the forward
         first,
-        queries,  # [Q, D]
-        key_ws,  # [Q, D]
+        folded,  # [Q, D] u_q = w_q * gamma_q in the compute dtype (one load per use instead of two)
         lse_ptr,  # [Q, M]
         dout_table,  # int64 [Q]: the gradients of the Q outputs, each [M, D] contiguous in the blocks' dtype
         dlse,  # [Q, M] the gradient of lse
@@ -117,9 +175,10 @@ if triton is not None:
         eps_lo,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr,  # blocks per tile: all N of them unless CHUNKED
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        CHUNKED: tl.constexpr,  # N > BLOCK_N: two passes over chunks of BLOCK_N blocks
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
@@ -127,51 +186,55 @@ if triton is not None:
         offs_q = tl.arange(0, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        q_ok = offs_q < Q
-        qd = offs_q[:, None] * D + offs_d[None, :]
-        qd_ok = q_ok[:, None] & d_ok[None, :]
-        u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
         elem = first.dtype.element_ty
-        dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
-        du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
+        du = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         for row in range(pid, M, tl.num_programs(0)):
-            base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
-            q_rows = offs_q.to(tl.int64) * M + row
-            do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
-            lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
-            dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
-            # Pass 1: c_q = sum_k p_qk (dout_q . b_k) = dout_q . out_q from the blocks (the stored out_q is
-            # rounded), keeping each block's dot products in [BLOCK_N, BLOCK_Q] tiles for pass 2, which then only
-            # re-reads b_k (from the cache) for the gradients.
-            dots_u = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
-            dots_do = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
-            rs = tl.zeros([BLOCK_N], CDT)
-            c = tl.zeros([BLOCK_Q], CDT)
-            for k in range(0, N):
-                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
-                r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
-                dot_u = tl.sum(u * b[None, :], axis=1)
-                dot_do = tl.sum(do * b[None, :], axis=1)
-                c += tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0) * dot_do
-                is_k = offs_n == k
-                dots_u = tl.where(is_k[:, None], dot_u[None, :], dots_u)
-                dots_do = tl.where(is_k[:, None], dot_do[None, :], dots_do)
-                rs = tl.where(is_k, r, rs)
-            for k in range(0, N):
-                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
-                is_k = offs_n == k
-                r = tl.sum(tl.where(is_k, rs, 0.0), axis=0)
-                dot_u = tl.sum(tl.where(is_k[:, None], dots_u, 0.0), axis=0)
-                p = tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0)
-                # dz_qk = p_qk (dout_q . b_k - c_q + dlse_q)
-                # db_k = sum_q p_qk dout_q + dz_qk (r u_q - r^3 (u_q . b_k) b_k / D)
-                dz = p * (tl.sum(tl.where(is_k[:, None], dots_do, 0.0), axis=0) - c + dl)
-                db = tl.sum(p[:, None] * do + (dz * r)[:, None] * u, axis=0)
-                db -= (r * r * r / D) * tl.sum(dz * dot_u, axis=0) * b
-                slot = tl.full([], 0, tl.int64) + k  # int64: N * M * D may pass 2^31
-                tl.store(dblk + slot * M * D + base + offs_d, db.to(dblk.dtype.element_ty), mask=d_ok)
-                du_acc += (dz * r)[:, None] * b[None, :]
-        tl.store(du_part + pid * Q * D + qd, du_acc, mask=qd_ok)
+            row64 = tl.zeros([], tl.int64) + row  # int64 offsets (the interpreter's row is an int)
+            base = row64 * D
+            if CHUNKED:
+                # Pass 1: c_q = sum_k p_qk (dout_q . b_k) over every chunk before any gradient can be formed.
+                c_all = tl.zeros([BLOCK_Q], CDT)
+                for n0 in range(0, N, BLOCK_N):
+                    b, n_ok = _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
+                    r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
+                    for q in tl.static_range(BLOCK_Q):
+                        if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
+                            u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
+                            lse = tl.load(lse_ptr + q * M + row64).to(CDT)
+                            dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
+                            c_all += tl.where(offs_q == q, tl.sum(p * dot_do, axis=0), 0.0)
+                # Pass 2: each chunk again (from the cache), its dot products recomputed, its gradients stored.
+                for n0 in range(0, N, BLOCK_N):
+                    b, n_ok = _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
+                    r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
+                    db = tl.zeros([BLOCK_N, BLOCK_D], CDT)
+                    s = tl.zeros([BLOCK_N], CDT)
+                    for q in tl.static_range(BLOCK_Q):
+                        if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
+                            u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
+                            lse = tl.load(lse_ptr + q * M + row64).to(CDT)
+                            dl = tl.load(dlse + q * M + row64).to(CDT)
+                            dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
+                            c = tl.sum(tl.where(offs_q == q, c_all, 0.0), axis=0)
+                            db, s, du = _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, offs_q == q)
+                    _store_block_grads(dblk, n0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok)
+            else:
+                # Every block in one tile, read once: per query, its dot products give c_q and then its gradients.
+                b, n_ok = _blocks_tile(table, 0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
+                r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
+                db = tl.zeros([BLOCK_N, BLOCK_D], CDT)
+                s = tl.zeros([BLOCK_N], CDT)
+                for q in tl.static_range(BLOCK_Q):
+                    if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
+                        u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
+                        lse = tl.load(lse_ptr + q * M + row64).to(CDT)
+                        dl = tl.load(dlse + q * M + row64).to(CDT)
+                        dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
+                        c = tl.sum(p * dot_do, axis=0)
+                        db, s, du = _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, offs_q == q)
+                _store_block_grads(dblk, 0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok)
+        qd = offs_q[:, None] * D + offs_d[None, :]
+        tl.store(du_part + pid * Q * D + qd, du, mask=(offs_q < Q)[:, None] & d_ok[None, :])
 
     @triton.jit
     def _merge_norm_fwd_kernel(
@@ -210,6 +273,13 @@ if triton is not None:
         tl.store(x_ptr + row * D + offs_d, (hr * rho * nw).to(x_ptr.dtype.element_ty), mask=d_ok)
         tl.store(rho_ptr + row, rho)
 
+    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
+    @tuned_over_configs(
+        [{"BLOCK_M": m, "num_warps": w} for m, w in MERGE_BWD_CONFIGS],
+        key=["D", "HAS_PARTIAL"],
+        keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
+        tile_size=lambda config: config.kwargs["BLOCK_M"],
+    )
     @triton.jit
     def _merge_norm_bwd_kernel(
         out,  # [M, D] phase-1 output
@@ -231,45 +301,52 @@ if triton is not None:
         eps_lo,
         HAS_PARTIAL: tl.constexpr,
         CDT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         u = folded_query(query, key_w, offs_d, d_ok, CDT)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
-        du_acc = tl.zeros([BLOCK_D], CDT)
-        dnw_acc = tl.zeros([BLOCK_D], CDT)
-        for row in range(pid, M, tl.num_programs(0)):
-            base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
-            o = tl.load(out + base + offs_d, mask=d_ok, other=0.0).to(CDT)
+        # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
+        du_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
+        dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
+        for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rm = m0 + offs_m
+            m_ok = rm < M  # rows past M load zeros, so they add nothing to the sums
+            at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]  # int64 offsets
+            mask = m_ok[:, None] & d_ok[None, :]
+            o = tl.load(out + at, mask=mask, other=0.0).to(CDT)
             h = o
             if HAS_PARTIAL:
-                P = tl.load(partial + base + offs_d, mask=d_ok, other=0.0).to(CDT)
-                r = tl.rsqrt(tl.sum(P * P, axis=0) / D + eps)
-                dot_u = tl.sum(u * P, axis=0)
-                alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + row).to(CDT) - dot_u * r))
-                h = o + alpha * (P - o)
+                P = tl.load(partial + at, mask=mask, other=0.0).to(CDT)
+                r = tl.rsqrt(tl.sum(P * P, axis=1) / D + eps)
+                dot_u = tl.sum(P * u[None, :], axis=1)
+                alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + rm, mask=m_ok, other=0.0).to(CDT) - dot_u * r))
+                h = o + alpha[:, None] * (P - o)
             hr = h.to(dx_ptr.dtype.element_ty).to(CDT)
-            rho = tl.load(rho_ptr + row).to(CDT)
-            dx = tl.load(dx_ptr + base + offs_d, mask=d_ok, other=0.0).to(CDT)
-            a = dx * nw
-            dnw_acc += dx * hr * rho
-            dh = rho * a - (rho * rho * rho / D) * tl.sum(a * hr, axis=0) * hr
+            rho = tl.load(rho_ptr + rm, mask=m_ok, other=0.0).to(CDT)
+            dx = tl.load(dx_ptr + at, mask=mask, other=0.0).to(CDT)
+            a = dx * nw[None, :]
+            dnw_acc += dx * hr * rho[:, None]
+            dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
             if HAS_PARTIAL:
                 # d out = (1 - alpha) dh, dt = (dh . (P - out)) alpha (1 - alpha) with t = s - lse.
-                tl.store(dout + base + offs_d, ((1.0 - alpha) * dh).to(dout.dtype.element_ty), mask=d_ok)
-                dt = tl.sum(dh * (P - o), axis=0) * alpha * (1.0 - alpha)
-                tl.store(dlse + row, -dt)
-                dp = alpha * dh + (dt * r) * u - (dt * r * r * r * dot_u / D) * P
-                tl.store(dpartial + base + offs_d, dp.to(dpartial.dtype.element_ty), mask=d_ok)
-                du_acc += (dt * r) * P
+                tl.store(dout + at, ((1.0 - alpha)[:, None] * dh).to(dout.dtype.element_ty), mask=mask)
+                dt = tl.sum(dh * (P - o), axis=1) * alpha * (1.0 - alpha)
+                tl.store(dlse + rm, -dt, mask=m_ok)
+                dtr = dt * r
+                dp = alpha[:, None] * dh + dtr[:, None] * u[None, :] - (dtr * r * r * dot_u / D)[:, None] * P
+                tl.store(dpartial + at, dp.to(dpartial.dtype.element_ty), mask=mask)
+                du_acc += dtr[:, None] * P
             else:
-                tl.store(dout + base + offs_d, dh.to(dout.dtype.element_ty), mask=d_ok)
+                tl.store(dout + at, dh.to(dout.dtype.element_ty), mask=mask)
         if HAS_PARTIAL:
-            tl.store(du_part + pid * D + offs_d, du_acc, mask=d_ok)
-        tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
+            tl.store(du_part + pid * D + offs_d, tl.sum(du_acc, axis=0), mask=d_ok)
+        tl.store(dnw_part + pid * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
 
 
 def _warps(elements: int) -> int:
@@ -301,13 +378,15 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
     device = blocks[0].device
     dblk = torch.empty(N, M, D, device=device, dtype=blocks[0].dtype)
     programs = row_programs(M, device)
-    du = torch.empty(programs, Q, D, device=device, dtype=lse.dtype)
+    cdt = lse.dtype
+    du = torch.empty(programs, Q, D, device=device, dtype=cdt)
     if M > 0:
-        bq, bd = next_power_of_2(Q), block_d(D)
+        bd = block_d(D)
+        bn = min(next_power_of_2(N), PARTIAL_BWD_BLOCKS, max(1, MAX_TILE // bd))
         _partial_bwd_kernel[(programs,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, lse, pointer_table(dout), dlse, dblk, du, N, Q, M,
-            D, *split_scalar(eps), CDT=compute_tl_dtype(lse.dtype), ALIGN=table_alignment([*blocks, *dout]),
-            BLOCK_N=next_power_of_2(N), BLOCK_Q=bq, BLOCK_D=bd, num_warps=_warps(bq * bd),
+            pointer_table(blocks), blocks[0], queries.to(cdt) * key_weights.to(cdt), lse, pointer_table(dout), dlse,
+            dblk, du, N, Q, M, D, *split_scalar(eps), CDT=compute_tl_dtype(cdt),
+            ALIGN=table_alignment([*blocks, *dout]), BLOCK_N=bn, BLOCK_Q=next_power_of_2(Q), BLOCK_D=bd, CHUNKED=N > bn,
         )  # fmt: skip
     return dblk, du.sum(0)
 
@@ -339,10 +418,9 @@ def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, e
     du = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
     dnw = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
     if M > 0:
-        bd = block_d(D)
         _merge_norm_bwd_kernel[(programs,)](
             out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
             dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
-            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(lse.dtype), BLOCK_D=bd, num_warps=_warps(bd),
+            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(lse.dtype), BLOCK_D=block_d(D),
         )  # fmt: skip
     return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)
