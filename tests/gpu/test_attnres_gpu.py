@@ -11,6 +11,13 @@ import pytest
 import torch
 
 from hybrid_attention.ops.attnres.fused import attn_res_norm
+from hybrid_attention.ops.attnres.triton_block import (
+    MERGE_BWD_CONFIGS,
+    PARTIAL_BWD_BLOCKS,
+    PARTIAL_BWD_CONFIGS,
+    PARTIAL_FWD_CONFIGS,
+)
+from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
 from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS
 from tests.helpers import assert_as_accurate
 
@@ -90,14 +97,31 @@ def test_fused_training_full_at_model_sizes(S):
         assert_as_accurate(f"full S={S} d {label}", f, r, p, floor=2**-8)
 
 
-@pytest.mark.parametrize("N", [1, 8])
-def test_fused_training_block_at_model_sizes(N):
+# Each config of the Block AttnRes kernels alone, (kernel, index into its config list).
+BLOCK_CONFIGS = [
+    *[("_partial_fwd_kernel", i) for i in range(len(PARTIAL_FWD_CONFIGS))],
+    *[("_partial_bwd_kernel", i) for i in range(len(PARTIAL_BWD_CONFIGS))],
+    *[("_merge_norm_bwd_kernel", i) for i in range(len(MERGE_BWD_CONFIGS))],
+]
+
+
+@pytest.mark.parametrize(
+    "N, config",
+    [(1, None), (8, None), (PARTIAL_BWD_BLOCKS + 3, None), *[(7, c) for c in BLOCK_CONFIGS]],
+    ids=lambda v: "tuned" if v is None else v if isinstance(v, int) else f"{v[0]}-{v[1]}",
+)
+def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     """Block AttnRes phase 1 (4 queries over N blocks) then phase 2 + RMSNorm on one query, at B=8, T=2048, D=1024,
-    bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient."""
+    bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient; with the
+    tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the chunked phase-1 backward) and with each config alone."""
+    from hybrid_attention.ops.attnres import triton_block
     from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
     from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
     from hybrid_attention.ops.numerics import rms_norm
 
+    if config is not None:
+        tuner = getattr(triton_block, config[0])
+        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config[1]]])
     B, T, D, Q = 8, 2048, 1024, 4
     g = torch.Generator("cuda").manual_seed(N)
     blk = _sources(N + 1, B, T, D, g)  # the last one is the partial sum
@@ -158,16 +182,22 @@ def _stream_params(S, D, g):
     ]
 
 
-@pytest.mark.parametrize("config", ["tuned", *range(len(STREAM_BWD_CONFIGS))])
+STREAM_CONFIGS = [
+    *[("_full_fwd_kernel", i) for i in range(len(FULL_FWD_CONFIGS))],
+    *[("_stream_bwd_kernel", i) for i in range(len(STREAM_BWD_CONFIGS))],
+]
+
+
+@pytest.mark.parametrize("config", [None, *STREAM_CONFIGS], ids=lambda v: "tuned" if v is None else f"{v[0]}-{v[1]}")
 def test_fused_training_stream_at_model_sizes(config, monkeypatch):
     """A Full AttnRes stream of 27 sources (the k3-scaled depth), whose backwards assemble each source's gradient
     once, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against float64 as the bf16
-    PyTorch composition; with the tuned launch shapes and with each backward config alone."""
-    from hybrid_attention.ops.attnres import triton_stream
+    PyTorch composition; with the tuned launch shapes and with each forward and backward config alone."""
+    from hybrid_attention.ops.attnres import triton_full, triton_stream
 
-    if config != "tuned":
-        tuner = triton_stream._stream_bwd_kernel
-        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config]])
+    if config is not None:
+        tuner = getattr(triton_full if config[0] == "_full_fwd_kernel" else triton_stream, config[0])
+        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config[1]]])
     S, B, T, D = 27, 1, 2048, 1024
     g = torch.Generator("cuda").manual_seed(27)
     src = _sources(S, B, T, D, g)
