@@ -32,12 +32,12 @@ CHUNKED_N = triton_block.PARTIAL_BWD_BLOCKS + 2  # two chunks, the second holdin
 
 
 def distinct_configs(tuner):
-    """The tuner's configs; under the interpreter, which ignores num_warps and STAGES, one per tile shape."""
+    """The tuner's configs; under the interpreter, which ignores num_warps, one per tile shape."""
     if torch.cuda.is_available():
         return tuner.all_configs
     shapes = {}
     for config in tuner.all_configs:
-        shapes.setdefault(tuple(sorted((k, v) for k, v in config.kwargs.items() if k != "STAGES")), config)
+        shapes.setdefault(tuple(sorted(config.kwargs.items())), config)
     return list(shapes.values())
 
 

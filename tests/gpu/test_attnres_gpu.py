@@ -14,8 +14,7 @@ from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.triton_block import (
     MERGE_BWD_CONFIGS,
     PARTIAL_BWD_BLOCKS,
-    PARTIAL_BWD_CONFIGS,
-    PARTIAL_FWD_CONFIGS,
+    PARTIAL_BWD_WARPS,
 )
 from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
 from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS
@@ -99,8 +98,7 @@ def test_fused_training_full_at_model_sizes(S):
 
 # Each config of the Block AttnRes kernels alone, (kernel, index into its config list).
 BLOCK_CONFIGS = [
-    *[("_partial_fwd_kernel", i) for i in range(len(PARTIAL_FWD_CONFIGS))],
-    *[("_partial_bwd_kernel", i) for i in range(len(PARTIAL_BWD_CONFIGS))],
+    *[("_partial_bwd_kernel", i) for i in range(len(PARTIAL_BWD_WARPS))],
     *[("_merge_norm_bwd_kernel", i) for i in range(len(MERGE_BWD_CONFIGS))],
 ]
 

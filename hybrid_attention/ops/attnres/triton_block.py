@@ -39,7 +39,6 @@ from hybrid_attention.ops.attnres.rows import (
     next_power_of_2,
     pointer_table,
     row_programs,
-    source_bucket,
     split_scalar,
     table_alignment,
     tuned_over_configs,
@@ -53,12 +52,8 @@ except ImportError:  # the reference path still works
     triton = None
 
 PARTIAL_BWD_BLOCKS = 8  # most blocks one tile of the phase-1 backward holds; more are taken in chunks of this many
-PARTIAL_BWD_CONFIGS = [(4, 1), (8, 1), (4, 2), (4, 3)]  # (num_warps, STAGES) of the phase-1 backward
-MERGE_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES) of the phase-2 backward
-    *[(1, 4, 3), (1, 2, 3), (2, 4, 3), (1, 4, 2), (2, 8, 3)],
-    *[(1, 4, 1), (1, 2, 1), (2, 8, 1), (2, 4, 1), (4, 8, 1)],
-]
-PARTIAL_FWD_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2)]  # (num_warps, STAGES) of the phase-1 forward
+PARTIAL_BWD_WARPS = [4, 8]  # num_warps of the phase-1 backward
+MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (2, 8), (2, 4), (4, 8)]  # (BLOCK_M, num_warps) of the phase-2 backward
 
 
 if triton is not None:
@@ -70,11 +65,6 @@ if triton is not None:
         ptr = tl.multiple_of(tl.load(table + k).to(tl.pointer_type(ELEM)), ALIGN)
         return tl.load(ptr + at, mask=d_ok, other=0.0).to(CDT)
 
-    # PARTIAL_FWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 copies the next blocks' rows into
-    # shared memory while this one computes.
-    @tuned_over_configs(
-        [{"num_warps": w, "STAGES": st} for w, st in PARTIAL_FWD_CONFIGS], key=["D", "BLOCK_Q", "N_BUCKET"]
-    )
     @triton.jit
     def _partial_fwd_kernel(
         table,  # int64 [N]: data pointers of the N completed blocks, each [M, D] contiguous
@@ -89,11 +79,9 @@ if triton is not None:
         D,
         eps,
         eps_lo,
-        N_BUCKET,  # autotuning key only
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK_Q: tl.constexpr,
-        STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
@@ -109,7 +97,7 @@ if triton is not None:
         run_sum = tl.zeros([BLOCK_Q], CDT)
         acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
         elem = first.dtype.element_ty
-        for k in tl.range(0, N, num_stages=STAGES):
+        for k in range(0, N):
             b = _block_row(table, k, row * D + offs_d, d_ok, elem, CDT, ALIGN)
             z = tl.sum(u * b[None, :], axis=1) * tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
             new_max = tl.maximum(run_max, z)
@@ -166,12 +154,9 @@ if triton is not None:
         at = slots[:, None] + base + offs_d[None, :]
         tl.store(dblk + at, db.to(dblk.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
-    # PARTIAL_BWD_CONFIGS; the first is the one the interpreter runs. With 4 warps the blocks' axis of the tile stays
-    # within each thread, so the sums over blocks need no shared memory; STAGES > 1 copies the next rows' blocks into
-    # shared memory while this row computes.
-    @tuned_over_configs(
-        [{"num_warps": w, "STAGES": st} for w, st in PARTIAL_BWD_CONFIGS], key=["D", "BLOCK_N", "BLOCK_Q"]
-    )
+    # num_warps; the first is the one the interpreter runs. With 4 warps the blocks' axis of the tile stays within each
+    # thread, so the sums over blocks need no shared memory.
+    @tuned_over_configs([{"num_warps": w} for w in PARTIAL_BWD_WARPS], key=["D", "BLOCK_N", "BLOCK_Q"])
     @triton.jit
     def _partial_bwd_kernel(
         table,  # int64 [N] block pointers, as in the forward
@@ -194,7 +179,6 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
         CHUNKED: tl.constexpr,  # N > BLOCK_N: two passes over chunks of BLOCK_N blocks
-        STAGES: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
@@ -204,7 +188,7 @@ if triton is not None:
         d_ok = offs_d < D
         elem = first.dtype.element_ty
         du = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
-        for row in tl.range(pid, M, tl.num_programs(0), num_stages=STAGES):
+        for row in range(pid, M, tl.num_programs(0)):
             row64 = tl.zeros([], tl.int64) + row  # int64 offsets (the interpreter's row is an int)
             base = row64 * D
             if CHUNKED:
@@ -289,10 +273,9 @@ if triton is not None:
         tl.store(x_ptr + row * D + offs_d, (hr * rho * nw).to(x_ptr.dtype.element_ty), mask=d_ok)
         tl.store(rho_ptr + row, rho)
 
-    # MERGE_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the next rows
-    # into shared memory while these compute.
+    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
     @tuned_over_configs(
-        [{"BLOCK_M": m, "num_warps": w, "STAGES": st} for m, w, st in MERGE_BWD_CONFIGS],
+        [{"BLOCK_M": m, "num_warps": w} for m, w in MERGE_BWD_CONFIGS],
         key=["D", "HAS_PARTIAL"],
         keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
         tile_size=lambda config: config.kwargs["BLOCK_M"],
@@ -319,7 +302,6 @@ if triton is not None:
         HAS_PARTIAL: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_M: tl.constexpr,
-        STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
@@ -332,7 +314,7 @@ if triton is not None:
         # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
         du_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
         dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
-        for m0 in tl.range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M, num_stages=STAGES):
+        for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
             rm = m0 + offs_m
             m_ok = rm < M  # rows past M load zeros, so they add nothing to the sums
             at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]  # int64 offsets
@@ -383,8 +365,8 @@ def partial_fwd(blocks, queries, key_weights, eps):
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
             pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, N, Q, M, D,
-            *split_scalar(eps), source_bucket(N), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment([*blocks, *out]),
-            BLOCK_Q=bq, BLOCK_D=bd,
+            *split_scalar(eps), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment([*blocks, *out]), BLOCK_Q=bq,
+            BLOCK_D=bd, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return out, lse
 
