@@ -193,47 +193,20 @@ def source_bucket(S: int) -> int:
 
 
 def tuned_over_sources(configs: list[tuple[int, int]]):
-    """triton.autotune over (BLOCK_S, num_warps) configs, keyed by D and the source bucket `S_BUCKET`.
-
-    Configs whose tile exceeds MAX_TILE or whose BLOCK_S exceeds the bucket are dropped at tuning time (when none
-    is left, the one with the smallest BLOCK_S runs). Only the first config runs under the interpreter (it would
-    time them all, slowly); every config stays listed in the tuner's `all_configs`, so tests can run each one
-    alone (the tuned kernels only write their outputs, so a timing run needs no restore).
-    """
-    return _tuned("BLOCK_S", "S_BUCKET", configs)
-
-
-def tuned_over_rows(configs: list[tuple[int, int]]):
-    """triton.autotune over (BLOCK_M, num_warps) configs of a kernel whose tile is BLOCK_M rows by BLOCK_D, keyed by
-    D and the step bucket `K_BUCKET` (`source_bucket` of the number of steps it loops over), as
-    `tuned_over_sources` (configs whose tile exceeds MAX_TILE are dropped; the interpreter runs the first)."""
-    return _tuned("BLOCK_M", "K_BUCKET", configs)
+    """triton.autotune over (BLOCK_S, num_warps) configs, keyed by D and the source bucket `S_BUCKET`, pruned by
+    `source_tile_fits` (see `tuned_over_configs`)."""
+    return tuned_over_configs(
+        [{"BLOCK_S": b, "num_warps": w} for b, w in configs],
+        key=["D", "S_BUCKET"],
+        keep=source_tile_fits,
+        tile_size=lambda config: config.kwargs["BLOCK_S"],
+    )
 
 
-def _tuned(block: str, bucket: str, configs: list[tuple[int, int]]):
-    all_configs = [triton.Config({block: b}, num_warps=w) for b, w in configs]
-    bounded = block == "BLOCK_S"  # a source tile taller than the source count only reads masked rows
-
-    def prune(configs, named_args, **kwargs):
-        width = kwargs["BLOCK_D"]
-        keep = [
-            c
-            for c in configs
-            if c.kwargs[block] * width <= MAX_TILE and not (bounded and c.kwargs[block] > named_args[bucket])
-        ]
-        return keep or [min(configs, key=lambda c: c.kwargs[block])]
-
-    def decorate(fn):
-        tuner = triton.autotune(
-            configs=all_configs[:1] if interpreting() else all_configs,
-            key=["D", bucket],
-            prune_configs_by={"early_config_prune": prune},
-            **AUTOTUNE_OPTIONS,
-        )(fn)
-        tuner.all_configs = all_configs
-        return register_tuner(tuner)
-
-    return decorate
+def source_tile_fits(config, named_args, width: int) -> bool:
+    """A [BLOCK_S, width] source tile of at most MAX_TILE elements and no taller than the source bucket (a taller
+    one only reads masked rows)."""
+    return config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
 
 
 def tuned_over_configs(configs: list[dict], key: list[str], keep=None, tile_size=None):

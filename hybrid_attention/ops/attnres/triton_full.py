@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.rows import (
-    MAX_TILE,
     block_d,
     compute_tl_dtype,
     pointer_table,
     row_programs,
     source_bucket,
+    source_tile_fits,
     split_scalar,
     table_alignment,
     tuned_over_configs,
@@ -70,9 +70,7 @@ if triton is not None:
     @tuned_over_configs(
         [{"BLOCK_S": b, "num_warps": w, "STAGES": st} for b, w, st in FULL_FWD_CONFIGS],
         key=["D", "S_BUCKET"],
-        keep=lambda config, named_args, width: (
-            config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
-        ),
+        keep=source_tile_fits,
         tile_size=lambda config: config.kwargs["BLOCK_S"],
     )
     @triton.jit
