@@ -1,10 +1,10 @@
 """The Block AttnRes backward kernels (`ops.attnres.triton_block`) under each of their tuned configs alone, against
 the readable references in `ops.attnres.naive`: outputs and every gradient, in float64 under the interpreter.
 
-Phase 1's backward holds all of a row's blocks in one tile up to PARTIAL_BWD_BLOCKS of them and takes more in
-chunks (two passes); phase 2's backward takes BLOCK_M rows at a time. The rows here (37) leave a partial last block
-of rows for every BLOCK_M, the block counts cover one block, a tile with unused rows, and the chunked path with a
-partial last chunk, with one and several queries, zero and non-zero.
+Phase 1's backward holds all of a row's blocks in one tile up to PARTIAL_BWD_BLOCKS of them and reads more one
+block row at a time (its second kernel); phase 2's backward takes BLOCK_M rows at a time. The rows here (37) leave a
+partial last block of rows for every BLOCK_M, the block counts cover one block, a tile with unused rows, and more
+blocks than a tile holds, with one and several queries, zero and non-zero.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ F64 = torch.float64 if DEV == "cpu" else torch.float32  # float64 runs only unde
 TOL = 1e-12 if F64 == torch.float64 else 1e-4
 ROWS, D = 37, 16  # odd: a partial last block of rows for every BLOCK_M
 EPS, NORM_EPS = 1e-6, 1e-5
-CHUNKED_N = triton_block.PARTIAL_BWD_BLOCKS + 2  # two chunks, the second holding two blocks
+MANY_BLOCKS = triton_block.PARTIAL_BWD_BLOCKS + 2  # past one tile: the row-at-a-time kernel
 
 
 def distinct_configs(tuner):
@@ -103,7 +103,7 @@ def config_id(config):
     return "-".join([*(f"{k}={v}" for k, v in config.kwargs.items()), f"warps={config.num_warps}"])
 
 
-PARTIAL_CASES = [(1, 3, False), (3, 1, False), (3, 3, True), (CHUNKED_N, 3, False), (CHUNKED_N, 1, True)]
+PARTIAL_CASES = [(1, 3, False), (3, 1, False), (3, 3, True), (MANY_BLOCKS, 3, False), (MANY_BLOCKS, 1, True)]
 
 
 @pytest.mark.parametrize("config", PARTIAL_CONFIGS, ids=config_id)

@@ -158,6 +158,8 @@ def compile_attnres(D: int, dtype) -> str:
     triton_stream.stream_bwd_(x, h, stats, w(K, D), w(K, D), w(D), src[:1], *tables, 1, 1e-6)
     out, lse = triton_block.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
     triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
+    many = src * 3  # past one tile of blocks: the row-at-a-time phase-1 backward
+    triton_block.partial_bwd(out, lse, many, w(Q, D), w(Q, D), lse, 1e-6)
     xm, rho = triton_block.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
     triton_block.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
     return f"sm_{ARCH}, triton {triton.__version__}, AttnRes training kernels, D {D}, {dtype}"

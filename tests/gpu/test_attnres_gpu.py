@@ -111,7 +111,8 @@ BLOCK_CONFIGS = [
 def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     """Block AttnRes phase 1 (4 queries over N blocks) then phase 2 + RMSNorm on one query, at B=8, T=2048, D=1024,
     bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient; with the
-    tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the chunked phase-1 backward) and with each config alone."""
+    tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the row-at-a-time phase-1 backward) and with each config
+    alone."""
     from hybrid_attention.ops.attnres import triton_block
     from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
     from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial

@@ -14,8 +14,9 @@ query (unrolled) forms the dot products u_q . b_k and dout_q . b_k of every bloc
 c_q = sum_k p_qk (dout_q . b_k) (so the gradient is that of the unrounded out_q), dz_qk = p_qk (dout_q . b_k - c_q +
 dlse_q), and adds the query's share to the blocks' gradient tile, stored with one 2-D store once all queries are in;
 dL/du_q = sum_rows sum_k dz_qk r_k b_k is summed in registers, one partial [Q, D] per program. With more blocks
-than one tile holds (PARTIAL_BWD_BLOCKS) it takes them in chunks, in two passes per row: the first sums c_q over
-every chunk, the second reads each chunk again (from the cache) for its gradients.
+than one tile holds (PARTIAL_BWD_BLOCKS, or fewer for wide rows) it reads one block row at a time, in two passes:
+the first sums c_q and keeps each block's dot products, the second re-reads the rows (from the cache) for the
+gradients.
 
 Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
 online-softmax update, then normalise,
@@ -51,7 +52,7 @@ try:
 except ImportError:  # the reference path still works
     triton = None
 
-PARTIAL_BWD_BLOCKS = 8  # most blocks one tile of the phase-1 backward holds; more are taken in chunks of this many
+PARTIAL_BWD_BLOCKS = 8  # most blocks the phase-1 backward holds in one tile; past it, one block row at a time
 PARTIAL_BWD_WARPS = [4, 8]  # num_warps of the phase-1 backward
 MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (2, 8), (2, 4), (4, 8)]  # (BLOCK_M, num_warps) of the phase-2 backward
 
@@ -111,12 +112,12 @@ if triton is not None:
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
     @triton.jit
-    def _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
+    def _blocks_tile(table, N, base, offs_n, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
                      ALIGN: tl.constexpr):  # fmt: skip
-        """Blocks n0 .. n0 + BLOCK_N - 1 at the row offset `base`, gathered through the pointer table into one
-        [BLOCK_N, BLOCK_D] tile in the compute dtype (zero past N); -> (tile, which of its rows are blocks)."""
-        n_ok = n0 + offs_n < N
-        ptrs = tl.multiple_of(tl.load(table + n0 + offs_n, mask=n_ok, other=0).to(tl.pointer_type(ELEM)), ALIGN)
+        """The N blocks at the row offset `base`, gathered through the pointer table into one [BLOCK_N, BLOCK_D]
+        tile in the compute dtype (zero past N); -> (tile, which of its rows are blocks)."""
+        n_ok = offs_n < N
+        ptrs = tl.multiple_of(tl.load(table + offs_n, mask=n_ok, other=0).to(tl.pointer_type(ELEM)), ALIGN)
         b = tl.load(ptrs[:, None] + base + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         return b.to(CDT), n_ok
 
@@ -147,10 +148,10 @@ if triton is not None:
         return db, s + dzr * dot_u, du
 
     @triton.jit
-    def _store_block_grads(dblk, n0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok):
+    def _store_block_grads(dblk, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok):
         """d b_k = db - (r^3 / D) (sum_q dz (u_q . b_k)) b_k for the tile's blocks, one 2-D store."""
         db -= (r * r / D * s)[:, None] * b
-        slots = (n0 + offs_n).to(tl.int64) * M * D  # int64: N * M * D may pass 2^31
+        slots = offs_n.to(tl.int64) * M * D  # int64: N * M * D may pass 2^31
         at = slots[:, None] + base + offs_d[None, :]
         tl.store(dblk + at, db.to(dblk.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
@@ -175,10 +176,9 @@ if triton is not None:
         eps_lo,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
-        BLOCK_N: tl.constexpr,  # blocks per tile: all N of them unless CHUNKED
+        BLOCK_N: tl.constexpr,  # next_power_of_2(N) <= PARTIAL_BWD_BLOCKS: every block in one tile
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        CHUNKED: tl.constexpr,  # N > BLOCK_N: two passes over chunks of BLOCK_N blocks
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
@@ -191,50 +191,100 @@ if triton is not None:
         for row in range(pid, M, tl.num_programs(0)):
             row64 = tl.zeros([], tl.int64) + row  # int64 offsets (the interpreter's row is an int)
             base = row64 * D
-            if CHUNKED:
-                # Pass 1: c_q = sum_k p_qk (dout_q . b_k) over every chunk before any gradient can be formed.
-                c_all = tl.zeros([BLOCK_Q], CDT)
-                for n0 in range(0, N, BLOCK_N):
-                    b, n_ok = _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
-                    r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
-                    for q in tl.static_range(BLOCK_Q):
-                        if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
-                            u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
-                            lse = tl.load(lse_ptr + q * M + row64).to(CDT)
-                            dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
-                            c_all += tl.where(offs_q == q, tl.sum(p * dot_do, axis=0), 0.0)
-                # Pass 2: each chunk again (from the cache), its dot products recomputed, its gradients stored.
-                for n0 in range(0, N, BLOCK_N):
-                    b, n_ok = _blocks_tile(table, n0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
-                    r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
-                    db = tl.zeros([BLOCK_N, BLOCK_D], CDT)
-                    s = tl.zeros([BLOCK_N], CDT)
-                    for q in tl.static_range(BLOCK_Q):
-                        if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
-                            u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
-                            lse = tl.load(lse_ptr + q * M + row64).to(CDT)
-                            dl = tl.load(dlse + q * M + row64).to(CDT)
-                            dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
-                            c = tl.sum(tl.where(offs_q == q, c_all, 0.0), axis=0)
-                            db, s, du = _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, offs_q == q)
-                    _store_block_grads(dblk, n0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok)
-            else:
-                # Every block in one tile, read once: per query, its dot products give c_q and then its gradients.
-                b, n_ok = _blocks_tile(table, 0, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
-                r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
-                db = tl.zeros([BLOCK_N, BLOCK_D], CDT)
-                s = tl.zeros([BLOCK_N], CDT)
-                for q in tl.static_range(BLOCK_Q):
-                    if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
-                        u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
-                        lse = tl.load(lse_ptr + q * M + row64).to(CDT)
-                        dl = tl.load(dlse + q * M + row64).to(CDT)
-                        dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
-                        c = tl.sum(p * dot_do, axis=0)
-                        db, s, du = _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, offs_q == q)
-                _store_block_grads(dblk, 0, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok)
+            # Every block in one tile, read once: per query, its dot products give c_q and then its gradients.
+            b, n_ok = _blocks_tile(table, N, base, offs_n, offs_d, d_ok, elem, CDT, ALIGN)
+            r = tl.rsqrt(tl.sum(b * b, axis=1) / D + eps)
+            db = tl.zeros([BLOCK_N, BLOCK_D], CDT)
+            s = tl.zeros([BLOCK_N], CDT)
+            for q in tl.static_range(BLOCK_Q):
+                if q < Q:  # a branch per query: its loads wait for it, holding fewer registers
+                    u, do = _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, elem, CDT, ALIGN)
+                    lse = tl.load(lse_ptr + q * M + row64).to(CDT)
+                    dl = tl.load(dlse + q * M + row64).to(CDT)
+                    dot_u, dot_do, p = _query_dots(b, r, n_ok, u, do, lse)
+                    c = tl.sum(p * dot_do, axis=0)
+                    db, s, du = _query_grads(b, r, u, do, dot_u, dot_do, p, c, dl, db, s, du, offs_q == q)
+            _store_block_grads(dblk, n_ok, b, r, db, s, M, D, base, offs_n, offs_d, d_ok)
         qd = offs_q[:, None] * D + offs_d[None, :]
         tl.store(du_part + pid * Q * D + qd, du, mask=(offs_q < Q)[:, None] & d_ok[None, :])
+
+    # More blocks than one tile holds: one block row at a time, in two passes over them (the first sums c_q and keeps
+    # each block's dot products in [BLOCK_N, BLOCK_Q] tiles, the second re-reads the rows, from the cache, for the
+    # gradients).
+    @triton.jit
+    def _partial_bwd_rows_kernel(
+        table,  # int64 [N] block pointers, as in the forward
+        first,
+        queries,  # [Q, D]
+        key_ws,  # [Q, D]
+        lse_ptr,  # [Q, M]
+        dout_table,  # int64 [Q]: the gradients of the Q outputs, each [M, D] contiguous in the blocks' dtype
+        dlse,  # [Q, M] the gradient of lse
+        dblk,  # [N, M, D] gradients of the blocks (the blocks' dtype)
+        du_part,  # [programs, Q, D] partial sums of dL/du_q
+        N,
+        Q,
+        M,
+        D,
+        eps,
+        eps_lo,
+        CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
+        pid = tl.program_id(0)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q_ok = offs_q < Q
+        qd = offs_q[:, None] * D + offs_d[None, :]
+        qd_ok = q_ok[:, None] & d_ok[None, :]
+        u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
+        elem = first.dtype.element_ty
+        dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
+        du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
+        for row in range(pid, M, tl.num_programs(0)):
+            base = (tl.zeros([], tl.int64) + row) * D  # int64 offsets (the interpreter's row is an int)
+            q_rows = offs_q.to(tl.int64) * M + row
+            do = tl.load(dout[:, None] + base + offs_d[None, :], mask=qd_ok, other=0.0).to(CDT)
+            lse = tl.load(lse_ptr + q_rows, mask=q_ok, other=0.0).to(CDT)
+            dl = tl.load(dlse + q_rows, mask=q_ok, other=0.0).to(CDT)
+            # Pass 1: c_q = sum_k p_qk (dout_q . b_k) = dout_q . out_q from the blocks (the stored out_q is
+            # rounded), keeping each block's dot products in [BLOCK_N, BLOCK_Q] tiles for pass 2, which then only
+            # re-reads b_k (from the cache) for the gradients.
+            dots_u = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
+            dots_do = tl.zeros([BLOCK_N, BLOCK_Q], CDT)
+            rs = tl.zeros([BLOCK_N], CDT)
+            c = tl.zeros([BLOCK_Q], CDT)
+            for k in range(0, N):
+                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
+                r = tl.rsqrt(tl.sum(b * b, axis=0) / D + eps)
+                dot_u = tl.sum(u * b[None, :], axis=1)
+                dot_do = tl.sum(do * b[None, :], axis=1)
+                c += tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0) * dot_do
+                is_k = offs_n == k
+                dots_u = tl.where(is_k[:, None], dot_u[None, :], dots_u)
+                dots_do = tl.where(is_k[:, None], dot_do[None, :], dots_do)
+                rs = tl.where(is_k, r, rs)
+            for k in range(0, N):
+                b = _block_row(table, k, base + offs_d, d_ok, elem, CDT, ALIGN)
+                is_k = offs_n == k
+                r = tl.sum(tl.where(is_k, rs, 0.0), axis=0)
+                dot_u = tl.sum(tl.where(is_k[:, None], dots_u, 0.0), axis=0)
+                p = tl.where(q_ok, tl.exp(dot_u * r - lse), 0.0)
+                # dz_qk = p_qk (dout_q . b_k - c_q + dlse_q)
+                # db_k = sum_q p_qk dout_q + dz_qk (r u_q - r^3 (u_q . b_k) b_k / D)
+                dz = p * (tl.sum(tl.where(is_k[:, None], dots_do, 0.0), axis=0) - c + dl)
+                db = tl.sum(p[:, None] * do + (dz * r)[:, None] * u, axis=0)
+                db -= (r * r * r / D) * tl.sum(dz * dot_u, axis=0) * b
+                slot = tl.full([], 0, tl.int64) + k  # int64: N * M * D may pass 2^31
+                tl.store(dblk + slot * M * D + base + offs_d, db.to(dblk.dtype.element_ty), mask=d_ok)
+                du_acc += (dz * r)[:, None] * b[None, :]
+        tl.store(du_part + pid * Q * D + qd, du_acc, mask=qd_ok)
 
     @triton.jit
     def _merge_norm_fwd_kernel(
@@ -380,13 +430,20 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
     programs = row_programs(M, device)
     cdt = lse.dtype
     du = torch.empty(programs, Q, D, device=device, dtype=cdt)
-    if M > 0:
-        bd = block_d(D)
-        bn = min(next_power_of_2(N), PARTIAL_BWD_BLOCKS, max(1, MAX_TILE // bd))
+    if M == 0:
+        return dblk, du.sum(0)
+    bn, bq, bd = next_power_of_2(N), next_power_of_2(Q), block_d(D)
+    align = table_alignment([*blocks, *dout])
+    common = dict(CDT=compute_tl_dtype(cdt), ALIGN=align, BLOCK_N=bn, BLOCK_Q=bq, BLOCK_D=bd)
+    if bn <= min(PARTIAL_BWD_BLOCKS, MAX_TILE // bd):
         _partial_bwd_kernel[(programs,)](
             pointer_table(blocks), blocks[0], queries.to(cdt) * key_weights.to(cdt), lse, pointer_table(dout), dlse,
-            dblk, du, N, Q, M, D, *split_scalar(eps), CDT=compute_tl_dtype(cdt),
-            ALIGN=table_alignment([*blocks, *dout]), BLOCK_N=bn, BLOCK_Q=next_power_of_2(Q), BLOCK_D=bd, CHUNKED=N > bn,
+            dblk, du, N, Q, M, D, *split_scalar(eps), **common,
+        )  # fmt: skip
+    else:
+        _partial_bwd_rows_kernel[(programs,)](
+            pointer_table(blocks), blocks[0], queries, key_weights, lse, pointer_table(dout), dlse, dblk, du, N, Q, M,
+            D, *split_scalar(eps), **common, num_warps=_warps(bq * bd),
         )  # fmt: skip
     return dblk, du.sum(0)
 
