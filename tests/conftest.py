@@ -37,3 +37,19 @@ def quiet_transformers():
     transformers.logging.set_verbosity_error()
     yield
     transformers.logging.set_verbosity(verbosity)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """While active, torch.empty / empty_like return NaN-filled tensors: an output element a kernel forgets to write
+    fails the comparison."""
+    empty, empty_like = torch.empty, torch.empty_like
+    # torch.compile's table of torch functions is built once, from torch's attributes at that moment: build it now,
+    # from the real ones, or a later compile in this process would meet a torch.empty it does not know.
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()
+
+    def nan_fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))

@@ -19,6 +19,7 @@ from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.conftest import DEV
 from tests.helpers import assert_close
+from tests.test_attnres_train import check_grads, f64, grads, sources
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -45,29 +46,8 @@ PARTIAL_CONFIGS = distinct_configs(triton_block._partial_bwd_kernel)
 MERGE_CONFIGS = distinct_configs(triton_block._merge_norm_bwd_kernel)
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """While active, torch.empty / empty_like return NaN-filled tensors: an output element a kernel forgets to write
-    fails the comparison."""
-    empty, empty_like = torch.empty, torch.empty_like
-    torch._dynamo.trace_rules.get_torch_obj_rule_map()  # built from the real functions, before they are replaced
-
-    def nan_fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
-
-
 def only(monkeypatch, tuner, config):
     monkeypatch.setattr(tuner, "configs", [config])
-
-
-def leaves(n, seed, *, rows=ROWS, scaled=True):
-    """n leaf tensors [rows, D] (of very different scales when `scaled`, as block sums are)."""
-    g = torch.Generator().manual_seed(seed)
-    scales = torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.1 if scaled else torch.ones(n)
-    return [(torch.randn(rows, D, generator=g, dtype=torch.float64) * s).to(DEV, F64).requires_grad_() for s in scales]
 
 
 def parameters(n, seed, *, rows=None, zero_query=False):
@@ -77,26 +57,6 @@ def parameters(n, seed, *, rows=None, zero_query=False):
     query = torch.zeros(shape, dtype=torch.float64) if zero_query else torch.randn(shape, generator=g).double()
     rest = [0.5 + torch.rand(shape, generator=g, dtype=torch.float64) for _ in range(n - 1)]
     return [t.to(DEV, F64).requires_grad_() for t in (query, *rest)]
-
-
-def f64(tensors):
-    return [None if t is None else t.detach().double().requires_grad_() for t in tensors]
-
-
-def grads(outs, inputs):
-    """Gradients of sum <out, cotangent> (fixed random cotangents) with respect to `inputs`."""
-    g = torch.Generator().manual_seed(7)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum() for o in outs)
-    return torch.autograd.grad(loss, inputs, allow_unused=True)
-
-
-def check_grads(name, fused, ref, labels):
-    for label, a, b in zip(labels, fused, ref, strict=True):
-        if b is None:
-            assert a is None or not a.any(), f"{name}: {label} has a gradient where the reference has none"
-            continue
-        assert a is not None, f"{name}: no gradient for {label}"
-        assert_close(f"{name}: d {label}", a, b, TOL)
 
 
 def config_id(config):
@@ -112,7 +72,7 @@ def test_partial_backward_every_config(config, N, Q, zero_query, monkeypatch, po
     """Phase 1 over N blocks for Q queries: the outputs, lse and every gradient (blocks, queries, key-norm weights)
     against the reference, with the phase-1 backward's config alone."""
     only(monkeypatch, triton_block._partial_bwd_kernel, config)
-    blocks = leaves(N, seed=N + 10 * Q)
+    blocks = sources(N, D, seed=N + 10 * Q, shape=(ROWS,))
     queries, key_ws = parameters(2, seed=N + Q, rows=Q, zero_query=zero_query)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
     blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
@@ -132,8 +92,8 @@ def test_merge_backward_every_config(config, with_partial, zero_query, monkeypat
     """Phase 2 + RMSNorm on a phase-1 result (so lse is consistent with out): the output and every gradient (out,
     lse, partial, query, key and norm weights) against the reference, with the phase-2 backward's config alone."""
     only(monkeypatch, triton_block._merge_norm_bwd_kernel, config)
-    blocks = leaves(3, seed=3)
-    (partial,) = leaves(1, seed=4)
+    blocks = sources(3, D, seed=3, shape=(ROWS,))
+    (partial,) = sources(1, D, seed=4, shape=(ROWS,))
     query, key_w, norm_w = parameters(3, seed=5, zero_query=zero_query)
     with torch.no_grad():
         out0, lse0 = attn_res_partial(blocks, query, key_w, EPS)

@@ -30,22 +30,6 @@ SHAPE = (2, 3)  # B, T: tiny, the interpreter is slow
 EPS, NORM_EPS = 1e-6, 1e-5
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """While active, torch.empty / empty_like return NaN-filled tensors: an output element a kernel forgets to write
-    fails the comparison."""
-    empty, empty_like = torch.empty, torch.empty_like
-    # torch.compile's table of torch functions is built once, from torch's attributes at that moment: build it now,
-    # from the real ones, or a later compile in this process would meet a torch.empty it does not know.
-    torch._dynamo.trace_rules.get_torch_obj_rule_map()
-
-    def nan_fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
-
-
 def sources(S, D, *, seed=0, dtype=F64, shape=SHAPE):
     """S leaf tensors [B, T, D] of very different scales, as sublayer outputs are."""
     g = torch.Generator().manual_seed(seed)
