@@ -209,6 +209,18 @@ def source_tile_fits(config, named_args, width: int) -> bool:
     return config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
 
 
+def tuned_over_row_blocks(configs: list[dict], key: list[str]):
+    """triton.autotune over configs of a kernel whose tile is BLOCK_M rows by BLOCK_D (dicts with "BLOCK_M" and
+    "num_warps", and any other constexprs), keyed by `key`; tiles of more than MAX_TILE elements are dropped at tuning
+    time (see `tuned_over_configs`)."""
+    return tuned_over_configs(
+        configs,
+        key=key,
+        keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
+        tile_size=lambda config: config.kwargs["BLOCK_M"],
+    )
+
+
 def tuned_over_configs(configs: list[dict], key: list[str], keep=None, tile_size=None):
     """triton.autotune over `configs` (dicts of the kernel's tuned constexprs plus "num_warps"), keyed by the
     arguments named in `key`. `keep(config, named_args, BLOCK_D)` prunes at tuning time; when nothing is kept, the

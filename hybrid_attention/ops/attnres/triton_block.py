@@ -43,6 +43,7 @@ from hybrid_attention.ops.attnres.rows import (
     split_scalar,
     table_alignment,
     tuned_over_configs,
+    tuned_over_row_blocks,
 )
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -215,8 +216,7 @@ if triton is not None:
     def _partial_bwd_rows_kernel(
         table,  # int64 [N] block pointers, as in the forward
         first,
-        queries,  # [Q, D]
-        key_ws,  # [Q, D]
+        folded,  # [Q, D] u_q = w_q * gamma_q in the compute dtype
         lse_ptr,  # [Q, M]
         dout_table,  # int64 [Q]: the gradients of the Q outputs, each [M, D] contiguous in the blocks' dtype
         dlse,  # [Q, M] the gradient of lse
@@ -243,7 +243,7 @@ if triton is not None:
         q_ok = offs_q < Q
         qd = offs_q[:, None] * D + offs_d[None, :]
         qd_ok = q_ok[:, None] & d_ok[None, :]
-        u = tl.load(queries + qd, mask=qd_ok, other=0.0).to(CDT) * tl.load(key_ws + qd, mask=qd_ok, other=0.0).to(CDT)
+        u = tl.load(folded + qd, mask=qd_ok, other=0.0)
         elem = first.dtype.element_ty
         dout = tl.multiple_of(tl.load(dout_table + offs_q, mask=q_ok, other=0).to(tl.pointer_type(elem)), ALIGN)
         du_acc = tl.zeros([BLOCK_Q, BLOCK_D], CDT)
@@ -324,11 +324,9 @@ if triton is not None:
         tl.store(rho_ptr + row, rho)
 
     # (BLOCK_M, num_warps); the first is the one the interpreter runs.
-    @tuned_over_configs(
+    @tuned_over_row_blocks(
         [{"BLOCK_M": m, "num_warps": w} for m, w in MERGE_BWD_CONFIGS],
         key=["D", "HAS_PARTIAL"],
-        keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
-        tile_size=lambda config: config.kwargs["BLOCK_M"],
     )
     @triton.jit
     def _merge_norm_bwd_kernel(
@@ -435,16 +433,12 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
     bn, bq, bd = next_power_of_2(N), next_power_of_2(Q), block_d(D)
     align = table_alignment([*blocks, *dout])
     common = dict(CDT=compute_tl_dtype(cdt), ALIGN=align, BLOCK_N=bn, BLOCK_Q=bq, BLOCK_D=bd)
+    args = (pointer_table(blocks), blocks[0], queries.to(cdt) * key_weights.to(cdt), lse, pointer_table(dout), dlse,
+            dblk, du, N, Q, M, D, *split_scalar(eps))  # fmt: skip
     if bn <= min(PARTIAL_BWD_BLOCKS, MAX_TILE // bd):
-        _partial_bwd_kernel[(programs,)](
-            pointer_table(blocks), blocks[0], queries.to(cdt) * key_weights.to(cdt), lse, pointer_table(dout), dlse,
-            dblk, du, N, Q, M, D, *split_scalar(eps), **common,
-        )  # fmt: skip
+        _partial_bwd_kernel[(programs,)](*args, **common)
     else:
-        _partial_bwd_rows_kernel[(programs,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, lse, pointer_table(dout), dlse, dblk, du, N, Q, M,
-            D, *split_scalar(eps), **common, num_warps=_warps(bq * bd),
-        )  # fmt: skip
+        _partial_bwd_rows_kernel[(programs,)](*args, **common, num_warps=_warps(bq * bd))
     return dblk, du.sum(0)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.attnres.rows import (
-    MAX_TILE,
     block_d,
     compute_tl_dtype,
     pointer_table,
@@ -33,7 +32,7 @@ from hybrid_attention.ops.attnres.rows import (
     source_bucket,
     split_scalar,
     table_alignment,
-    tuned_over_configs,
+    tuned_over_row_blocks,
 )
 
 try:
@@ -86,11 +85,9 @@ if triton is not None:
     # STREAM_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the later
     # steps' rows into shared memory that many steps ahead, so loads are in flight without holding registers: the
     # fastest for long loops; plain loops win for the last few steps (benchmarks/bench_attnres_configs.py).
-    @tuned_over_configs(
+    @tuned_over_row_blocks(
         [{"BLOCK_M": m, "num_warps": w, "STAGES": st} for m, w, st in STREAM_BWD_CONFIGS],
         key=["D", "K_BUCKET"],
-        keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
-        tile_size=lambda config: config.kwargs["BLOCK_M"],
     )
     @triton.jit
     def _stream_bwd_kernel(
