@@ -204,11 +204,15 @@ def test_every_tile_height(block_s, monkeypatch):
     check_stream(f"BLOCK_S={block_s}")
 
 
-@pytest.mark.parametrize("block_m", tile_values([triton_stream._stream_bwd_kernel], "BLOCK_M"))
+ROW_BLOCKED = (triton_stream._stream_local_kernel, triton_stream._stream_bwd_kernel)
+
+
+@pytest.mark.parametrize("block_m", tile_values(ROW_BLOCKED, "BLOCK_M"))
 def test_every_row_block(block_m, monkeypatch):
-    """The stream's backward kernel with each row-block height of its tuned configs (a partial last block, programs
-    with no rows), alone, on a short stream against the reference."""
-    only_config(monkeypatch, triton_stream._stream_bwd_kernel, "BLOCK_M", block_m)
+    """The stream's two backward kernels with each row-block height of their tuned configs (a partial last block,
+    programs with no rows), alone, on a short stream against the reference."""
+    for tuner in ROW_BLOCKED:
+        only_config(monkeypatch, tuner, "BLOCK_M", block_m)
     check_stream(f"BLOCK_M={block_m}")
 
 

@@ -17,7 +17,7 @@ from hybrid_attention.ops.attnres.triton_block import (
     PARTIAL_BWD_WARPS,
 )
 from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
-from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS
+from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS, STREAM_LOCAL_CONFIGS
 from tests.helpers import assert_as_accurate
 
 # Tuned: the stream test compares the autotuned launch shapes with each config alone (tests/gpu/conftest.py).
@@ -183,6 +183,7 @@ def _stream_params(S, D, g):
 
 STREAM_CONFIGS = [
     *[("_full_fwd_kernel", i) for i in range(len(FULL_FWD_CONFIGS))],
+    *[("_stream_local_kernel", i) for i in range(len(STREAM_LOCAL_CONFIGS))],
     *[("_stream_bwd_kernel", i) for i in range(len(STREAM_BWD_CONFIGS))],
 ]
 

@@ -1,5 +1,5 @@
 """A Full AttnRes residual stream for training: each step is RMSNorm(AttnRes(sources)) fused into one Triton kernel
-each way, and each source's gradient is assembled once, complete, by one kernel.
+forward and two backward, and each source's gradient is assembled once, complete, by one kernel.
 
 - `attn_res_norm_stream_start(sources, queries, key_weights, norm_weight, ...)`: the stream's first step, over any
   sources, with the pseudo-queries and key-norm weights of all its K steps.

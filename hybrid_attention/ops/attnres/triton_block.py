@@ -55,7 +55,8 @@ except ImportError:  # the reference path still works
 
 PARTIAL_BWD_BLOCKS = 8  # most blocks the phase-1 backward holds in one tile; past it, one block row at a time
 PARTIAL_BWD_WARPS = [4, 8]  # num_warps of the phase-1 backward
-MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (2, 8), (2, 4), (4, 8)]  # (BLOCK_M, num_warps) of the phase-2 backward
+# (BLOCK_M, num_warps) of the phase-2 backward; one-warp rows reduce without shared memory and fit more per SM
+MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (1, 1), (2, 1), (2, 2), (2, 8), (2, 4), (4, 8)]
 
 
 if triton is not None:

@@ -1,4 +1,4 @@
-"""The backward of one step of a Full AttnRes residual stream: one Triton kernel that finishes the gradients of the
+"""The backward of one step of a Full AttnRes residual stream: two Triton kernels that finish the gradients of the
 sources the step is the first to read.
 
 Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k and the rounded mixture h_k.
@@ -6,18 +6,22 @@ Backwards run from the last step down, so when step k's runs, the later steps ha
 tables: dh [K, M, D] (the sources' dtype), rows [K, 2, M] (c, then lse) and cols [2, K, D] (u, then the running
 dL/du), all in the compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
 
-    local     dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later reads see it),
-              c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k and u_k go into the tables
-    assembly  for each source v_i this step is the first reader of (its newest one; all of them for k = 0),
-              with the table entries of k' = k .. K-1:
+    local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
+              reads see it), c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k and u_k go into
+              the tables
+    assembly  (`_stream_bwd_kernel`) for each source v_i this step is the first reader of (its newest one; all of
+              them for k = 0), with the table entries of k' = k .. K-1:
                   p = exp(r_i (u_k' . v_i) - lse_k'),  dz = p (dh_k' . v_i - c_k')
                   dv_i = sum_k' [p dh_k' + dz r_i u_k'] - (r_i^2 / D) (sum_k' dz r_i (u_k' . v_i)) v_i
 
-so v_i is read once, and each (step, source) pair costs one read of a dh row instead of a read of the source.
-The kernel also writes dz r_i per (source, step, row); `stream_bwd` then adds du_k' += sum_rows dz r_i v_i for all
-k' >= k as one matrix product per source (cuBLAS, reading v_i once more). A step whose output has no gradient
-stores dh_k = 0 and c_k = 0, which add exactly nothing. Each program loops over blocks of rows and sums its share
-of d norm_weight in registers, one partial row per program, summed in a fixed order (deterministic, no atomics).
+so v_i is read once, and each (step, source) pair costs one read of a dh row instead of a read of the source. Two
+kernels, not one: the assembly loop is bound by how many of its programs fit on an SM, and the local part's rows and
+norm-weight sums would hold registers through it; splitting costs one more read of the dh_k rows.
+The assembly kernel also writes dz r_i per (source, step, row); `stream_bwd_` then adds du_k' += sum_rows dz r_i v_i
+for all k' >= k as one matrix product per source (cuBLAS, reading v_i once more). A step whose output has no
+gradient stores dh_k = 0 and c_k = 0, which add exactly nothing. The local kernel's programs loop over blocks of rows
+and sum their share of d norm_weight in registers, one partial row per program, summed in a fixed order
+(deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -47,14 +51,15 @@ STREAM_BWD_PROGRAMS_PER_SM = 8
 HALF = (torch.bfloat16, torch.float16)
 STREAM_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
     (2, 2, 3),
+    (2, 1, 3),
+    (2, 1, 4),
+    (1, 1, 3),
+    (1, 1, 4),
     (2, 2, 4),
-    (4, 2, 3),
-    (4, 4, 3),
+    (2, 1, 1),
     (2, 2, 1),
-    (2, 4, 1),
-    (4, 2, 1),
-    (4, 4, 1),
 ]
+STREAM_LOCAL_CONFIGS = [(1, 4), (2, 4), (1, 2), (2, 2), (4, 8)]  # (BLOCK_M, num_warps)
 
 
 if triton is not None:
@@ -82,6 +87,62 @@ if triton is not None:
         else:
             tl.store(dzr + at, val.to(dzr.dtype.element_ty), mask=m_ok)
 
+    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
+    @tuned_over_row_blocks([{"BLOCK_M": m, "num_warps": w} for m, w in STREAM_LOCAL_CONFIGS], key=["D", "HAS_DX"])
+    @triton.jit
+    def _stream_local_kernel(
+        dx,  # [M, D] the gradient of the step's output (read when HAS_DX)
+        h,  # [M, D] the step's rounded mixture
+        stats,  # [2, M] the step's lse, rho (compute dtype)
+        queries,  # [K, D]
+        key_ws,  # [K, D]
+        norm_w,  # [D]
+        dh_all,  # [K, M, D] the sources' dtype: row k written here
+        rows,  # [K, 2, M] compute dtype: c, lse
+        u_all,  # [K, D] compute dtype: u
+        dnw_part,  # [programs, D] partial sums of d norm_weight (compute dtype)
+        M,
+        D,
+        k,
+        HAS_DX: tl.constexpr,
+        CDT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        src_ty = dh_all.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        k64 = tl.zeros([], tl.int64) + k  # int64 offsets (K M D can pass 2^31)
+        if pid == 0:
+            u = folded_query(queries + k64 * D, key_ws + k64 * D, offs_d, d_ok, CDT)
+            tl.store(u_all + k64 * D + offs_d, u, mask=d_ok)
+        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
+        # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
+        dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
+        for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rm = m0 + offs_m
+            m_ok = rm < M
+            at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]
+            mask = m_ok[:, None] & d_ok[None, :]
+            if HAS_DX:
+                g = tl.load(dx + at, mask=mask, other=0.0).to(CDT)
+                hr = tl.load(h + at, mask=mask, other=0.0).to(CDT)
+                rho = tl.load(stats + M + rm, mask=m_ok, other=0.0).to(CDT)
+                a = g * nw[None, :]
+                dnw_acc += g * hr * rho[:, None]
+                dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
+                dh = dh.to(src_ty).to(CDT)
+                c = tl.sum(dh * hr, axis=1)
+            else:
+                dh = tl.zeros([BLOCK_M, BLOCK_D], CDT)
+                c = tl.zeros([BLOCK_M], CDT)
+            tl.store(dh_all + k64 * M * D + at, dh.to(src_ty), mask=mask)
+            tl.store(rows + k64 * 2 * M + rm, c, mask=m_ok)
+            tl.store(rows + k64 * 2 * M + M + rm, tl.load(stats + rm, mask=m_ok, other=0.0), mask=m_ok)
+        tl.store(dnw_part + pid * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
+
     # STREAM_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the later
     # steps' rows into shared memory that many steps ahead, so loads are in flight without holding registers: the
     # fastest for long loops; plain loops win for the last few steps (benchmarks/bench_attnres_configs.py).
@@ -93,17 +154,10 @@ if triton is not None:
     def _stream_bwd_kernel(
         table,  # int64 [n]: data pointers of the n sources to assemble, each [M, D] contiguous
         dv,  # [n, M, D] their gradients (the sources' dtype)
-        dx,  # [M, D] the gradient of the step's output (read when HAS_DX)
-        h,  # [M, D] the step's rounded mixture
-        stats,  # [2, M] the step's lse, rho (compute dtype)
-        queries,  # [K, D]
-        key_ws,  # [K, D]
-        norm_w,  # [D]
-        dh_all,  # [K, M, D] the sources' dtype: row k written here, rows > k read
+        dh_all,  # [K, M, D] the sources' dtype: rows >= k read
         rows,  # [K, 2, M] compute dtype: c, lse
         u_all,  # [K, D] compute dtype: u
         dzr,  # [n, H, K - k, M] dz r per source, plane (hi, lo when SPLIT_DZR), step k.., row
-        dnw_part,  # [programs, D] partial sums of d norm_weight (compute dtype)
         M,
         D,
         K,
@@ -112,7 +166,6 @@ if triton is not None:
         eps,
         eps_lo,
         K_BUCKET,  # autotuning key only
-        HAS_DX: tl.constexpr,
         SPLIT_DZR: tl.constexpr,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
@@ -126,35 +179,12 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        k64 = tl.zeros([], tl.int64) + k  # int64 offsets (K M D can pass 2^31)
-        u = folded_query(queries + k64 * D, key_ws + k64 * D, offs_d, d_ok, CDT)
-        if pid == 0:
-            tl.store(u_all + k64 * D + offs_d, u, mask=d_ok)
-        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
-        dnw_acc = tl.zeros([BLOCK_D], CDT)
-        NK = K - k
-        plane = (tl.zeros([], tl.int64) + NK) * M
+        plane = (tl.zeros([], tl.int64) + K - k) * M  # int64 offsets (K M D can pass 2^31)
         for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
             rm = m0 + offs_m
             m_ok = rm < M
             at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]
             mask = m_ok[:, None] & d_ok[None, :]
-            lse = tl.load(stats + rm, mask=m_ok, other=0.0).to(CDT)
-            if HAS_DX:
-                g = tl.load(dx + at, mask=mask, other=0.0).to(CDT)
-                hr = tl.load(h + at, mask=mask, other=0.0).to(CDT)
-                rho = tl.load(stats + M + rm, mask=m_ok, other=0.0).to(CDT)
-                a = g * nw[None, :]
-                dnw_acc += tl.sum(g * hr * rho[:, None], axis=0)
-                dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
-                dh = dh.to(src_ty).to(CDT)
-                c = tl.sum(dh * hr, axis=1)
-            else:
-                dh = tl.zeros([BLOCK_M, BLOCK_D], CDT)
-                c = tl.zeros([BLOCK_M], CDT)
-            tl.store(dh_all + k64 * M * D + at, dh.to(src_ty), mask=mask)
-            tl.store(rows + k64 * 2 * M + rm, c, mask=m_ok)
-            tl.store(rows + k64 * 2 * M + M + rm, lse, mask=m_ok)
             for j in range(0, n):
                 j64 = tl.zeros([], tl.int64) + j
                 ptr = tl.multiple_of(tl.load(table + j).to(tl.pointer_type(src_ty)), ALIGN)
@@ -162,13 +192,11 @@ if triton is not None:
                 r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
                 acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
                 s = tl.zeros([BLOCK_M], CDT)
-                acc, s, dzr_k = _step_terms(v, r, dh, c, lse, u, acc, s)
                 if SPLIT_DZR:
                     slot = j64 * 2 * plane
                 else:
                     slot = j64 * plane
-                _store_dzr(dzr, slot + rm, plane, m_ok, dzr_k, SPLIT_DZR)
-                for kk in tl.range(k + 1, K, num_stages=STAGES):
+                for kk in tl.range(k, K, num_stages=STAGES):
                     kk64 = tl.zeros([], tl.int64) + kk
                     dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
                     c_l = tl.load(rows + kk64 * 2 * M + rm, mask=m_ok, other=0.0)
@@ -178,7 +206,6 @@ if triton is not None:
                     _store_dzr(dzr, slot + (kk64 - k) * M + rm, plane, m_ok, dzr_l, SPLIT_DZR)
                 out = acc - (r * r / D * s)[:, None] * v
                 tl.store(dv + j64 * M * D + at, out.to(src_ty), mask=mask)
-        tl.store(dnw_part + pid * D + offs_d, dnw_acc, mask=d_ok)
 
 
 def _dzr_times_rows(dzr, v):
@@ -211,16 +238,20 @@ def stream_bwd_(dx, h, stats, queries, key_weights, norm_weight, sources, dh, ro
     cdt = stats.dtype
     split = s0.dtype in HALF
     dzr = torch.empty(n, 2 if split else 1, K - step, M, device=s0.device, dtype=s0.dtype if split else cdt)
-    programs = row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM)
-    dnw_part = torch.empty(programs, D, device=s0.device, dtype=cdt)
+    local_programs = row_programs(M, s0.device)
+    dnw_part = torch.empty(local_programs, D, device=s0.device, dtype=cdt)
     dv = torch.empty(n, *s0.shape, device=s0.device, dtype=s0.dtype)
     if M == 0:
         cols[0, step] = queries[step].to(cdt) * key_weights[step].to(cdt)
         return dv, dnw_part.new_zeros(D)
-    _stream_bwd_kernel[(programs,)](
-        pointer_table(sources), dv, h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows,
-        cols, dzr, dnw_part, M, D, K, step, n, *split_scalar(eps), source_bucket(K - step), HAS_DX=dx is not None,
-        SPLIT_DZR=split, CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
+    tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
+    _stream_local_kernel[(local_programs,)](
+        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows, cols, dnw_part, M, D, step,
+        HAS_DX=dx is not None, CDT=tl_cdt, BLOCK_D=width,
+    )  # fmt: skip
+    _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
+        pointer_table(sources), dv, dh, rows, cols, dzr, M, D, K, step, n, *split_scalar(eps), source_bucket(K - step),
+        SPLIT_DZR=split, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
     )  # fmt: skip
     du = cols[1, step:]
     for i, v in enumerate(sources):  # a fixed order: deterministic
