@@ -89,6 +89,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
                 CDT=tl.float32, BLOCK_D=D,
             )  # fmt: skip
 
+        results[f"step={k} later={K - 1 - k} the local kernel alone (tuned)"] = _time_us(local)
         for align, per_sm, (block_m, warps, stages) in itertools.product(aligns, per_sms, STREAM_BWD_CONFIGS):
             assemble = _launcher(
                 _stream_bwd_kernel, (row_programs(M, dev, per_sm),), table, dv, dh, rows, cols, dzr, M, D, K, k, 1,
