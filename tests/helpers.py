@@ -18,6 +18,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom
 
 
+# The modules a forked training job imports, for multiprocessing's forkserver to import once before it forks any
+# (tests/test_distributed.py, tests/test_rundir_crash.py). A process has one forkserver, started by the first test
+# that forks: its list is the one every later test's children inherit, so those tests name this same one.
+# torch._dynamo: the first optimizer's construction imports it, over a second in each child otherwise; matplotlib:
+# the loss plot; tqdm: the progress bar.
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "matplotlib.pyplot", "tqdm", "hybrid_attention.train",
+                      "hybrid_attention.cli", "hybrid_attention.distributed")  # fmt: skip
+
+
 # FLA's tests pass a half-precision comparison whose largest absolute error is at most 1e-6 whatever its relative
 # error: a quantity that lives below float16's normal range (6.1e-5, e.g. a gradient scaled by exp(-12)) is stored
 # to 2^-24 absolute, so its relative error measures that range rather than the kernel.

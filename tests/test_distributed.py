@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from hybrid_attention.checkpoint import WEIGHTS, latest_checkpoint
 from hybrid_attention.cli import main as cli_main
+from tests.helpers import FORKSERVER_PRELOAD
 
 pytestmark = [
     pytest.mark.skipif(
@@ -66,7 +67,7 @@ def _launch(target: str, world: int, tmp: Path, *args) -> tuple[list[int], list[
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybrid_attention.train", "hybrid_attention.distributed"])
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     port = _free_port()
     errs = [str(tmp / f"{target}-{world}-rank{r}.err") for r in range(world)]
     procs = [ctx.Process(target=_worker, args=(target, r, world, port, args, errs[r])) for r in range(world)]

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import cli
+from tests.helpers import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, flock and forkserver: Linux")
 
@@ -86,7 +87,7 @@ def _hooked_main(argv: list[str], kill_at: tuple | None, conn) -> None:
 @pytest.fixture(scope="module")
 def forkserver():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hybrid_attention.train", "hybrid_attention.cli", __name__])
+    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
     return ctx
 
 

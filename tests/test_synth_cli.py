@@ -1,10 +1,13 @@
-"""`hybrid-attention synth` on a tiny grid, and `benchmarks/ablations.py --quick`, end to end in subprocesses."""
+"""`hybrid-attention synth` on a tiny grid, and `benchmarks/ablations.py --quick`, end to end in subprocesses; the
+synth command's refusals of bad arguments."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from hybrid_attention import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -36,22 +39,32 @@ def test_synth_tiny_grid_logs_plots_and_resumes(tmp_path):
     assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == len(rows)
 
 
-def test_synth_rejects_a_bad_grid(tmp_path):
-    done = _run(["-m", "hybrid_attention.synth", "--grid", "mqar/32/transformer", "--device", "cpu"], tmp_path)
-    assert done.returncode == 1 and "unknown model 'transformer'" in done.stderr
-    args = ["--grid", "stack/64/mla;mqar/32/mla", "--mqar-queries", "5", "--device", "cpu", "--out", "out"]
-    done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
-    assert done.returncode == 1 and "queries must be an integer in [1, 4]" in done.stderr
+def test_synth_rejects_a_bad_grid(tmp_path, monkeypatch, capsys):
+    """The refusals, through the CLI's `main` in this process (the `-m` entry point runs above): each exits with
+    its code and message before anything is written."""
+    monkeypatch.chdir(tmp_path)
+
+    def synth(*args):
+        try:
+            code = cli.main(["synth", *args])
+        except SystemExit as exit_:  # argparse's refusals
+            code = exit_.code
+        return code, capsys.readouterr().err
+
+    code, err = synth("--grid", "mqar/32/transformer", "--device", "cpu")
+    assert code == 1 and "unknown model 'transformer'" in err
+    code, err = synth("--grid", "stack/64/mla;mqar/32/mla", "--mqar-queries", "5", "--device", "cpu", "--out", "out")
+    assert code == 1 and "queries must be an integer in [1, 4]" in err
     assert not (tmp_path / "out").exists()  # refused before the first run
     args = ["--grid", "stack/64/mla;mqar/32,64/mla", "--mqar-pairs", "16", "--device", "cpu", "--out", "out"]
-    done = _run(["-m", "hybrid_attention.synth", *args], tmp_path)
-    assert done.returncode == 1 and "mqar at seq_len 32: pairs must be an integer in [2, 15]" in done.stderr
+    code, err = synth(*args)
+    assert code == 1 and "mqar at seq_len 32: pairs must be an integer in [2, 15]" in err
     assert not (tmp_path / "out").exists()
-    done = _run(["-m", "hybrid_attention.synth", "--seed", str(2**64), "--device", "cpu", "--out", "out"], tmp_path)
-    assert done.returncode == 2 and "argument --seed: expected a value" in done.stderr, done.stderr
+    code, err = synth("--seed", str(2**64), "--device", "cpu", "--out", "out")
+    assert code == 2 and "argument --seed: expected a value" in err, err
     assert not (tmp_path / "out").exists()
-    done = _run(["-m", "hybrid_attention.synth", "--cuda-graph", "--device", "cpu", "--out", "out"], tmp_path)
-    assert done.returncode == 1 and "--cuda-graph needs a CUDA device" in done.stderr, done.stderr
+    code, err = synth("--cuda-graph", "--device", "cpu", "--out", "out")
+    assert code == 1 and "--cuda-graph needs a CUDA device" in err, err
     assert not (tmp_path / "out").exists()
 
 
