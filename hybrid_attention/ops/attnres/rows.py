@@ -192,21 +192,19 @@ def source_bucket(S: int) -> int:
     return next_power_of_2(S)
 
 
-def tuned_over_sources(configs: list[tuple[int, int]]):
-    """triton.autotune over (BLOCK_S, num_warps) configs, keyed by D and the source bucket `S_BUCKET`, pruned by
-    `source_tile_fits` (see `tuned_over_configs`)."""
+def tuned_over_sources(configs: list[dict]):
+    """triton.autotune over configs of a kernel whose tile is BLOCK_S sources by BLOCK_D (dicts with "BLOCK_S" and
+    "num_warps", and any other constexprs), keyed by D and the source bucket `S_BUCKET`; a tile of more than MAX_TILE
+    elements, or taller than the bucket (it would only read masked rows), is dropped at tuning time (see
+    `tuned_over_configs`)."""
     return tuned_over_configs(
-        [{"BLOCK_S": b, "num_warps": w} for b, w in configs],
+        configs,
         key=["D", "S_BUCKET"],
-        keep=source_tile_fits,
+        keep=lambda config, named_args, width: (
+            config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
+        ),
         tile_size=lambda config: config.kwargs["BLOCK_S"],
     )
-
-
-def source_tile_fits(config, named_args, width: int) -> bool:
-    """A [BLOCK_S, width] source tile of at most MAX_TILE elements and no taller than the source bucket (a taller
-    one only reads masked rows)."""
-    return config.kwargs["BLOCK_S"] * width <= MAX_TILE and config.kwargs["BLOCK_S"] <= named_args["S_BUCKET"]
 
 
 def tuned_over_row_blocks(configs: list[dict], key: list[str]):
@@ -246,3 +244,22 @@ def tuned_over_configs(configs: list[dict], key: list[str], keep=None, tile_size
         return register_tuner(tuner)
 
     return decorate
+
+
+if triton is not None:
+
+    @triton.jit
+    def row_block(m0, offs_m, offs_d, d_ok, M, D):
+        """Rows m0 .. m0 + BLOCK_M - 1 of an [M, D] tensor: (their indices [BLOCK_M], which of them exist, their int64
+        element offsets [BLOCK_M, BLOCK_D], the mask of those). Rows past M load zeros and store nothing."""
+        rm = m0 + offs_m
+        m_ok = rm < M
+        return rm, m_ok, rm.to(tl.int64)[:, None] * D + offs_d[None, :], m_ok[:, None] & d_ok[None, :]
+
+    @triton.jit
+    def rms_norm_bwd_rows(g, hr, rho, nw, D):
+        """The backward of rows y = nw * hr * rho (rho [BLOCK_M] their reciprocal RMS) from g = dL/dy [BLOCK_M,
+        BLOCK_D], in the compute dtype: (dL/dhr, the rows' shares of dL/d nw), both [BLOCK_M, BLOCK_D]."""
+        a = g * nw[None, :]
+        dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
+        return dh, g * hr * rho[:, None]

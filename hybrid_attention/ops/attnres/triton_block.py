@@ -60,6 +60,7 @@ MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (1, 1), (2, 1), (2, 2), (2, 8), (2, 4), (4,
 
 
 if triton is not None:
+    from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block
     from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
@@ -364,10 +365,7 @@ if triton is not None:
         du_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
         dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
         for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-            rm = m0 + offs_m
-            m_ok = rm < M  # rows past M load zeros, so they add nothing to the sums
-            at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]  # int64 offsets
-            mask = m_ok[:, None] & d_ok[None, :]
+            rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)  # rows past M add nothing to the sums
             o = tl.load(out + at, mask=mask, other=0.0).to(CDT)
             h = o
             if HAS_PARTIAL:
@@ -379,9 +377,8 @@ if triton is not None:
             hr = h.to(dx_ptr.dtype.element_ty).to(CDT)
             rho = tl.load(rho_ptr + rm, mask=m_ok, other=0.0).to(CDT)
             dx = tl.load(dx_ptr + at, mask=mask, other=0.0).to(CDT)
-            a = dx * nw[None, :]
-            dnw_acc += dx * hr * rho[:, None]
-            dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
+            dh, dnw_rows = rms_norm_bwd_rows(dx, hr, rho, nw, D)
+            dnw_acc += dnw_rows
             if HAS_PARTIAL:
                 # d out = (1 - alpha) dh, dt = (dh . (P - out)) alpha (1 - alpha) with t = s - lse.
                 tl.store(dout + at, ((1.0 - alpha)[:, None] * dh).to(dout.dtype.element_ty), mask=mask)

@@ -22,10 +22,8 @@ from hybrid_attention.ops.attnres.rows import (
     pointer_table,
     row_programs,
     source_bucket,
-    source_tile_fits,
     split_scalar,
     table_alignment,
-    tuned_over_configs,
     tuned_over_sources,
 )
 from hybrid_attention.ops.numerics import compute_dtype
@@ -67,12 +65,7 @@ if triton is not None:
     # (BLOCK_S, num_warps, STAGES); the first is the one the interpreter runs. With one warp per row the row sums
     # need no shared memory, and small programs keep more rows in flight per SM; STAGES > 1 has the compiler copy the
     # next source tiles into shared memory while this one computes, without holding them in registers.
-    @tuned_over_configs(
-        [{"BLOCK_S": b, "num_warps": w, "STAGES": st} for b, w, st in FULL_FWD_CONFIGS],
-        key=["D", "S_BUCKET"],
-        keep=source_tile_fits,
-        tile_size=lambda config: config.kwargs["BLOCK_S"],
-    )
+    @tuned_over_sources([{"BLOCK_S": b, "num_warps": w, "STAGES": st} for b, w, st in FULL_FWD_CONFIGS])
     @triton.jit
     def _full_fwd_kernel(
         table,  # int64 [S]: data pointers of the S sources, each [M, D] contiguous
@@ -133,7 +126,7 @@ if triton is not None:
         tl.store(stats + row, run_max + tl.log(run_sum))
         tl.store(stats + M + row, rho)
 
-    @tuned_over_sources([(4, 4), (2, 4), (2, 8), (4, 8), (8, 8)])
+    @tuned_over_sources([{"BLOCK_S": b, "num_warps": w} for b, w in [(4, 4), (2, 4), (2, 8), (4, 8), (8, 8)]])
     @triton.jit
     def _full_bwd_kernel(
         table,  # int64 [S] source pointers, as in the forward

@@ -63,6 +63,7 @@ STREAM_LOCAL_CONFIGS = [(1, 4), (2, 4), (1, 2), (2, 2), (4, 8)]  # (BLOCK_M, num
 
 
 if triton is not None:
+    from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block
     from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
@@ -122,17 +123,13 @@ if triton is not None:
         # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
         dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
         for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-            rm = m0 + offs_m
-            m_ok = rm < M
-            at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]
-            mask = m_ok[:, None] & d_ok[None, :]
+            rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)
             if HAS_DX:
                 g = tl.load(dx + at, mask=mask, other=0.0).to(CDT)
                 hr = tl.load(h + at, mask=mask, other=0.0).to(CDT)
                 rho = tl.load(stats + M + rm, mask=m_ok, other=0.0).to(CDT)
-                a = g * nw[None, :]
-                dnw_acc += g * hr * rho[:, None]
-                dh = rho[:, None] * a - (rho * rho * rho / D * tl.sum(a * hr, axis=1))[:, None] * hr
+                dh, dnw_rows = rms_norm_bwd_rows(g, hr, rho, nw, D)
+                dnw_acc += dnw_rows
                 dh = dh.to(src_ty).to(CDT)
                 c = tl.sum(dh * hr, axis=1)
             else:
@@ -181,10 +178,7 @@ if triton is not None:
         d_ok = offs_d < D
         plane = (tl.zeros([], tl.int64) + K - k) * M  # int64 offsets (K M D can pass 2^31)
         for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-            rm = m0 + offs_m
-            m_ok = rm < M
-            at = rm.to(tl.int64)[:, None] * D + offs_d[None, :]
-            mask = m_ok[:, None] & d_ok[None, :]
+            rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)
             for j in range(0, n):
                 j64 = tl.zeros([], tl.int64) + j
                 ptr = tl.multiple_of(tl.load(table + j).to(tl.pointer_type(src_ty)), ALIGN)
