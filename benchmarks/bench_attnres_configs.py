@@ -65,7 +65,12 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, row_programs, source_bucket, split_scalar
-    from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS, _stream_bwd_kernel, _stream_local_kernel
+    from hybrid_attention.ops.attnres.triton_stream import (
+        STREAM_BWD_CONFIGS,
+        STREAM_LOCAL_CONFIGS,
+        _stream_bwd_kernel,
+        _stream_local_kernel,
+    )
 
     dev = sources[0].device
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -90,6 +95,14 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
             )  # fmt: skip
 
         results[f"step={k} later={K - 1 - k} the local kernel alone (tuned)"] = _time_us(local)
+        for block_m, warps, stages in STREAM_LOCAL_CONFIGS:
+            alone = _launcher(
+                _stream_local_kernel, (local_programs,), dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
+                local_part, M, D, k, HAS_DX=True, CDT=tl.float32, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D,
+                num_warps=warps,
+            )  # fmt: skip
+            name = f"step={k} the local kernel BLOCK_M={block_m} warps={warps} STAGES={stages}"
+            results[name] = _time_us(alone)
         for align, per_sm, (block_m, warps, stages) in itertools.product(aligns, per_sms, STREAM_BWD_CONFIGS):
             assemble = _launcher(
                 _stream_bwd_kernel, (row_programs(M, dev, per_sm),), table, dv, dh, rows, cols, dzr, M, D, K, k, 1,

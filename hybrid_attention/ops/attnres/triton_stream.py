@@ -59,7 +59,15 @@ STREAM_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
     (2, 1, 1),
     (2, 2, 1),
 ]
-STREAM_LOCAL_CONFIGS = [(1, 4), (2, 4), (1, 2), (2, 2), (4, 8)]  # (BLOCK_M, num_warps)
+STREAM_LOCAL_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
+    (2, 4, 3),
+    (2, 2, 3),
+    (1, 2, 3),
+    (1, 4, 3),
+    (2, 4, 2),
+    (2, 4, 1),
+    (4, 8, 1),
+]
 
 
 if triton is not None:
@@ -88,8 +96,11 @@ if triton is not None:
         else:
             tl.store(dzr + at, val.to(dzr.dtype.element_ty), mask=m_ok)
 
-    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
-    @tuned_over_row_blocks([{"BLOCK_M": m, "num_warps": w} for m, w in STREAM_LOCAL_CONFIGS], key=["D", "HAS_DX"])
+    # STREAM_LOCAL_CONFIGS; the first is the one the interpreter runs. With STAGES > 1 the compiler loads the next
+    # row blocks while this one computes: with one block in flight per program the loop waits on every load.
+    @tuned_over_row_blocks(
+        [{"BLOCK_M": m, "num_warps": w, "STAGES": st} for m, w, st in STREAM_LOCAL_CONFIGS], key=["D", "HAS_DX"]
+    )
     @triton.jit
     def _stream_local_kernel(
         dx,  # [M, D] the gradient of the step's output (read when HAS_DX)
@@ -108,6 +119,7 @@ if triton is not None:
         HAS_DX: tl.constexpr,
         CDT: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -122,7 +134,7 @@ if triton is not None:
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
         dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
-        for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        for m0 in tl.range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M, num_stages=STAGES):
             rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)
             if HAS_DX:
                 g = tl.load(dx + at, mask=mask, other=0.0).to(CDT)
