@@ -78,7 +78,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
     h = torch.randn(M, D, device=dev, dtype=torch.bfloat16, generator=gen)
     stats = torch.rand(2, M, device=dev, generator=gen) + 0.5
     dh = torch.randn(K, M, D, device=dev, dtype=torch.bfloat16, generator=gen) * 0.01
-    rows = torch.rand(K, 2, M, device=dev, generator=gen)
+    rows = torch.rand(K, 2 + K, M, device=dev, generator=gen)  # c, lse, then the logits of K sources
     cols = torch.randn(2, K, D, device=dev, generator=gen)
     dv = torch.empty(1, M, D, device=dev, dtype=torch.bfloat16)
     local_programs = row_programs(M, dev)
@@ -90,7 +90,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
 
         def local(k=k):  # the step's own rows of the tables (tuned launch shape): part of every timed call
             _stream_local_kernel[(local_programs,)](
-                dx, h, stats, queries, key_ws, norm_w, dh, rows, cols, local_part, M, D, k, HAS_DX=True,
+                dx, h, stats, queries, key_ws, norm_w, dh, rows, cols, local_part, M, D, 2 + K, k, HAS_DX=True,
                 CDT=tl.float32, BLOCK_D=D,
             )  # fmt: skip
 
@@ -98,15 +98,15 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
         for block_m, warps, stages in STREAM_LOCAL_CONFIGS:
             alone = _launcher(
                 _stream_local_kernel, (local_programs,), dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
-                local_part, M, D, k, HAS_DX=True, CDT=tl.float32, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D,
+                local_part, M, D, 2 + K, k, HAS_DX=True, CDT=tl.float32, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D,
                 num_warps=warps,
             )  # fmt: skip
             name = f"step={k} the local kernel BLOCK_M={block_m} warps={warps} STAGES={stages}"
             results[name] = _time_us(alone)
         for align, per_sm, (block_m, warps, stages) in itertools.product(aligns, per_sms, STREAM_BWD_CONFIGS):
             assemble = _launcher(
-                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), table, dv, dh, rows, cols, dzr, M, D, K, k, 1,
-                *split_scalar(EPS), source_bucket(K - k), SPLIT_DZR=True, CDT=tl.float32, ALIGN=align,
+                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), table, dv, dh, rows, cols, dzr, M, D, 2 + K, K,
+                k, k, 1, *split_scalar(EPS), source_bucket(K - k), SPLIT_DZR=True, CDT=tl.float32, ALIGN=align,
                 BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
             name = (

@@ -385,15 +385,15 @@ def test_opcheck():
     # A stream of K = 3 steps: step 1's forward, then its backward (newest source) into tables that step 2 filled.
     queries, key_ws = (torch.stack([p, p.flip(0)]).repeat(2, 1)[:3].contiguous() for p in params0[:2])
     torch.library.opcheck(ops.attn_res_stream_fwd, (src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS))
-    x, h, stats = ops.attn_res_stream_fwd(src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS)
+    x, h, stats, logits = ops.attn_res_stream_fwd(src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS)
     shape = src0[0].shape
     for dx in (torch.randn_like(x), None):
         tables = (
             torch.randn(3, *shape, dtype=F64, device=DEV),
-            torch.randn(3, 2, *shape[:-1], dtype=F64, device=DEV),
+            torch.randn(3, 2 + 3, *shape[:-1], dtype=F64, device=DEV),  # a stream of 3 sources
             torch.randn(2, 3, D, dtype=F64, device=DEV),
         )
-        args = (dx, h, stats, queries, key_ws, params0[2], src0[1:2], *tables, 1, EPS)
+        args = (dx, h, stats, logits, queries, key_ws, params0[2], src0[1:2], *tables, 1, EPS)
         torch.library.opcheck(ops.attn_res_stream_bwd, args)
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))

@@ -7,18 +7,20 @@ forward and two backward, and each source's gradient is assembled once, complete
   one more.
 
 Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_full.py`) reads each source once and keeps lse,
-rho and the rounded mixture h. Backwards run from the last step down, and step k's runs after every later reader of
-its newest source and before the sublayer that produced it: that is when the source's gradient can be finished.
-So step k's backward (`triton_stream.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in
-tables shared by the stream, and assembles the complete gradient of its newest source (of all its sources for
-k = 0) from those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes
-backward"). Older sources get nothing from step k: autograd sums no gradients.
+rho, the rounded mixture h and the logits z of its sources (n_k numbers per row). Backwards run from the last step
+down, and step k's runs after every later reader of its newest source and before the sublayer that produced it: that
+is when the source's gradient can be finished. So step k's backward (`triton_stream.py`) does its own RMSNorm
+backward from h, stores its dh and per-row numbers in tables shared by the stream, and assembles the complete
+gradient of its newest source (of all its sources for k = 0) from those tables, reading the source once and one dh
+row per later step (docs/math.md, "AttnRes backward"). Older sources get nothing from step k: autograd sums no
+gradients.
 
 The tables travel between the backwards as gradients: every step returns, besides x, three placeholders (zero
 strides, no memory) that the next step takes as inputs; their gradients are the tables dh [K, ..., D], rows
-[K, 2, ...] (c, lse) and cols [2, K, D] (u, dL/du). The first backward to run allocates them for the K steps (rows
-of steps that never run backward stay zero and add nothing), each later one fills its entries in place and hands
-them on, with the same shapes: hence the step count K is fixed at the start, by the queries [K, D].
+[K, 2 + S, ...] (c, lse, the logits of the stream's S sources) and cols [2, K, D] (u, dL/du). The first backward to
+run allocates them for the K steps (rows of steps that never run backward stay zero and add nothing), each later one
+fills its entries in place and hands them on, with the same shapes: hence the step count K is fixed at the start, by
+the queries [K, D], and with it S (each step reads one more source).
 
 dL/du_k gathers terms from every source step k reads, so it is complete only in the stream start's backward, the last
 to run. The pseudo-queries and key-norm weights therefore enter every step as two stacked [K, D] tensors (each step
@@ -62,29 +64,36 @@ class Carrier(NamedTuple):
 @torch.library.custom_op("hybrid_attention::attn_res_stream_fwd", mutates_args=())
 def _fwd_op(
     sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, eps: float, norm_eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(x, h [..., D] in the sources' dtype, stats [2, ...] in the compute dtype: lse, then rho)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(x, h [..., D] in the sources' dtype, stats [2, ...] in the compute dtype: lse, then rho, logits [S, ...] in
+    the compute dtype)."""
     return _stream_fwd(sources, query, key_weight, norm_weight, eps, norm_eps)
 
 
 def _stream_fwd(sources, query, key_weight, norm_weight, eps, norm_eps):
-    return full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=True)
+    return full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=True, save_logits=True)
 
 
 @_fwd_op.register_fake
 def _(sources, query, key_weight, norm_weight, eps, norm_eps):
-    s0 = sources[0]
-    return torch.empty_like(s0), torch.empty_like(s0), s0.new_empty(2, *s0.shape[:-1], dtype=compute_dtype(s0))
+    s0, cdt = sources[0], compute_dtype(sources[0])
+    rows = s0.shape[:-1]
+    return (
+        torch.empty_like(s0),
+        torch.empty_like(s0),
+        s0.new_empty(2, *rows, dtype=cdt),
+        s0.new_empty(len(sources), *rows, dtype=cdt),
+    )
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh", "rows", "cols"))
 def _bwd_op(
-    dx: Tensor | None, h: Tensor, stats: Tensor, queries: Tensor, key_weights: Tensor, norm_weight: Tensor,
-    sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor, step: int, eps: float,
+    dx: Tensor | None, h: Tensor, stats: Tensor, logits: Tensor, queries: Tensor, key_weights: Tensor,
+    norm_weight: Tensor, sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor, step: int, eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Writes step `step`'s entries of the tables, adds to cols[1]; -> (the gradients of `sources` [n, ..., D] in
     their dtype, d norm_weight [D] in the compute dtype)."""
-    return _stream_bwd(dx, h, stats, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps)
+    return _stream_bwd(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps)
 
 
 def _stream_bwd(dx, *args):
@@ -92,7 +101,7 @@ def _stream_bwd(dx, *args):
 
 
 @_bwd_op.register_fake
-def _(dx, h, stats, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def _(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
     s0 = sources[0]
     return s0.new_empty(len(sources), *s0.shape), stats.new_empty(s0.shape[-1])
 
@@ -106,12 +115,13 @@ def _bwd(*args):
     return _bwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_bwd(*args)
 
 
-def _new_tables(h: Tensor, stats: Tensor, K: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The tables, for the first backward to run (step `step`): the steps after it never run theirs, so their
-    entries are zero (dh = 0, c = 0 and u = 0, lse = 0 keep p finite: their terms are exactly zero)."""
+def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The tables of a stream over S sources, for the first backward to run (step `step`): the steps after it never
+    run theirs, so their entries are zero (dh = 0, c = 0 and u = 0, lse = 0, z = 0 keep p finite: their terms are
+    exactly zero)."""
     dh = torch.empty(K, *h.shape, device=h.device, dtype=h.dtype)
     dh[step + 1 :].zero_()
-    rows = torch.zeros(K, 2, *h.shape[:-1], device=h.device, dtype=stats.dtype)
+    rows = torch.zeros(K, 2 + S, *h.shape[:-1], device=h.device, dtype=stats.dtype)
     cols = torch.zeros(2, K, h.shape[-1], device=h.device, dtype=stats.dtype)
     return dh, rows, cols
 
@@ -122,28 +132,31 @@ class _StreamStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weight, eps, norm_eps, step, *sources):
-        x, h, stats = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
+        x, h, stats, logits = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
         assembled = sources if step == 0 else sources[-1:]
-        ctx.save_for_backward(h, stats, queries, key_weights, norm_weight, *assembled)
+        ctx.save_for_backward(h, stats, logits, queries, key_weights, norm_weight, *assembled)
         ctx.eps, ctx.step, ctx.n = eps, step, len(sources)
         ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
         K, D = queries.shape
+        ctx.stream_sources = len(sources) + K - 1 - step  # each later step reads one more
         placeholders = (
             x.new_empty(()).expand(K, *x.shape),
-            stats.new_empty(()).expand(K, 2, *x.shape[:-1]),
+            stats.new_empty(()).expand(K, 2 + ctx.stream_sources, *x.shape[:-1]),
             stats.new_empty(()).expand(2, K, D),
         )
         return x, *placeholders
 
     @staticmethod
     def backward(ctx, dx, dh, rows, cols):
-        h, stats, queries, key_weights, norm_weight, *assembled = ctx.saved_tensors
+        h, stats, logits, queries, key_weights, norm_weight, *assembled = ctx.saved_tensors
         step, n = ctx.step, ctx.n
         if dh is None:
             if dx is None:  # neither this step nor a later one reaches the loss
                 return (None,) * (9 + n)
-            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step)
-        dv, dnw = _bwd(dx, h, stats, queries, key_weights, norm_weight, assembled, dh, rows, cols, step, ctx.eps)
+            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources)
+        dv, dnw = _bwd(
+            dx, h, stats, logits, queries, key_weights, norm_weight, assembled, dh, rows, cols, step, ctx.eps
+        )
         dnw = None if dx is None else dnw.to(norm_weight.dtype)
         if step > 0:
             return (dh, rows, cols, None, None, dnw, None, None, None, *([None] * (n - 1)), dv[0])

@@ -76,6 +76,7 @@ if triton is not None:
         out,  # [M, D], the sources' dtype
         h_out,  # [M, D], the sources' dtype: the rounded mixture, written when SAVE_H
         stats,  # [2, M] compute dtype: lse, then rho
+        logits,  # [S, M] compute dtype: z, written when SAVE_Z
         M,
         S,
         D,
@@ -85,6 +86,7 @@ if triton is not None:
         norm_eps_lo,
         S_BUCKET,  # autotuning key only
         SAVE_H: tl.constexpr,
+        SAVE_Z: tl.constexpr,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK_S: tl.constexpr,
@@ -109,6 +111,8 @@ if triton is not None:
             v = tl.load(ptr[:, None] + row * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             v = v.to(CDT)
             z = tl.sum(v * u[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+            if SAVE_Z:
+                tl.store(logits + (s0 + offs_s).to(tl.int64) * M + row, z, mask=s_ok)
             z = tl.where(s_ok, z, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(z, axis=0))
             rescale = tl.exp(run_max - new_max)  # 0 on the first chunk
@@ -230,9 +234,10 @@ if triton is not None:
         tl.store(grads + 2 * D + offs_d, dnw.to(out_ty), mask=d_ok)
 
 
-def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=False):
+def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=False, save_logits=False):
     """sources: S x [..., D] contiguous, one dtype and shape -> (x [..., D] in that dtype, stats [2, ...] in the
-    compute dtype: lse, then rho), or with `save_h` (x, h, stats), h [..., D] the mixture rounded to that dtype."""
+    compute dtype: lse, then rho), or with `save_h` (x, h, stats), h [..., D] the mixture rounded to that dtype;
+    with `save_logits` also the logits z [S, ...] in the compute dtype, last."""
     s0 = sources[0]
     D = s0.shape[-1]
     M = s0.numel() // D if D else 0
@@ -240,14 +245,16 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=Fals
     out = torch.empty_like(s0)
     h = torch.empty_like(s0) if save_h else out
     stats = torch.empty(2, *s0.shape[:-1], device=s0.device, dtype=cdt)
+    S = len(sources)
+    logits = torch.empty(S, *s0.shape[:-1], device=s0.device, dtype=cdt) if save_logits else stats
     if M > 0:
-        S = len(sources)
         _full_fwd_kernel[(M,)](
-            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, stats, M, S, D, *split_scalar(eps),
-            *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, CDT=compute_tl_dtype(cdt),
-            ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
+            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, stats, logits, M, S, D,
+            *split_scalar(eps), *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, SAVE_Z=save_logits,
+            CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
         )  # fmt: skip
-    return (out, h, stats) if save_h else (out, stats)
+    result = (out, h, stats) if save_h else (out, stats)
+    return (*result, logits) if save_logits else result
 
 
 def full_bwd(dout, sources, query, key_weight, norm_weight, stats, eps):

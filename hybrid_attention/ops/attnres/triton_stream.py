@@ -1,20 +1,22 @@
 """The backward of one step of a Full AttnRes residual stream: two Triton kernels that finish the gradients of the
 sources the step is the first to read.
 
-Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k and the rounded mixture h_k.
-Backwards run from the last step down, so when step k's runs, the later steps have left their share in the stream's
-tables: dh [K, M, D] (the sources' dtype), rows [K, 2, M] (c, then lse) and cols [2, K, D] (u, then the running
-dL/du), all in the compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
+Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k and the
+logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so when step k's runs, the later
+steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype), rows [K, 2 + S, M] (c, lse,
+then the logits of the stream's S sources) and cols [2, K, D] (u, then the running dL/du), all in the compute dtype
+but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
 
     local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
               reads see it), c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k and u_k go into
-              the tables
+              the tables (`stream_bwd_` copies the logits)
     assembly  (`_stream_bwd_kernel`) for each source v_i this step is the first reader of (its newest one; all of
               them for k = 0), with the table entries of k' = k .. K-1:
-                  p = exp(r_i (u_k' . v_i) - lse_k'),  dz = p (dh_k' . v_i - c_k')
-                  dv_i = sum_k' [p dh_k' + dz r_i u_k'] - (r_i^2 / D) (sum_k' dz r_i (u_k' . v_i)) v_i
+                  p = exp(z_k',i - lse_k'),  dz = p (dh_k' . v_i - c_k')
+                  dv_i = sum_k' [p dh_k' + dz r_i u_k'] - (r_i^2 / D) (sum_k' dz z_k',i) v_i
 
-so v_i is read once, and each (step, source) pair costs one read of a dh row instead of a read of the source. Two
+so v_i is read once, and each (step, source) pair costs one read of a dh row instead of a read of the source, and
+one dot product over D (the forward's logits spare the other). Two
 kernels, not one: the assembly loop is bound by how many of its programs fit on an SM, and the local part's rows and
 norm-weight sums would hold registers through it; splitting costs one more read of the dh_k rows.
 The assembly kernel also writes dz r_i per (source, step, row); `stream_bwd_` then adds du_k' += sum_rows dz r_i v_i
@@ -75,15 +77,15 @@ if triton is not None:
     from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
-    def _step_terms(v, r, dh, c, lse, u, acc, s):
+    def _step_terms(v, r, dh, c, lse, z, u, acc, s):
         """One step's terms of the gradients of a block of rows v [BLOCK_M, BLOCK_D] of a source (r [BLOCK_M] its
-        reciprocal norms): adds p dh + dz r u to acc and dz r (u . v) to s; returns (acc, s, dz r)."""
-        # Both dot products from one reduction over D: its cross-warp step is paid once.
-        dot_u, dot_dh = tl.split(tl.sum(tl.join(v * u[None, :], v * dh), axis=1))
-        p = tl.exp(dot_u * r - lse)
-        dzr = p * (dot_dh - c) * r
+        reciprocal norms, z [BLOCK_M] the step's logits of it): adds p dh + dz r u to acc and dz z to s; returns
+        (acc, s, dz r)."""
+        p = tl.exp(z - lse)
+        dz = p * (tl.sum(v * dh, axis=1) - c)
+        dzr = dz * r
         acc += p[:, None] * dh + dzr[:, None] * u[None, :]
-        return acc, s + dzr * dot_u, dzr
+        return acc, s + dz * z, dzr
 
     @triton.jit
     def _store_dzr(dzr, at, plane, m_ok, val, SPLIT: tl.constexpr):
@@ -110,11 +112,12 @@ if triton is not None:
         key_ws,  # [K, D]
         norm_w,  # [D]
         dh_all,  # [K, M, D] the sources' dtype: row k written here
-        rows,  # [K, 2, M] compute dtype: c, lse
+        rows,  # [K, R, M] compute dtype: c, lse (then logits)
         u_all,  # [K, D] compute dtype: u
         dnw_part,  # [programs, D] partial sums of d norm_weight (compute dtype)
         M,
         D,
+        R,
         k,
         HAS_DX: tl.constexpr,
         CDT: tl.constexpr,
@@ -148,8 +151,8 @@ if triton is not None:
                 dh = tl.zeros([BLOCK_M, BLOCK_D], CDT)
                 c = tl.zeros([BLOCK_M], CDT)
             tl.store(dh_all + k64 * M * D + at, dh.to(src_ty), mask=mask)
-            tl.store(rows + k64 * 2 * M + rm, c, mask=m_ok)
-            tl.store(rows + k64 * 2 * M + M + rm, tl.load(stats + rm, mask=m_ok, other=0.0), mask=m_ok)
+            tl.store(rows + k64 * R * M + rm, c, mask=m_ok)
+            tl.store(rows + (k64 * R + 1) * M + rm, tl.load(stats + rm, mask=m_ok, other=0.0), mask=m_ok)
         tl.store(dnw_part + pid * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
 
     # STREAM_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the later
@@ -164,13 +167,15 @@ if triton is not None:
         table,  # int64 [n]: data pointers of the n sources to assemble, each [M, D] contiguous
         dv,  # [n, M, D] their gradients (the sources' dtype)
         dh_all,  # [K, M, D] the sources' dtype: rows >= k read
-        rows,  # [K, 2, M] compute dtype: c, lse
+        rows,  # [K, R, M] compute dtype: c, lse, the logits of the stream's sources
         u_all,  # [K, D] compute dtype: u
         dzr,  # [n, H, K - k, M] dz r per source, plane (hi, lo when SPLIT_DZR), step k.., row
         M,
         D,
+        R,
         K,
         k,
+        first,  # the stream's index of the first of the n sources (they are consecutive)
         n,
         eps,
         eps_lo,
@@ -205,10 +210,11 @@ if triton is not None:
                 for kk in tl.range(k, K, num_stages=STAGES):
                     kk64 = tl.zeros([], tl.int64) + kk
                     dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
-                    c_l = tl.load(rows + kk64 * 2 * M + rm, mask=m_ok, other=0.0)
-                    lse_l = tl.load(rows + kk64 * 2 * M + M + rm, mask=m_ok, other=0.0)
+                    c_l = tl.load(rows + kk64 * R * M + rm, mask=m_ok, other=0.0)
+                    lse_l = tl.load(rows + (kk64 * R + 1) * M + rm, mask=m_ok, other=0.0)
+                    z_l = tl.load(rows + (kk64 * R + 2 + first + j64) * M + rm, mask=m_ok, other=0.0)
                     u_l = tl.load(u_all + kk64 * D + offs_d, mask=d_ok, other=0.0)
-                    acc, s, dzr_l = _step_terms(v, r, dh_l, c_l, lse_l, u_l, acc, s)
+                    acc, s, dzr_l = _step_terms(v, r, dh_l, c_l, lse_l, z_l, u_l, acc, s)
                     _store_dzr(dzr, slot + (kk64 - k) * M + rm, plane, m_ok, dzr_l, SPLIT_DZR)
                 out = acc - (r * r / D * s)[:, None] * v
                 tl.store(dv + j64 * M * D + at, out.to(src_ty), mask=mask)
@@ -224,16 +230,17 @@ def _dzr_times_rows(dzr, v):
     return dzr.float() @ v.float()  # no mixed-precision product on the CPU (interpreter tests)
 
 
-def stream_bwd_(dx, h, stats, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
     """The backward of step `step` of a stream (see the module docstring).
 
     Args:
         dx: [..., D] the gradient of the step's output, or None (then dh_step = 0).
-        h, stats: the step's forward results: h [..., D] in the sources' dtype, stats [2, ...] (lse, rho).
+        h, stats, logits: the step's forward results: h [..., D] in the sources' dtype, stats [2, ...] (lse, rho),
+            logits [S_step, ...] (z of each source the step read), both in the compute dtype.
         queries, key_weights: [K, D], every step's; norm_weight: [D], this step's.
-        sources: n x [..., D], the sources whose gradients this step completes.
-        dh, rows, cols: the stream's tables [K, ..., D], [K, 2, ...], [2, K, D]; entries `step` are written, cols[1]
-            (dL/du of every step) is added to.
+        sources: n x [..., D], the sources whose gradients this step completes: the last n it read.
+        dh, rows, cols: the stream's tables [K, ..., D], [K, 2 + S, ...] (S >= S_step), [2, K, D]; entries `step`
+            are written, cols[1] (dL/du of every step) is added to.
 
     Returns:
         (the sources' gradients [n, ..., D] in their dtype, d norm_weight [D] in the compute dtype).
@@ -247,17 +254,19 @@ def stream_bwd_(dx, h, stats, queries, key_weights, norm_weight, sources, dh, ro
     local_programs = row_programs(M, s0.device)
     dnw_part = torch.empty(local_programs, D, device=s0.device, dtype=cdt)
     dv = torch.empty(n, *s0.shape, device=s0.device, dtype=s0.dtype)
+    read, R = logits.shape[0], rows.shape[1]
+    rows[step, 2 : 2 + read] = logits
     if M == 0:
         cols[0, step] = queries[step].to(cdt) * key_weights[step].to(cdt)
         return dv, dnw_part.new_zeros(D)
     tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
     _stream_local_kernel[(local_programs,)](
-        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows, cols, dnw_part, M, D, step,
-        HAS_DX=dx is not None, CDT=tl_cdt, BLOCK_D=width,
+        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows, cols, dnw_part, M, D, R,
+        step, HAS_DX=dx is not None, CDT=tl_cdt, BLOCK_D=width,
     )  # fmt: skip
     _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
-        pointer_table(sources), dv, dh, rows, cols, dzr, M, D, K, step, n, *split_scalar(eps), source_bucket(K - step),
-        SPLIT_DZR=split, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
+        pointer_table(sources), dv, dh, rows, cols, dzr, M, D, R, K, step, read - n, n, *split_scalar(eps),
+        source_bucket(K - step), SPLIT_DZR=split, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
     )  # fmt: skip
     du = cols[1, step:]
     for i, v in enumerate(sources):  # a fixed order: deterministic
