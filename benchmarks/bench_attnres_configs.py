@@ -51,11 +51,12 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     results = {}
     for S in counts:
         table = pointer_table(sources[:S])
+        logits = torch.empty(S, M, device=out.device)  # a stream step keeps its logits for the backward
         for align, (block_s, warps, stages) in itertools.product(aligns, FULL_FWD_CONFIGS):
             launch = _launcher(
-                _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, M, S, D,
-                *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, CDT=tl.float32, ALIGN=align,
-                BLOCK_S=block_s, STAGES=stages, BLOCK_D=D, num_warps=warps,
+                _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, logits, M,
+                S, D, *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, SAVE_Z=True,
+                CDT=tl.float32, ALIGN=align, BLOCK_S=block_s, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
             results[f"S={S} ALIGN={align} BLOCK_S={block_s} warps={warps} STAGES={stages}"] = _time_us(launch)
     return results
@@ -88,12 +89,15 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
         table = pointer_table(sources[k : k + 1])
         dzr = torch.empty(1, 2, K - k, M, device=dev, dtype=torch.bfloat16)
 
-        def local(k=k):  # the step's own rows of the tables (tuned launch shape): part of every timed call
-            _stream_local_kernel[(local_programs,)](
-                dx, h, stats, queries, key_ws, norm_w, dh, rows, cols, local_part, M, D, 2 + K, k, HAS_DX=True,
-                CDT=tl.float32, BLOCK_D=D,
-            )  # fmt: skip
-
+        local_args = (dx, h, stats, queries, key_ws, norm_w, dh, rows, cols, local_part, M, D, 2 + K, k)
+        _stream_local_kernel[(local_programs,)](*local_args, HAS_DX=True, CDT=tl.float32, BLOCK_D=D)  # tunes it
+        best = _stream_local_kernel.best_config
+        # The step's own rows of the tables at the tuned launch shape, without the tuner's host work: part of every
+        # timed assembly call.
+        local = _launcher(
+            _stream_local_kernel, (local_programs,), *local_args, HAS_DX=True, CDT=tl.float32, BLOCK_D=D,
+            **best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages,
+        )  # fmt: skip
         results[f"step={k} later={K - 1 - k} the local kernel alone (tuned)"] = _time_us(local)
         for block_m, warps, stages in STREAM_LOCAL_CONFIGS:
             alone = _launcher(
