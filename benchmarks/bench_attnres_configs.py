@@ -1,10 +1,11 @@
 """Benchmark: every launch shape of the Full AttnRes stream kernels, each alone, at the k3-scaled training size.
 
-The stream's forward (`_full_fwd_kernel`, one program per row) over S sources, and the backward of one stream step
-(`_stream_local_kernel`, tuned, then `_stream_bwd_kernel`, which assembles the gradient of its newest source from
-the dh rows of the later steps), at M = 8 x 2048 rows, D = 1024, bf16 sources, K = 27 steps (the k3-scaled depth).
-Each launch shape runs alone, bypassing the autotuner, so the table shows what the tuner chooses between (the
-backward's are the assembly kernel's (BLOCK_M, num_warps, STAGES) configs); the backward at 8 and 16 programs per SM
+The stream's forward (`_full_fwd_kernel`, one program per row) over S sources, the stream step's local kernel
+(`_stream_local_kernel`, its own RMSNorm backward), and the backward of one stream step (the local kernel at its
+tuned shape, then `_stream_bwd_kernel`, which assembles the gradient of its newest source from the dh rows of the
+later steps), at M = 8 x 2048 rows, D = 1024, bf16 sources, K = 27 steps (the k3-scaled depth). Each launch shape
+runs alone, bypassing the autotuner, so the table shows what the tuner chooses between (the one-step backward's are
+the assembly kernel's (BLOCK_M, num_warps, STAGES) configs); the assembly at 8 and 16 programs per SM
 (`STREAM_BWD_PROGRAMS_PER_SM`, --per-sm). Times are `triton.testing.do_bench` medians in microseconds.
 
     python benchmarks/bench_attnres_configs.py --out bench_attnres_configs.json

@@ -7,10 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attnres_configs as bench  # noqa: E402
 

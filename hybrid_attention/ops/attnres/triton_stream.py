@@ -175,7 +175,7 @@ if triton is not None:
         R,
         K,
         k,
-        first,  # the stream's index of the first of the n sources (they are consecutive)
+        first_source,  # the stream's index of the first of the n sources (they are consecutive)
         n,
         eps,
         eps_lo,
@@ -212,7 +212,7 @@ if triton is not None:
                     dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
                     c_l = tl.load(rows + kk64 * R * M + rm, mask=m_ok, other=0.0)
                     lse_l = tl.load(rows + (kk64 * R + 1) * M + rm, mask=m_ok, other=0.0)
-                    z_l = tl.load(rows + (kk64 * R + 2 + first + j64) * M + rm, mask=m_ok, other=0.0)
+                    z_l = tl.load(rows + (kk64 * R + 2 + first_source + j64) * M + rm, mask=m_ok, other=0.0)
                     u_l = tl.load(u_all + kk64 * D + offs_d, mask=d_ok, other=0.0)
                     acc, s, dzr_l = _step_terms(v, r, dh_l, c_l, lse_l, z_l, u_l, acc, s)
                     _store_dzr(dzr, slot + (kk64 - k) * M + rm, plane, m_ok, dzr_l, SPLIT_DZR)
