@@ -34,7 +34,10 @@ try:
 except ImportError:  # the reference path still works
     triton = None
 
-PARAM_BLOCK = 256  # columns per program of the parameter-gradient sum
+# The parameter-gradient sum: PARAM_BLOCK columns per program and PARAM_ROWS partial rows per load. Narrow columns
+# give many programs: a few wide ones each walk all partial rows alone, one load after another.
+PARAM_BLOCK = 32
+PARAM_ROWS = 64
 # Backward programs per SM: more than fit at once, so that a config with fewer registers per program keeps more in
 # flight; the rest wait for a free slot (every program has the same number of rows).
 FULL_BWD_PROGRAMS_PER_SM = 8
@@ -277,6 +280,6 @@ def full_bwd(dout, sources, query, key_weight, norm_weight, stats, eps):
     )  # fmt: skip
     bd = min(PARAM_BLOCK, block_d(D))
     _param_grads_kernel[(-(-D // bd),)](
-        part[0], part[1], query, key_weight, grads, programs, D, BLOCK_P=8, BLOCK_D=bd, num_warps=4
+        part[0], part[1], query, key_weight, grads, programs, D, BLOCK_P=PARAM_ROWS, BLOCK_D=bd, num_warps=4
     )
     return dsrc, grads
