@@ -6,7 +6,8 @@ tuned shape, then `_stream_bwd_kernel`, which assembles the gradient of its newe
 later steps), at M = 8 x 2048 rows, D = 1024, bf16 sources, K = 27 steps (the k3-scaled depth). Each launch shape
 runs alone, bypassing the autotuner, so the table shows what the tuner chooses between (the one-step backward's are
 the assembly kernel's (BLOCK_M, num_warps, STAGES) configs); the assembly at 8 and 16 programs per SM
-(`STREAM_BWD_PROGRAMS_PER_SM`, --per-sm). Times are `triton.testing.do_bench` medians in microseconds.
+(`STREAM_BWD_PROGRAMS_PER_SM`, --per-sm); and the step's dL/du product (`add_dzr_products_`, replayed from a CUDA
+graph: its host work outlasts its kernel). Times are `triton.testing.do_bench` medians in microseconds.
 
     python benchmarks/bench_attnres_configs.py --out bench_attnres_configs.json
 
@@ -31,11 +32,13 @@ def _launcher(kernel, grid, *args, **meta):
     return lambda: kernel.fn[grid](*args, **meta)
 
 
-def _time_us(fn) -> float:
-    from triton.testing import do_bench
+def _time_us(fn, graph: bool = False) -> float:
+    """The median time of fn() in microseconds; with `graph`, replayed from a CUDA graph (for a call whose host work
+    would outlast its kernel)."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
     try:
-        return do_bench(fn, warmup=20, rep=60) * 1000
+        return (do_bench_cudagraph(fn, rep=60) if graph else do_bench(fn, warmup=20, rep=60)) * 1000
     except Exception as exc:  # a launch shape the compiler refuses: listed, not fatal
         log(f"  failed: {exc!r:.120}")
         return float("nan")
@@ -63,15 +66,18 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     return results
 
 
-def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> dict:
+def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     import triton.language as tl
 
-    from hybrid_attention.ops.attnres.rows import pointer_table, row_programs, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.rows import row_programs, source_bucket, split_scalar
     from hybrid_attention.ops.attnres.triton_stream import (
+        COPY_BLOCK,
         STREAM_BWD_CONFIGS,
         STREAM_LOCAL_CONFIGS,
         _stream_bwd_kernel,
         _stream_local_kernel,
+        add_dzr_products_,
+        param_table_rows,
     )
 
     dev = sources[0].device
@@ -81,43 +87,44 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms) -> 
     stats = torch.rand(2, M, device=dev, generator=gen) + 0.5
     dh = torch.randn(K, M, D, device=dev, dtype=torch.bfloat16, generator=gen) * 0.01
     rows = torch.rand(K, 2 + K, M, device=dev, generator=gen)  # c, lse, then the logits of K sources
-    cols = torch.randn(2, K, D, device=dev, generator=gen)
+    splits, local_programs = param_table_rows(M, dev)
+    cols = torch.randn(1 + splits + local_programs, K, D, device=dev, generator=gen)  # u, dL/du and d norm_w parts
     dv = torch.empty(1, M, D, device=dev, dtype=torch.bfloat16)
-    local_programs = row_programs(M, dev)
-    local_part = torch.empty(local_programs, D, device=dev)
     results = {}
     for k in steps:
-        table = pointer_table(sources[k : k + 1])
-        dzr = torch.empty(1, 2, K - k, M, device=dev, dtype=torch.bfloat16)
-
-        local_args = (dx, h, stats, queries, key_ws, norm_w, dh, rows, cols, local_part, M, D, 2 + K, k)
-        _stream_local_kernel[(local_programs,)](*local_args, HAS_DX=True, CDT=tl.float32, BLOCK_D=D)  # tunes it
+        source = sources[k]  # a stream step assembles one source, passed itself (DIRECT)
+        dzr = torch.randn(1, 2, K - k, M, device=dev, dtype=torch.bfloat16, generator=gen)
+        logits = torch.rand(k + 1, M, device=dev, generator=gen)
+        local_args = (dx, h, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits], M, D, 2 + K, K)
+        local_args += (k, logits.numel())
+        local_consts = dict(HAS_DX=True, CDT=tl.float32, COPY_BLOCK=COPY_BLOCK, BLOCK_D=D)
+        _stream_local_kernel[(local_programs,)](*local_args, **local_consts)  # tunes it
         best = _stream_local_kernel.best_config
         # The step's own rows of the tables at the tuned launch shape, without the tuner's host work: part of every
         # timed assembly call.
         local = _launcher(
-            _stream_local_kernel, (local_programs,), *local_args, HAS_DX=True, CDT=tl.float32, BLOCK_D=D,
-            **best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages,
+            _stream_local_kernel, (local_programs,), *local_args, **local_consts, **best.kwargs,
+            num_warps=best.num_warps, num_stages=best.num_stages,
         )  # fmt: skip
         results[f"step={k} later={K - 1 - k} the local kernel alone (tuned)"] = _time_us(local)
         for block_m, warps, stages in STREAM_LOCAL_CONFIGS:
             alone = _launcher(
-                _stream_local_kernel, (local_programs,), dx, h, stats, queries, key_ws, norm_w, dh, rows, cols,
-                local_part, M, D, 2 + K, k, HAS_DX=True, CDT=tl.float32, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D,
+                _stream_local_kernel, (local_programs,), *local_args, **local_consts, BLOCK_M=block_m, STAGES=stages,
                 num_warps=warps,
             )  # fmt: skip
             name = f"step={k} the local kernel BLOCK_M={block_m} warps={warps} STAGES={stages}"
             results[name] = _time_us(alone)
-        for align, per_sm, (block_m, warps, stages) in itertools.product(aligns, per_sms, STREAM_BWD_CONFIGS):
+        # The dL/du product adds into its partial sums: timing it again and again only changes their values.
+        results[f"step={k} later={K - 1 - k} the dL/du product"] = _time_us(
+            lambda dzr=dzr, source=source, k=k: add_dzr_products_([source], dzr, cols[1 : 1 + splits], k), graph=True
+        )
+        for per_sm, (block_m, warps, stages) in itertools.product(per_sms, STREAM_BWD_CONFIGS):
             assemble = _launcher(
-                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), table, dv, dh, rows, cols, dzr, M, D, 2 + K, K,
-                k, k, 1, *split_scalar(EPS), source_bucket(K - k), SPLIT_DZR=True, CDT=tl.float32, ALIGN=align,
-                BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
+                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), source, dv, dh, rows, cols, dzr, M, D, 2 + K, K,
+                k, k, 1, *split_scalar(EPS), source_bucket(K - k), DIRECT=True, SPLIT_DZR=True, CDT=tl.float32,
+                ALIGN=16, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
-            name = (
-                f"step={k} later={K - 1 - k} ALIGN={align} per_sm={per_sm} BLOCK_M={block_m} warps={warps} "
-                f"STAGES={stages}"
-            )
+            name = f"step={k} later={K - 1 - k} per_sm={per_sm} BLOCK_M={block_m} warps={warps} STAGES={stages}"
             results[name] = _time_us(lambda assemble=assemble, local=local: (local(), assemble()))
     return results
 
@@ -126,7 +133,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counts", default="8,27", help="source counts of the forward cases")
     parser.add_argument("--steps", default="13,25", help="stream steps k of the backward cases (of 27)")
-    parser.add_argument("--aligns", default="16", help="ALIGN values of the source tables (1: no alignment hint)")
+    parser.add_argument(
+        "--aligns", default="16", help="ALIGN values of the forward's source tables (1: no alignment hint)"
+    )
     parser.add_argument("--per-sm", default="8,16", help="backward programs per SM to time each config at")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
         parser.error(f"--aligns takes 1 and 16, got {args.aligns}")
     result["forward_us"] = forward_sweep(sources, queries, key_ws, norm_w, counts, aligns)
     per_sms = [int(x) for x in args.per_sm.split(",")]
-    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, steps, aligns, per_sms)
+    result["backward_us"] = backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms)
     for part in ("forward_us", "backward_us"):
         log(f"## {part}, fastest first")
         for name, t in sorted(result[part].items(), key=lambda kv: (kv[0].split(" ")[0], kv[1])):

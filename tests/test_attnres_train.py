@@ -13,6 +13,7 @@ from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
+from hybrid_attention.ops.attnres.triton_stream import param_table_rows
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.conftest import DEV
@@ -105,13 +106,13 @@ def test_full_low_precision_sources(dtype, tol):
 def run_chain(src, params, start, used):
     """Steps l = start .. S of a Full AttnRes stream over the leaves `src` (step l reads src[:l]), step l with its
     own (query, key_weight, norm_weight) params[l - start]; -> the outputs of the steps in `used` (step numbers)."""
-    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
+    queries, key_weights, norm_weights = (torch.stack([p[i] for p in params]) for i in range(3))
     outs, carrier = [], None
-    for i, l in enumerate(range(start, len(src) + 1)):
+    for l in range(start, len(src) + 1):
         if carrier is None:
-            x, carrier = attn_res_norm_stream_start(src[:l], queries, key_weights, params[i][2], EPS, NORM_EPS)
+            x, carrier = attn_res_norm_stream_start(src[:l], queries, key_weights, norm_weights, EPS, NORM_EPS)
         else:
-            x, carrier = attn_res_norm_step(src[:l], carrier, params[i][2], NORM_EPS)
+            x, carrier = attn_res_norm_step(src[:l], carrier, NORM_EPS)
         outs += [x] if l in used else []
     return tuple(outs)
 
@@ -150,9 +151,9 @@ def test_chain_matches_reference(S, start, used, poisoned):
     flat, flat64 = [p for ps in params for p in ps], [p for ps in params64 for p in ps]
     labels = [f"source {i}" for i in range(S)] + [f"step {l} {n}" for l in range(start, S + 1) for n in "wgn"]
     fused_grads, ref_grads = grads(outs, src + flat), grads(refs, src64 + flat64)
-    # Queries and key-norm weights reach their gradients through one stack: an unused step's are zero, not None
+    # Every step's parameters reach their gradients through one stack per kind: an unused step's are zero, not None
     # (check_grads asserts that).
-    stacked = {len(src) + 3 * k + j for k in range(len(params)) for j in (0, 1)}
+    stacked = {len(src) + 3 * k + j for k in range(len(params)) for j in (0, 1, 2)}
     unused = [i for i, g in enumerate(fused_grads) if g is None and i not in stacked]
     ref_unused = [i for i, g in enumerate(ref_grads) if g is None and i not in stacked]
     assert unused == ref_unused, "unused inputs differ from the reference's"
@@ -247,6 +248,36 @@ def test_chain_low_precision():
     for i, (g, r) in enumerate(zip(grads(outs, src), grads(refs, src_ref), strict=True)):
         assert g.dtype == torch.bfloat16
         assert_close(f"chain bf16 d source {i}", g, r, 2e-2)
+
+
+@pytest.mark.parametrize(
+    "dtype, n, M, steps",
+    [
+        (torch.bfloat16, 1, 37, 3),  # one source passed itself, two splits of the rows, the last one partial
+        (torch.float16, 3, 70, 35),  # a pointer table, more steps than one block of them
+        (torch.float32, 2, 5, 2),
+        (torch.float64, 1, 33, 4),
+    ],
+)
+def test_dzr_products(dtype, n, M, steps):
+    """The dL/du product (`add_dzr_products_`) adds sum_j sum_planes dzr[j, plane] @ v_j to rows step.. of the
+    stream's partial sums, against a float64 product; the other rows and the earlier values are kept."""
+    D, K = 24, steps + 2
+    g = torch.Generator().manual_seed(M + n)
+    srcs = [torch.randn(M, D, generator=g, dtype=torch.float64).to(DEV, dtype) for _ in range(n)]
+    half = dtype in (torch.bfloat16, torch.float16)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    dzr = torch.randn(n, 2 if half else 1, K - 2, M, generator=g, dtype=torch.float64).to(DEV, dtype if half else cdt)
+    splits, _ = param_table_rows(M, srcs[0].device)
+    assert splits == -(-M // triton_stream.DU_ROWS)  # M < DU_ROWS * DU_SPLITS here: each split's rows, some partial
+    part = torch.randn(splits, K, D, generator=g, dtype=torch.float64).to(DEV, cdt)
+    before = part.clone()
+    triton_stream.add_dzr_products_(srcs, dzr, part, 2)
+    want = before.double().sum(0)
+    for j, v in enumerate(srcs):
+        want[2:] += dzr[j].double().sum(0) @ v.double()
+    assert torch.equal(part[:, :2], before[:, :2]), "rows of earlier steps changed"
+    assert_close(f"dzr products {dtype}", part.double().sum(0), want, 1e-12 if dtype == torch.float64 else 1e-5)
 
 
 @pytest.mark.parametrize("N, Q", [(1, 1), (3, 2), (5, 3)])
@@ -387,14 +418,16 @@ def test_opcheck():
     torch.library.opcheck(ops.attn_res_stream_fwd, (src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS))
     x, h, stats, logits = ops.attn_res_stream_fwd(src0[:2], queries[1], key_ws[1], params0[2], EPS, NORM_EPS)
     shape = src0[0].shape
+    splits, programs = param_table_rows(x.numel() // D, x.device)
     for dx in (torch.randn_like(x), None):
         tables = (
             torch.randn(3, *shape, dtype=F64, device=DEV),
             torch.randn(3, 2 + 3, *shape[:-1], dtype=F64, device=DEV),  # a stream of 3 sources
-            torch.randn(2, 3, D, dtype=F64, device=DEV),
+            torch.randn(1 + splits + programs, 3, D, dtype=F64, device=DEV),
         )
         args = (dx, h, stats, logits, queries, key_ws, params0[2], src0[1:2], *tables, 1, EPS)
         torch.library.opcheck(ops.attn_res_stream_bwd, args)
+    torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[2], x.numel() // D))
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = attn_res_partial_train(src, queries, key_ws, EPS)
@@ -426,23 +459,23 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="pass dtype"):
         attn_res_merge_norm_train(src[0], src[0][..., 0], None, query, key_w, norm_w)
     strided = src[1].transpose(0, 1).contiguous().transpose(0, 1)
-    queries, key_ws = torch.stack([query, query]), torch.stack([key_w, key_w])
-    x, carrier = attn_res_norm_stream_start(src[:1], queries, key_ws, norm_w)
+    queries, key_ws, norm_ws = torch.stack([query, query]), torch.stack([key_w, key_w]), torch.stack([norm_w, norm_w])
+    x, carrier = attn_res_norm_stream_start(src[:1], queries, key_ws, norm_ws)
     with pytest.raises(ValueError, match="previous step's 1 sources and one more, got 3"):
-        attn_res_norm_step([*src, src[0]], carrier, norm_w)
+        attn_res_norm_step([*src, src[0]], carrier)
     with pytest.raises(ValueError, match="newest source must be"):
-        attn_res_norm_step([src[0], src[1].half()], carrier, norm_w)
+        attn_res_norm_step([src[0], src[1].half()], carrier)
     with pytest.raises(ValueError, match="newest source must be contiguous"):
-        attn_res_norm_step([src[0], strided], carrier, norm_w)
-    with pytest.raises(ValueError, match=r"norm_weight must have shape \[16\]"):
-        attn_res_norm_step(src, carrier, norm_w[:4])
-    x, last = attn_res_norm_step(src, carrier, norm_w)
+        attn_res_norm_step([src[0], strided], carrier)
+    x, last = attn_res_norm_step(src, carrier)
     with pytest.raises(ValueError, match="started for 2 steps"):
-        attn_res_norm_step([*src, src[0]], last, norm_w)
+        attn_res_norm_step([*src, src[0]], last)
     with pytest.raises(ValueError, match="source 1 must be contiguous"):
-        attn_res_norm_stream_start([src[0], strided], queries, key_ws, norm_w)
+        attn_res_norm_stream_start([src[0], strided], queries, key_ws, norm_ws)
     with pytest.raises(ValueError, match=r"key_weights must have shape \[K, 16\]"):
-        attn_res_norm_stream_start(src, queries, key_ws[:1], norm_w)
+        attn_res_norm_stream_start(src, queries, key_ws[:1], norm_ws)
+    with pytest.raises(ValueError, match=r"norm_weights must have shape \[K, 16\]"):
+        attn_res_norm_stream_start(src, queries, key_ws, norm_ws[:, :4])
 
 
 def _off_boundary(t: torch.Tensor) -> torch.Tensor:
@@ -463,15 +496,15 @@ def test_sources_off_16_byte_boundaries():
     shifted = [_off_boundary(s) for s in aligned]
     assert table_alignment(aligned) == 16 and table_alignment(shifted) == 1
     query, key_w, norm_w = vectors(D, 3, seed=81)
-    queries, key_ws = vectors(D, 2, seed=82, rows=3)
+    queries, key_ws, norm_ws = vectors(D, 3, seed=82, rows=3)
     results = {}
     for name, src in (("aligned", aligned), ("shifted", shifted)):
         full = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
-        x0, carrier = attn_res_norm_stream_start(src[:2], queries, key_ws, norm_w, EPS, NORM_EPS)
-        x1, _ = attn_res_norm_step(src[:3], carrier, norm_w, NORM_EPS)
+        x0, carrier = attn_res_norm_stream_start(src[:2], queries, key_ws, norm_ws, EPS, NORM_EPS)
+        x1, _ = attn_res_norm_step(src[:3], carrier, NORM_EPS)
         out, lse = attn_res_partial_train(src[:3], queries, key_ws, EPS)
         outs = (full, x0, x1, *out, lse)
-        results[name] = (outs, grads(outs, [*src, query, key_w, norm_w, queries, key_ws]))
+        results[name] = (outs, grads(outs, [*src, query, key_w, norm_w, queries, key_ws, norm_ws]))
     (a_out, a_grads), (s_out, s_grads) = results["aligned"], results["shifted"]
     for i, (a, s) in enumerate(zip(a_out, s_out, strict=True)):
         assert torch.equal(a, s), f"output {i}"

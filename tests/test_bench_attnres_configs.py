@@ -22,7 +22,7 @@ def test_every_launch_runs(monkeypatch):
         monkeypatch.setattr(bench, name, value)
     launches = []
 
-    def run_once(fn) -> float:  # the launch itself, not its time: an error propagates
+    def run_once(fn, graph=False) -> float:  # the launch itself, not its time: an error propagates
         fn()
         launches.append(fn)
         return 1.0
@@ -33,6 +33,6 @@ def test_every_launch_runs(monkeypatch):
     queries, key_ws = torch.randn(K, D, generator=gen), torch.rand(K, D, generator=gen) + 0.5
     norm_w = torch.rand(D, generator=gen) + 0.5
     forward = bench.forward_sweep(sources, queries, key_ws, norm_w, [K], [16])
-    backward = bench.backward_sweep(sources, queries, key_ws, norm_w, [1, K - 1], [16], [8])
+    backward = bench.backward_sweep(sources, queries, key_ws, norm_w, [1, K - 1], [8])
     assert forward and backward and len(launches) == len(forward) + len(backward)
     assert all(t == 1.0 for t in [*forward.values(), *backward.values()])

@@ -19,8 +19,8 @@ triton = pytest.importorskip("triton")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ATTNRES_KERNELS = ["_full_fwd_kernel", "_full_bwd_kernel", "_param_grads_kernel", "_stream_local_kernel",
-                   "_stream_bwd_kernel", "_partial_fwd_kernel", "_partial_bwd_kernel", "_partial_bwd_rows_kernel",
-                   "_merge_norm_fwd_kernel", "_merge_norm_bwd_kernel"]  # fmt: skip
+                   "_stream_bwd_kernel", "_du_kernel", "_partial_fwd_kernel", "_partial_bwd_kernel",
+                   "_partial_bwd_rows_kernel", "_merge_norm_fwd_kernel", "_merge_norm_bwd_kernel"]  # fmt: skip
 KERNELS = ["_prep_kernel", "_prep_redo_kernel", "_state_fwd_kernel", "_output_kernel", "_regate_kernel",
            "_state_bwd_kernel", "_score_grad_kernel", "_dqkg_kernel"]  # fmt: skip
 

@@ -108,12 +108,13 @@ def attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step]) -> torch.Ten
     sources = [embedding.to(y.dtype).contiguous(), y]
     queries = torch.stack([r.query for r, _, _ in rest])
     key_weights = torch.stack([r.key_norm.weight for r, _, _ in rest])
+    norm_weights = torch.stack([norm.weight for _, norm, _ in rest])
     res, norm, _ = rest[0]
-    x, carrier = attn_res_norm_stream_start(sources, queries, key_weights, norm.weight, res.eps, norm.eps)
+    x, carrier = attn_res_norm_stream_start(sources, queries, key_weights, norm_weights, res.eps, norm.eps)
     # Each step's sublayer output is the newest source of the next step.
     for (_, _, g), (_, norm, _) in itertools.pairwise(rest):
         sources.append(g(x).to(y.dtype).contiguous())
-        x, carrier = attn_res_norm_step(sources, carrier, norm.weight, norm.eps)
+        x, carrier = attn_res_norm_step(sources, carrier, norm.eps)
     return x
 
 

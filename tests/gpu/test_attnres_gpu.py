@@ -162,11 +162,11 @@ def _chain(src, params, ref: bool):
             rms_norm(attn_res(src[:l], q, kw, 1e-6), nw, 1e-6)
             for (q, kw, nw), l in zip(params, range(2, len(src) + 1), strict=True)
         ]
-    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
-    x, carrier = attn_res_norm_stream_start(src[:2], queries, key_weights, params[0][2], 1e-6, 1e-6)
+    queries, key_weights, norm_weights = (torch.stack([p[i] for p in params]) for i in range(3))
+    x, carrier = attn_res_norm_stream_start(src[:2], queries, key_weights, norm_weights, 1e-6, 1e-6)
     outs = [x]
-    for (_, _, nw), l in zip(params[1:], range(3, len(src) + 1), strict=True):
-        x, carrier = attn_res_norm_step(src[:l], carrier, nw, 1e-6)
+    for l in range(3, len(src) + 1):
+        x, carrier = attn_res_norm_step(src[:l], carrier, 1e-6)
         outs.append(x)
     return outs
 
@@ -252,17 +252,17 @@ def test_stream_finds_its_pointer_tables_again():
     ]
     weights = [torch.randn(D, device="cuda", generator=g).requires_grad_() for _ in range(2, S + 1)]
 
-    queries, key_weights = (torch.stack([p[i] for p in params]) for i in range(2))
+    queries, key_weights, norm_weights = (torch.stack([p[i] for p in params]) for i in range(3))
 
     def step():
         src = [torch.randn(B, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()]
         carrier = None
-        for (_, _, nw), w in zip(params, weights, strict=True):
+        for w in weights:
             src.append((src[-1] * w).bfloat16())  # a new tensor every step, as a sublayer output is
             if carrier is None:
-                x, carrier = attn_res_norm_stream_start(src, queries, key_weights, nw)
+                x, carrier = attn_res_norm_stream_start(src, queries, key_weights, norm_weights)
             else:
-                x, carrier = attn_res_norm_step(src, carrier, nw)
+                x, carrier = attn_res_norm_step(src, carrier)
         x.float().square().sum().backward()
 
     step()
@@ -272,3 +272,27 @@ def test_stream_finds_its_pointer_tables_again():
     torch.cuda.synchronize()
     built = len(set(rows._tables) - known)
     assert built == 0, f"{built} pointer tables built again on a repeated step"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n, step", [(1, 0), (1, 25), (2, 0)])
+def test_dzr_products_at_model_sizes(dtype, n, step):
+    """The stream's dL/du product (tensor cores for half sources, a full float32 product otherwise) at B=8, T=2048,
+    D=1024, K=27: the sum of its partial sums as accurate against a float64 product as cuBLAS's float32-accumulated
+    product of the same inputs."""
+    from hybrid_attention.ops.attnres.triton_stream import add_dzr_products_, param_table_rows
+
+    M, D, K = 8 * 2048, 1024, 27
+    g = torch.Generator("cuda").manual_seed(n + step)
+    srcs = [torch.randn(M, D, device="cuda", generator=g).to(dtype) for _ in range(n)]
+    half = dtype != torch.float32
+    dzr = torch.randn(n, 2 if half else 1, K - step, M, device="cuda", generator=g).to(dtype)
+    splits, _ = param_table_rows(M, srcs[0].device)
+    part = torch.randn(splits, K, D, device="cuda", generator=g)
+    want, plain = part.double().sum(0), part.sum(0)
+    for j, v in enumerate(srcs):
+        want[step:] += dzr[j].double().sum(0) @ v.double()
+        product = torch.mm(dzr[j].view(-1, M), v, out_dtype=torch.float32) if half else dzr[j].view(-1, M) @ v
+        plain[step:] += product.view(-1, K - step, D).sum(0)
+    add_dzr_products_(srcs, dzr, part, step)
+    assert_as_accurate(f"dz r products {dtype} n={n} step={step}", part.sum(0), want, plain)

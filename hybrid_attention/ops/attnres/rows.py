@@ -257,6 +257,16 @@ if triton is not None:
         return rm, m_ok, rm.to(tl.int64)[:, None] * D + offs_d[None, :], m_ok[:, None] & d_ok[None, :]
 
     @triton.jit
+    def source_pointer(table, j, src_ty, DIRECT: tl.constexpr, ALIGN: tl.constexpr):
+        """Source j's data pointer: table[j] cast to a pointer to src_ty, hinted ALIGN-byte aligned; with DIRECT,
+        `table` is the one source itself."""
+        if DIRECT:
+            ptr = table
+        else:
+            ptr = tl.multiple_of(tl.load(table + j).to(tl.pointer_type(src_ty)), ALIGN)
+        return ptr
+
+    @triton.jit
     def rms_norm_bwd_rows(g, hr, rho, nw, D):
         """The backward of rows y = nw * hr * rho (rho [BLOCK_M] their reciprocal RMS) from g = dL/dy [BLOCK_M,
         BLOCK_D], in the compute dtype: (dL/dhr, the rows' shares of dL/d nw), both [BLOCK_M, BLOCK_D]."""

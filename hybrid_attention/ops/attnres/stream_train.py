@@ -1,10 +1,9 @@
 """A Full AttnRes residual stream for training: each step is RMSNorm(AttnRes(sources)) fused into one Triton kernel
 forward and two backward, and each source's gradient is assembled once, complete, by one kernel.
 
-- `attn_res_norm_stream_start(sources, queries, key_weights, norm_weight, ...)`: the stream's first step, over any
-  sources, with the pseudo-queries and key-norm weights of all its K steps.
-- `attn_res_norm_step(sources, carrier, norm_weight, ...)`: each later step, over the previous step's sources and
-  one more.
+- `attn_res_norm_stream_start(sources, queries, key_weights, norm_weights, ...)`: the stream's first step, over any
+  sources, with the pseudo-queries, key-norm weights and RMSNorm weights of all its K steps.
+- `attn_res_norm_step(sources, carrier, ...)`: each later step, over the previous step's sources and one more.
 
 Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_full.py`) reads each source once and keeps lse,
 rho, the rounded mixture h and the logits z of its sources (n_k numbers per row). Backwards run from the last step
@@ -17,22 +16,23 @@ gradients.
 
 The tables travel between the backwards as gradients: every step returns, besides x, three placeholders (zero
 strides, no memory) that the next step takes as inputs; their gradients are the tables dh [K, ..., D], rows
-[K, 2 + S, ...] (c, lse, the logits of the stream's S sources) and cols [2, K, D] (u, dL/du). The first backward to
-run allocates them for the K steps (rows of steps that never run backward stay zero and add nothing), each later one
-fills its entries in place and hands them on, with the same shapes: hence the step count K is fixed at the start, by
-the queries [K, D], and with it S (each step reads one more source).
+[K, 2 + S, ...] (c, lse, the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then
+partial sums of dL/du and of dL/d norm_weight). The first backward to run allocates them for the K steps (rows of
+steps that never run backward stay zero and add nothing), each later one fills its entries in place and hands them
+on, with the same shapes: hence the step count K is fixed at the start, by the queries [K, D], and with it S (each
+step reads one more source).
 
 dL/du_k gathers terms from every source step k reads, so it is complete only in the stream start's backward, the last
-to run. The pseudo-queries and key-norm weights therefore enter every step as two stacked [K, D] tensors (each step
-reads its own row), and only the start returns their gradients; the stack's backward hands each parameter its
-row. Unused steps' parameters get zero gradients (not None) this way. The norm weights are local: each step returns
-its own.
+to run. The pseudo-queries, key-norm weights and RMSNorm weights therefore enter every step as three stacked [K, D]
+tensors (each step reads its own row), and only the start returns their gradients, summing every step's partial rows
+at once (the norm weights' too: one sum for the stream instead of one per step); the stack's backward hands each
+parameter its row. Unused steps' parameters get zero gradients (not None) this way.
 
 The kernels are custom ops with fake implementations and declared mutations of the tables, so
 `torch.compile(fullgraph=True)` traces a whole training step; eager calls the ops' bodies directly. Every sum has a
 fixed order (no atomics): with the same launch shapes (the autotuner's choice, kept for the process), the gradients
 are bitwise the same from run to run. The readable reference for step k is
-`rms_norm(naive.attn_res(sources, queries[k], key_weights[k], eps), norm_weight, norm_eps)`.
+`rms_norm(naive.attn_res(sources, queries[k], key_weights[k], eps), norm_weights[k], norm_eps)`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
+from hybrid_attention.ops.attnres.rows import check_sources
 from hybrid_attention.ops.attnres.triton_full import full_fwd
-from hybrid_attention.ops.attnres.triton_stream import stream_bwd_
+from hybrid_attention.ops.attnres.triton_stream import param_table_rows, stream_bwd_, stream_param_grads
 from hybrid_attention.ops.numerics import compute_dtype
 
 
@@ -57,6 +57,7 @@ class Carrier(NamedTuple):
     sources: int  # how many sources that step read
     queries: Tensor  # [K, D]
     key_weights: Tensor  # [K, D]
+    norm_weights: Tensor  # [K, D]
     eps: float  # the key norms' epsilon, one for the stream (the backward recomputes r_i once per source)
     tables: tuple[Tensor, Tensor, Tensor]
 
@@ -90,9 +91,9 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
 def _bwd_op(
     dx: Tensor | None, h: Tensor, stats: Tensor, logits: Tensor, queries: Tensor, key_weights: Tensor,
     norm_weight: Tensor, sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor, step: int, eps: float,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Writes step `step`'s entries of the tables, adds to cols[1]; -> (the gradients of `sources` [n, ..., D] in
-    their dtype, d norm_weight [D] in the compute dtype)."""
+) -> Tensor:  # fmt: skip
+    """Writes step `step`'s entries of the tables and adds to the dL/du partial sums; -> the gradients of `sources`
+    [n, ..., D] in their dtype."""
     return _stream_bwd(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps)
 
 
@@ -103,7 +104,18 @@ def _stream_bwd(dx, *args):
 @_bwd_op.register_fake
 def _(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
     s0 = sources[0]
-    return s0.new_empty(len(sources), *s0.shape), stats.new_empty(s0.shape[-1])
+    return s0.new_empty(len(sources), *s0.shape)
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_stream_param_grads", mutates_args=())
+def _param_grads_op(cols: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(dL/du, dL/d norm_weight) [K, D] of every step of a stream over `rows` rows, from its cols table."""
+    return stream_param_grads(cols, rows)
+
+
+@_param_grads_op.register_fake
+def _(cols, rows):
+    return cols.new_empty(cols.shape[1:]), cols.new_empty(cols.shape[1:])
 
 
 def _fwd(*args):
@@ -115,76 +127,86 @@ def _bwd(*args):
     return _bwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_bwd(*args)
 
 
+def _param_grads(*args):
+    return _param_grads_op._opoverload(*args) if torch.compiler.is_compiling() else stream_param_grads(*args)
+
+
 def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int) -> tuple[Tensor, Tensor, Tensor]:
     """The tables of a stream over S sources, for the first backward to run (step `step`): the steps after it never
     run theirs, so their entries are zero (dh = 0, c = 0 and u = 0, lse = 0, z = 0 keep p finite: their terms are
-    exactly zero)."""
+    exactly zero; their partial sums stay zero)."""
     dh = torch.empty(K, *h.shape, device=h.device, dtype=h.dtype)
     dh[step + 1 :].zero_()
     rows = torch.zeros(K, 2 + S, *h.shape[:-1], device=h.device, dtype=stats.dtype)
-    cols = torch.zeros(2, K, h.shape[-1], device=h.device, dtype=stats.dtype)
+    D = h.shape[-1]
+    splits, programs = param_table_rows(h.numel() // D if D else 0, h.device)
+    cols = torch.zeros(1 + splits + programs, K, D, device=h.device, dtype=stats.dtype)
     return dh, rows, cols
 
 
 class _StreamStep(torch.autograd.Function):
-    """Step `step` of a stream: x = RMSNorm(AttnRes(sources)) with the step's row of queries and key_weights, and
-    the three table placeholders. `dh_c, rows_c, cols_c`: the previous step's placeholders (None at the start)."""
+    """Step `step` of a stream: x = RMSNorm(AttnRes(sources)) with the step's row of queries, key_weights and
+    norm_weights, and the three table placeholders. `dh_c, rows_c, cols_c`: the previous step's placeholders (None
+    at the start)."""
 
     @staticmethod
-    def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weight, eps, norm_eps, step, *sources):
+    def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weights, eps, norm_eps, step, *sources):
+        norm_weight = norm_weights[step]
         x, h, stats, logits = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
         assembled = sources if step == 0 else sources[-1:]
-        ctx.save_for_backward(h, stats, logits, queries, key_weights, norm_weight, *assembled)
+        ctx.save_for_backward(h, stats, logits, queries, key_weights, norm_weights, *assembled)
         ctx.eps, ctx.step, ctx.n = eps, step, len(sources)
         ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
         K, D = queries.shape
         ctx.stream_sources = len(sources) + K - 1 - step  # each later step reads one more
+        splits, programs = param_table_rows(x.numel() // D if D else 0, x.device)
         placeholders = (
             x.new_empty(()).expand(K, *x.shape),
             stats.new_empty(()).expand(K, 2 + ctx.stream_sources, *x.shape[:-1]),
-            stats.new_empty(()).expand(2, K, D),
+            stats.new_empty(()).expand(1 + splits + programs, K, D),
         )
         return x, *placeholders
 
     @staticmethod
     def backward(ctx, dx, dh, rows, cols):
-        h, stats, logits, queries, key_weights, norm_weight, *assembled = ctx.saved_tensors
+        h, stats, logits, queries, key_weights, norm_weights, *assembled = ctx.saved_tensors
         step, n = ctx.step, ctx.n
         if dh is None:
             if dx is None:  # neither this step nor a later one reaches the loss
                 return (None,) * (9 + n)
             dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources)
-        dv, dnw = _bwd(
-            dx, h, stats, logits, queries, key_weights, norm_weight, assembled, dh, rows, cols, step, ctx.eps
+        dv = _bwd(
+            dx, h, stats, logits, queries, key_weights, norm_weights[step], assembled, dh, rows, cols, step, ctx.eps
         )
-        dnw = None if dx is None else dnw.to(norm_weight.dtype)
         if step > 0:
-            return (dh, rows, cols, None, None, dnw, None, None, None, *([None] * (n - 1)), dv[0])
-        du = cols[1]  # complete: every source is assembled
+            return (dh, rows, cols, None, None, None, None, None, None, *([None] * (n - 1)), dv[0])
+        # Complete: every source is assembled and every step has added its partial sums.
+        du, dnw = _param_grads(cols, h.numel() // h.shape[-1] if h.shape[-1] else 0)
         dq, dkw = (du * key_weights.to(du.dtype)).to(queries.dtype), (du * queries.to(du.dtype)).to(key_weights.dtype)
-        return (None, None, None, dq, dkw, dnw, None, None, None, *dv.unbind(0))
+        return (None, None, None, dq, dkw, dnw.to(norm_weights.dtype), None, None, None, *dv.unbind(0))
 
 
 def attn_res_norm_stream_start(
     sources: Sequence[Tensor],
     queries: Tensor,
     key_weights: Tensor,
-    norm_weight: Tensor,
+    norm_weights: Tensor,
     eps: float = 1e-6,
     norm_eps: float = 1e-6,
 ) -> tuple[Tensor, Carrier]:
-    """The first step of a Full AttnRes stream of K steps: RMSNorm(AttnRes(sources)) with queries[0], key_weights[0].
+    """The first step of a Full AttnRes stream of K steps: RMSNorm(AttnRes(sources)) with queries[0], key_weights[0]
+    and norm_weights[0].
 
     Args:
         sources: S x [B, T, D] (any [..., D]), one dtype and shape, contiguous, each its own tensor.
-        queries, key_weights: [K, D], the pseudo-queries and key-norm weights of all K steps of the stream, in order
-            (stacked once; each parameter gets its gradient through the stack). eps: their key norms' epsilon.
-        norm_weight: [D], the weight of this step's RMSNorm (applied to h rounded to the sources' dtype), norm_eps
-            its epsilon.
+        queries, key_weights, norm_weights: [K, D], the pseudo-queries, key-norm weights and RMSNorm weights of all K
+            steps of the stream, in order (stacked once; each parameter gets its gradient through the stack). eps:
+            the key norms' epsilon. Each step's RMSNorm is applied to h rounded to the sources' dtype.
+        norm_eps: this step's RMSNorm epsilon.
 
     Returns:
         x [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, queries[0], key_weights[0], eps),
-        norm_weight, norm_eps)`, and the carrier for step 1 (`attn_res_norm_step`).
+        norm_weights[0], norm_eps)`, and the carrier for step 1 (`attn_res_norm_step`).
     """
     name = "attn_res_norm_stream_start"
     check_sources(name, sources)
@@ -192,28 +214,27 @@ def attn_res_norm_stream_start(
         if not s.is_contiguous():
             raise ValueError(f"{name}: source {i} must be contiguous (its strides are {s.stride()})")
     D = sources[0].shape[-1]
-    for label, t in (("queries", queries), ("key_weights", key_weights)):
+    stacked = (("queries", queries), ("key_weights", key_weights), ("norm_weights", norm_weights))
+    for label, t in stacked:
         if t.dim() != 2 or t.shape[1] != D or t.shape[0] != queries.shape[0] or t.shape[0] == 0:
             raise ValueError(f"{name}: {label} must have shape [K, {D}] with K >= 1 (the same K), got {tuple(t.shape)}")
-    check_vectors(name, D, norm_weight=norm_weight)
-    queries, key_weights, eps = queries.contiguous(), key_weights.contiguous(), float(eps)
+    queries, key_weights, norm_weights = (t.contiguous() for _, t in stacked)
+    eps = float(eps)
     x, *tables = _StreamStep.apply(
-        None, None, None, queries, key_weights, norm_weight, eps, float(norm_eps), 0, *sources
+        None, None, None, queries, key_weights, norm_weights, eps, float(norm_eps), 0, *sources
     )
-    return x, Carrier(0, len(sources), queries, key_weights, eps, tuple(tables))
+    return x, Carrier(0, len(sources), queries, key_weights, norm_weights, eps, tuple(tables))
 
 
-def attn_res_norm_step(
-    sources: Sequence[Tensor], carrier: Carrier, norm_weight: Tensor, norm_eps: float = 1e-6
-) -> tuple[Tensor, Carrier]:
-    """The next step k of a Full AttnRes stream: RMSNorm(AttnRes(sources)) with the stream's queries[k] and
-    key_weights[k].
+def attn_res_norm_step(sources: Sequence[Tensor], carrier: Carrier, norm_eps: float = 1e-6) -> tuple[Tensor, Carrier]:
+    """The next step k of a Full AttnRes stream: RMSNorm(AttnRes(sources)) with the stream's queries[k],
+    key_weights[k] and norm_weights[k].
 
     Args:
         sources: the previous step's sources (the same tensors, in the same order) and one more, contiguous, like
             source 0.
         carrier: the previous step's (to be used by this step alone).
-        norm_weight: [D], the weight of this step's RMSNorm, norm_eps its epsilon.
+        norm_eps: this step's RMSNorm epsilon.
 
     Returns:
         x [B, T, D] and the carrier for the next step (drop the last step's).
@@ -234,9 +255,8 @@ def attn_res_norm_step(
         )
     if not newest.is_contiguous():
         raise ValueError(f"{name}: the newest source must be contiguous (its strides are {newest.stride()})")
-    check_vectors(name, s0.shape[-1], norm_weight=norm_weight)
     x, *tables = _StreamStep.apply(
-        *carrier.tables, carrier.queries, carrier.key_weights, norm_weight, carrier.eps, float(norm_eps), step,
-        *sources,
+        *carrier.tables, carrier.queries, carrier.key_weights, carrier.norm_weights, carrier.eps, float(norm_eps),
+        step, *sources,
     )  # fmt: skip
     return x, carrier._replace(step=step, sources=len(sources), tables=tuple(tables))

@@ -1,29 +1,35 @@
-"""The backward of one step of a Full AttnRes residual stream: two Triton kernels that finish the gradients of the
+"""The backward of one step of a Full AttnRes residual stream: the Triton kernels that finish the gradients of the
 sources the step is the first to read.
 
 Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k and the
 logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so when step k's runs, the later
 steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype), rows [K, 2 + S, M] (c, lse,
-then the logits of the stream's S sources) and cols [2, K, D] (u, then the running dL/du), all in the compute dtype
-but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
+then the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and
+of dL/d norm_weight), all in the compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes
+backward"):
 
     local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
-              reads see it), c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k and u_k go into
-              the tables (`stream_bwd_` copies the logits)
+              reads see it), c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k, u_k and the
+              step's logits go into the tables
     assembly  (`_stream_bwd_kernel`) for each source v_i this step is the first reader of (its newest one; all of
               them for k = 0), with the table entries of k' = k .. K-1:
                   p = exp(z_k',i - lse_k'),  dz = p (dh_k' . v_i - c_k')
                   dv_i = sum_k' [p dh_k' + dz r_i u_k'] - (r_i^2 / D) (sum_k' dz z_k',i) v_i
+    product   (`_du_kernel`) dL/du_k' += sum over rows of dz r_i v_i, for every k' >= k
 
-so v_i is read once, and each (step, source) pair costs one read of a dh row instead of a read of the source, and
-one dot product over D (the forward's logits spare the other). Two
-kernels, not one: the assembly loop is bound by how many of its programs fit on an SM, and the local part's rows and
-norm-weight sums would hold registers through it; splitting costs one more read of the dh_k rows.
-The assembly kernel also writes dz r_i per (source, step, row); `stream_bwd_` then adds du_k' += sum_rows dz r_i v_i
-for all k' >= k as one matrix product per source (cuBLAS, reading v_i once more). A step whose output has no
-gradient stores dh_k = 0 and c_k = 0, which add exactly nothing. The local kernel's programs loop over blocks of rows
-and sum their share of d norm_weight in registers, one partial row per program, summed in a fixed order
-(deterministic, no atomics).
+so v_i is read once by the assembly, and each (step, source) pair costs one read of a dh row instead of a read of the
+source, and one dot product over D (the forward's logits spare the other). Two kernels for the assembly, not one: its
+loop is bound by how many of its programs fit on an SM, and the local part's rows and norm-weight sums would hold
+registers through it; splitting costs one more read of the dh_k rows. The assembly writes dz r per (source, step,
+row), and the product reads it with the source once more, on tensor cores for half sources (dz r as two half parts,
+hi + lo, so the product sees about 16 bits of it). A step whose output has no gradient stores dh_k = 0 and c_k = 0,
+which add exactly nothing.
+
+No sum crosses programs within a step: the local kernel's programs each write one partial row of d norm_weight_k,
+the product's programs each add into their own partial row of dL/du (one per split of the rows), and the stream's
+first step, the last backward to run, adds the partial rows up once for every step (`stream_param_grads`). Every sum
+has a fixed order (deterministic, no atomics), and a step's backward is three kernels, with no reduction or pointer
+table copy of its own: the one source of a later step is passed to the kernels itself.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from hybrid_attention.ops.attnres.rows import (
     table_alignment,
     tuned_over_row_blocks,
 )
+from hybrid_attention.ops.triton_support import interpreting
 
 try:
     import triton
@@ -61,6 +68,11 @@ STREAM_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
     (2, 1, 1),
     (2, 2, 1),
 ]
+# The dL/du product: row blocks of DU_ROWS, DU_COLUMNS-wide column tiles, DU_STEPS steps per program, its rows split
+# DU_SPLITS ways (one partial sum each); and COPY_BLOCK logits per copy in the local kernel. Not tuned: the product
+# adds into its partial sums, so a timing run would add twice.
+DU_ROWS, DU_COLUMNS, DU_STEPS, DU_SPLITS, DU_WARPS, DU_STAGES = 32, 128, 32, 64, 4, 3
+COPY_BLOCK = 1024
 STREAM_LOCAL_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
     (2, 4, 3),
     (2, 2, 3),
@@ -73,7 +85,7 @@ STREAM_LOCAL_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
 
 
 if triton is not None:
-    from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block
+    from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block, source_pointer
     from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
@@ -111,16 +123,20 @@ if triton is not None:
         queries,  # [K, D]
         key_ws,  # [K, D]
         norm_w,  # [D]
+        logits,  # [n_logits] the step's logits of its sources (compute dtype), copied into rows[k, 2:]
         dh_all,  # [K, M, D] the sources' dtype: row k written here
-        rows,  # [K, R, M] compute dtype: c, lse (then logits)
+        rows,  # [K, R, M] compute dtype: c, lse, then the logits
         u_all,  # [K, D] compute dtype: u
-        dnw_part,  # [programs, D] partial sums of d norm_weight (compute dtype)
+        dnw_part,  # [programs, K, D] compute dtype: partial sums of d norm_weight, [pid, k] written here
         M,
         D,
         R,
+        K,
         k,
+        n_logits,
         HAS_DX: tl.constexpr,
         CDT: tl.constexpr,
+        COPY_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
         STAGES: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -134,6 +150,12 @@ if triton is not None:
         if pid == 0:
             u = folded_query(queries + k64 * D, key_ws + k64 * D, offs_d, d_ok, CDT)
             tl.store(u_all + k64 * D + offs_d, u, mask=d_ok)
+        # The step's logits go to the table as one contiguous block (rows[k, 2 : 2 + S_k] is S_k rows of M).
+        offs_c = tl.arange(0, COPY_BLOCK)
+        z_rows = rows + (k64 * R + 2) * M
+        for c0 in range(pid * COPY_BLOCK, n_logits, tl.num_programs(0) * COPY_BLOCK):
+            c_ok = c0 + offs_c < n_logits
+            tl.store(z_rows + c0 + offs_c, tl.load(logits + c0 + offs_c, mask=c_ok, other=0.0), mask=c_ok)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
         dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
@@ -153,7 +175,7 @@ if triton is not None:
             tl.store(dh_all + k64 * M * D + at, dh.to(src_ty), mask=mask)
             tl.store(rows + k64 * R * M + rm, c, mask=m_ok)
             tl.store(rows + (k64 * R + 1) * M + rm, tl.load(stats + rm, mask=m_ok, other=0.0), mask=m_ok)
-        tl.store(dnw_part + pid * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
+        tl.store(dnw_part + (pid * K + k64) * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
 
     # STREAM_BWD_CONFIGS; the first is the one the interpreter runs. STAGES > 1 has the compiler copy the later
     # steps' rows into shared memory that many steps ahead, so loads are in flight without holding registers: the
@@ -180,6 +202,7 @@ if triton is not None:
         eps,
         eps_lo,
         K_BUCKET,  # autotuning key only
+        DIRECT: tl.constexpr,  # n == 1 and `table` is that source itself (no table to build and copy)
         SPLIT_DZR: tl.constexpr,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
@@ -198,7 +221,7 @@ if triton is not None:
             rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)
             for j in range(0, n):
                 j64 = tl.zeros([], tl.int64) + j
-                ptr = tl.multiple_of(tl.load(table + j).to(tl.pointer_type(src_ty)), ALIGN)
+                ptr = source_pointer(table, j, src_ty, DIRECT, ALIGN)
                 v = tl.load(ptr + at, mask=mask, other=0.0).to(CDT)
                 r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
                 acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
@@ -219,15 +242,103 @@ if triton is not None:
                 out = acc - (r * r / D * s)[:, None] * v
                 tl.store(dv + j64 * M * D + at, out.to(src_ty), mask=mask)
 
+    @triton.jit
+    def _du_kernel(
+        table,  # int64 [n]: data pointers of the n sources, each [M, D] contiguous (the source itself when DIRECT)
+        dzr,  # [n, H, K - k, M] dz r per source, plane, step k.., row: the sources' dtype when H = 2, else compute
+        du_part,  # [splits, K, D] compute dtype: partial sums of dL/du, one per split of the rows; added to
+        M,
+        D,
+        K,
+        k,
+        n,
+        split_rows,  # rows per split, a multiple of BLOCK_M
+        H: tl.constexpr,
+        DIRECT: tl.constexpr,
+        DOT: tl.constexpr,  # 1: tensor-core product (half), 2: full float32 product, 0: float64 by hand
+        CDT: tl.constexpr,
+        ALIGN: tl.constexpr,
+        STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """du_part[split, k + s] += sum over the split's rows m and the n sources and H planes of dzr[j, h, s, m]
+        v_j[m]: one program per (split, column tile, block of steps), its rows in a fixed order."""
+        split = tl.program_id(0)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_s = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_m = tl.arange(0, BLOCK_M)
+        src_ty = dzr.dtype.element_ty
+        d_ok = offs_d < D
+        s_ok = offs_s < K - k
+        part_mask = s_ok[:, None] & d_ok[None, :]
+        part = du_part + ((tl.zeros([], tl.int64) + split) * K + k + offs_s)[:, None] * D + offs_d[None, :]
+        acc = tl.load(part, mask=part_mask, other=0.0)
+        plane = (tl.zeros([], tl.int64) + K - k) * M
+        start = split * split_rows
+        end = tl.minimum(start + split_rows, M)
+        for j in range(0, n):
+            ptr = source_pointer(table, j, src_ty, DIRECT, ALIGN)
+            for m0 in tl.range(start, end, BLOCK_M, num_stages=STAGES):
+                rm = m0 + offs_m
+                m_ok = rm < end
+                v = tl.load(
+                    ptr + rm.to(tl.int64)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+                )
+                for hh in tl.static_range(H):
+                    at = (j * H + hh) * plane + offs_s.to(tl.int64)[:, None] * M + rm[None, :]
+                    a = tl.load(dzr + at, mask=s_ok[:, None] & m_ok[None, :], other=0.0)
+                    if DOT == 1:
+                        acc = tl.dot(a, v, acc)
+                    elif DOT == 2:
+                        acc = tl.dot(a.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc += tl.sum(a.to(CDT)[:, :, None] * v.to(CDT)[None, :, :], axis=1)
+        tl.store(part, acc, mask=part_mask)
 
-def _dzr_times_rows(dzr, v):
-    """dzr [N, M] (the compute dtype, or hi and lo parts in v's half dtype) @ v [M, D] -> [N, D] in the compute dtype,
-    accumulated in it."""
-    if v.dtype not in HALF:  # dzr in v's dtype, float32 or float64
-        return dzr @ v
-    if v.is_cuda:
-        return torch.mm(dzr, v, out_dtype=torch.float32)
-    return dzr.float() @ v.float()  # no mixed-precision product on the CPU (interpreter tests)
+
+def param_table_rows(M: int, device: torch.device) -> tuple[int, int]:
+    """(splits of the dL/du product, programs of the local kernel) for a stream over M rows: the partial-sum rows of
+    the stream's cols table [1 + splits + programs, K, D]."""
+    splits = max(1, min(DU_SPLITS, -(-M // DU_ROWS)))
+    return splits, row_programs(M, device)
+
+
+def stream_param_grads(cols: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The complete dL/du and dL/d norm_weight [K, D] of every step, in a fixed order, from the cols table of a
+    stream over M rows (after its last backward)."""
+    splits, _ = param_table_rows(M, cols.device)
+    return cols[1 : 1 + splits].sum(0), cols[1 + splits :].sum(0)
+
+
+def add_dzr_products_(sources, dzr, du_part, step, table=None, direct=None):
+    """du_part[split, step + s] += the split's share of sum_j sum_planes dzr[j, plane, s] @ v_j: the dL/du terms of
+    the n sources for steps step .. K - 1.
+
+    Args:
+        sources: n x [..., D] contiguous, one dtype; `table, direct`: their pointer table, or the one source itself
+            with direct True (built here when None).
+        dzr: [n, planes, K - step, M] (the assembly's dz r; two half planes for half sources).
+        du_part: [splits, K, D] contiguous, the compute dtype, `param_table_rows(M)[0]` splits.
+    """
+    s0 = sources[0]
+    n, D = len(sources), s0.shape[-1]
+    M, K = dzr.shape[-1], du_part.shape[1]
+    if table is None:
+        table, direct = (s0, True) if n == 1 else (pointer_table(sources), False)
+    cdt = du_part.dtype
+    rows_per_split = -(-M // du_part.shape[0])
+    split_rows = -(-rows_per_split // DU_ROWS) * DU_ROWS
+    # Half sources under the interpreter take the float32 product (exact products, float32 sums, as on tensor
+    # cores): its half-precision product is wrong.
+    dot = 0 if cdt == torch.float64 else 1 if s0.dtype in HALF and not interpreting() else 2
+    width = max(16, min(DU_COLUMNS, block_d(D)))
+    _du_kernel[(du_part.shape[0], -(-D // width), -(-(K - step) // DU_STEPS))](
+        table, dzr, du_part, M, D, K, step, n, split_rows, H=dzr.shape[1], DIRECT=direct, DOT=dot,
+        CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), STAGES=DU_STAGES, BLOCK_M=DU_ROWS,
+        BLOCK_D=width, BLOCK_K=DU_STEPS, num_warps=DU_WARPS,
+    )  # fmt: skip
 
 
 def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
@@ -239,36 +350,37 @@ def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources
             logits [S_step, ...] (z of each source the step read), both in the compute dtype.
         queries, key_weights: [K, D], every step's; norm_weight: [D], this step's.
         sources: n x [..., D], the sources whose gradients this step completes: the last n it read.
-        dh, rows, cols: the stream's tables [K, ..., D], [K, 2 + S, ...] (S >= S_step), [2, K, D]; entries `step`
-            are written, cols[1] (dL/du of every step) is added to.
+        dh, rows, cols: the stream's tables [K, ..., D], [K, 2 + S, ...] (S >= S_step) and [1 + splits + programs, K,
+            D] (`param_table_rows`: u, then partial sums of dL/du and of dL/d norm_weight); entries `step` are
+            written, the dL/du partial sums of every step added to.
 
     Returns:
-        (the sources' gradients [n, ..., D] in their dtype, d norm_weight [D] in the compute dtype).
+        the sources' gradients [n, ..., D] in their dtype.
     """
     s0 = sources[0]
     n, D, K = len(sources), s0.shape[-1], queries.shape[0]
     M = s0.numel() // D if D else 0
     cdt = stats.dtype
     split = s0.dtype in HALF
-    dzr = torch.empty(n, 2 if split else 1, K - step, M, device=s0.device, dtype=s0.dtype if split else cdt)
-    local_programs = row_programs(M, s0.device)
-    dnw_part = torch.empty(local_programs, D, device=s0.device, dtype=cdt)
     dv = torch.empty(n, *s0.shape, device=s0.device, dtype=s0.dtype)
     read, R = logits.shape[0], rows.shape[1]
-    rows[step, 2 : 2 + read] = logits
     if M == 0:
         cols[0, step] = queries[step].to(cdt) * key_weights[step].to(cdt)
-        return dv, dnw_part.new_zeros(D)
+        return dv
+    splits, local_programs = param_table_rows(M, s0.device)
     tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
     _stream_local_kernel[(local_programs,)](
-        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, dh, rows, cols, dnw_part, M, D, R,
-        step, HAS_DX=dx is not None, CDT=tl_cdt, BLOCK_D=width,
+        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, logits, dh, rows, cols,
+        cols[1 + splits], M, D, R, K, step, read * M, HAS_DX=dx is not None, CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK,
+        BLOCK_D=width,
     )  # fmt: skip
+    # One source (every step but the first) is passed itself: no pointer table to build and copy.
+    table, direct = (s0, True) if n == 1 else (pointer_table(sources), False)
+    align = table_alignment(sources)
+    dzr = torch.empty(n, 2 if split else 1, K - step, M, device=s0.device, dtype=s0.dtype if split else cdt)
     _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
-        pointer_table(sources), dv, dh, rows, cols, dzr, M, D, R, K, step, read - n, n, *split_scalar(eps),
-        source_bucket(K - step), SPLIT_DZR=split, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
+        table, dv, dh, rows, cols, dzr, M, D, R, K, step, read - n, n, *split_scalar(eps), source_bucket(K - step),
+        DIRECT=direct, SPLIT_DZR=split, CDT=tl_cdt, ALIGN=align, BLOCK_D=width,
     )  # fmt: skip
-    du = cols[1, step:]
-    for i, v in enumerate(sources):  # a fixed order: deterministic
-        du += _dzr_times_rows(dzr[i].view(-1, M), v.view(M, D)).view(-1, K - step, D).sum(0)
-    return dv, dnw_part.sum(0)
+    add_dzr_products_(sources, dzr, cols[1 : 1 + splits], step, table, direct)
+    return dv
