@@ -209,11 +209,12 @@ def tuned_over_sources(configs: list[dict]):
 
 def tuned_over_row_blocks(configs: list[dict], key: list[str]):
     """triton.autotune over configs of a kernel whose tile is BLOCK_M rows by BLOCK_D (dicts with "BLOCK_M" and
-    "num_warps", and any other constexprs), keyed by `key`; tiles of more than MAX_TILE elements are dropped at tuning
-    time (see `tuned_over_configs`)."""
+    "num_warps", and any other constexprs), keyed by `key` and the row count M (its programs loop over the rows: the
+    best shape for a few rows per program is not the best for many); tiles of more than MAX_TILE elements are dropped
+    at tuning time (see `tuned_over_configs`)."""
     return tuned_over_configs(
         configs,
-        key=key,
+        key=[*key, "M"],
         keep=lambda config, named_args, width: config.kwargs["BLOCK_M"] * width <= MAX_TILE,
         tile_size=lambda config: config.kwargs["BLOCK_M"],
     )
