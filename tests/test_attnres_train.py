@@ -510,3 +510,18 @@ def test_sources_off_16_byte_boundaries():
         assert torch.equal(a, s), f"output {i}"
     for i, (a, s) in enumerate(zip(a_grads, s_grads, strict=True)):
         assert (a is None and s is None) or torch.equal(a, s), f"gradient {i}"
+
+
+def test_chain_without_rows():
+    """A stream over sources with no rows (an empty batch): empty outputs, empty source gradients, and zero
+    gradients for every step's parameters, as the reference gives."""
+    S, D = 4, 16
+    src = [torch.randn(2, 0, D, dtype=F64, device=DEV).requires_grad_() for _ in range(S)]
+    params = [vectors(D, 3, seed=90 + l) for l in range(2, S + 1)]
+    outs = run_chain(src, params, 2, range(2, S + 1))
+    assert all(o.shape == (2, 0, D) for o in outs)
+    flat = [p for ps in params for p in ps]
+    got = torch.autograd.grad(sum(o.sum() for o in outs), src + flat)  # None for any input would fail here
+    assert all(g.shape == (2, 0, D) for g in got[:S])
+    for i, g in enumerate(got[S:]):
+        assert torch.equal(g, torch.zeros_like(g)), f"parameter {i}: {g}"
