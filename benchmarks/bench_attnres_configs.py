@@ -95,7 +95,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
         source = sources[k]  # a stream step assembles one source, passed itself (DIRECT)
         dzr = torch.randn(1, 2, K - k, M, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.rand(k + 1, M, device=dev, generator=gen)
-        local_args = (dx, h, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits], M, D, 2 + K, K)
+        local_args = (dx, h, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits :], M, D, 2 + K, K)
         local_args += (k, logits.numel())
         local_consts = dict(HAS_DX=True, CDT=tl.float32, COPY_BLOCK=COPY_BLOCK, BLOCK_D=D)
         _stream_local_kernel[(local_programs,)](*local_args, **local_consts)  # tunes it

@@ -371,7 +371,7 @@ def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources
     tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
     _stream_local_kernel[(local_programs,)](
         h if dx is None else dx, h, stats, queries, key_weights, norm_weight, logits, dh, rows, cols,
-        cols[1 + splits], M, D, R, K, step, read * M, HAS_DX=dx is not None, CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK,
+        cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK,
         BLOCK_D=width,
     )  # fmt: skip
     # One source (every step but the first) is passed itself: no pointer table to build and copy.
