@@ -427,7 +427,7 @@ def test_opcheck():
         )
         args = (dx, h, stats, logits, queries, key_ws, params0[2], src0[1:2], *tables, 1, EPS)
         torch.library.opcheck(ops.attn_res_stream_bwd, args)
-    torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[2], x.numel() // D))
+    torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[2], splits))
     queries, key_ws = vectors(D, 2, seed=32, rows=2)
     torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
     out, lse = attn_res_partial_train(src, queries, key_ws, EPS)

@@ -122,6 +122,12 @@ def captured_tables(arena_entries: int = 1 << 16):
         _captured.remove(kept)
 
 
+def source_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A kernel's `table` argument for the n sources `tensors`: the one source itself when n == 1 (the kernels read it
+    with DIRECT: no table to build and copy), else their `pointer_table`."""
+    return tensors[0] if len(tensors) == 1 else pointer_table(tensors)
+
+
 def table_alignment(tensors: Sequence[torch.Tensor]) -> int:
     """The kernels' ALIGN for a `pointer_table` of `tensors`: 16 when every tensor starts on a 16-byte boundary, else
     1. A pointer loaded from a table carries no alignment the compiler can see, so without the hint each element of

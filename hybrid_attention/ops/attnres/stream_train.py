@@ -108,13 +108,14 @@ def _(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_stream_param_grads", mutates_args=())
-def _param_grads_op(cols: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """(dL/du, dL/d norm_weight) [K, D] of every step of a stream over `rows` rows, from its cols table."""
-    return stream_param_grads(cols, rows)
+def _param_grads_op(cols: Tensor, splits: int) -> tuple[Tensor, Tensor]:
+    """(dL/du, dL/d norm_weight) [K, D] of every step of a stream, from its cols table with `splits` partial sums of
+    dL/du."""
+    return stream_param_grads(cols, splits)
 
 
 @_param_grads_op.register_fake
-def _(cols, rows):
+def _(cols, splits):
     return cols.new_empty(cols.shape[1:]), cols.new_empty(cols.shape[1:])
 
 
@@ -131,16 +132,14 @@ def _param_grads(*args):
     return _param_grads_op._opoverload(*args) if torch.compiler.is_compiling() else stream_param_grads(*args)
 
 
-def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The tables of a stream over S sources, for the first backward to run (step `step`): the steps after it never
-    run theirs, so their entries are zero (dh = 0, c = 0 and u = 0, lse = 0, z = 0 keep p finite: their terms are
-    exactly zero; their partial sums stay zero)."""
+def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int, cols_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The tables of a stream over S sources, cols with `cols_rows` rows, for the first backward to run (step
+    `step`): the steps after it never run theirs, so their entries are zero (dh = 0, c = 0 and u = 0, lse = 0, z = 0
+    keep p finite: their terms are exactly zero; their partial sums stay zero)."""
     dh = torch.empty(K, *h.shape, device=h.device, dtype=h.dtype)
     dh[step + 1 :].zero_()
     rows = torch.zeros(K, 2 + S, *h.shape[:-1], device=h.device, dtype=stats.dtype)
-    D = h.shape[-1]
-    splits, programs = param_table_rows(h.numel() // D if D else 0, h.device)
-    cols = torch.zeros(1 + splits + programs, K, D, device=h.device, dtype=stats.dtype)
+    cols = torch.zeros(cols_rows, K, h.shape[-1], device=h.device, dtype=stats.dtype)
     return dh, rows, cols
 
 
@@ -159,11 +158,12 @@ class _StreamStep(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
         K, D = queries.shape
         ctx.stream_sources = len(sources) + K - 1 - step  # each later step reads one more
-        splits, programs = param_table_rows(x.numel() // D if D else 0, x.device)
+        ctx.splits, programs = param_table_rows(x.numel() // D if D else 0, x.device)
+        ctx.cols_rows = 1 + ctx.splits + programs
         placeholders = (
             x.new_empty(()).expand(K, *x.shape),
             stats.new_empty(()).expand(K, 2 + ctx.stream_sources, *x.shape[:-1]),
-            stats.new_empty(()).expand(1 + splits + programs, K, D),
+            stats.new_empty(()).expand(ctx.cols_rows, K, D),
         )
         return x, *placeholders
 
@@ -174,14 +174,14 @@ class _StreamStep(torch.autograd.Function):
         if dh is None:
             if dx is None:  # neither this step nor a later one reaches the loss
                 return (None,) * (9 + n)
-            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources)
+            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources, ctx.cols_rows)
         dv = _bwd(
             dx, h, stats, logits, queries, key_weights, norm_weights[step], assembled, dh, rows, cols, step, ctx.eps
         )
         if step > 0:
             return (dh, rows, cols, None, None, None, None, None, None, *([None] * (n - 1)), dv[0])
         # Complete: every source is assembled and every step has added its partial sums.
-        du, dnw = _param_grads(cols, h.numel() // h.shape[-1] if h.shape[-1] else 0)
+        du, dnw = _param_grads(cols, ctx.splits)
         dq, dkw = (du * key_weights.to(du.dtype)).to(queries.dtype), (du * queries.to(du.dtype)).to(key_weights.dtype)
         return (None, None, None, dq, dkw, dnw.to(norm_weights.dtype), None, None, None, *dv.unbind(0))
 

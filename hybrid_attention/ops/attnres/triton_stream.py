@@ -39,9 +39,9 @@ import torch
 from hybrid_attention.ops.attnres.rows import (
     block_d,
     compute_tl_dtype,
-    pointer_table,
     row_programs,
     source_bucket,
+    source_table,
     split_scalar,
     table_alignment,
     tuned_over_row_blocks,
@@ -305,28 +305,25 @@ def param_table_rows(M: int, device: torch.device) -> tuple[int, int]:
     return splits, row_programs(M, device)
 
 
-def stream_param_grads(cols: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The complete dL/du and dL/d norm_weight [K, D] of every step, in a fixed order, from the cols table of a
-    stream over M rows (after its last backward)."""
-    splits, _ = param_table_rows(M, cols.device)
+def stream_param_grads(cols: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The complete dL/du and dL/d norm_weight [K, D] of every step, in a fixed order, from a stream's cols table
+    (after its last backward) with `splits` partial sums of dL/du (`param_table_rows`)."""
     return cols[1 : 1 + splits].sum(0), cols[1 + splits :].sum(0)
 
 
-def add_dzr_products_(sources, dzr, du_part, step, table=None, direct=None):
+def add_dzr_products_(sources, dzr, du_part, step, table=None):
     """du_part[split, step + s] += the split's share of sum_j sum_planes dzr[j, plane, s] @ v_j: the dL/du terms of
     the n sources for steps step .. K - 1.
 
     Args:
-        sources: n x [..., D] contiguous, one dtype; `table, direct`: their pointer table, or the one source itself
-            with direct True (built here when None).
+        sources: n x [..., D] contiguous, one dtype; `table`: their `source_table` (built here when None).
         dzr: [n, planes, K - step, M] (the assembly's dz r; two half planes for half sources).
         du_part: [splits, K, D] contiguous, the compute dtype, `param_table_rows(M)[0]` splits.
     """
     s0 = sources[0]
     n, D = len(sources), s0.shape[-1]
     M, K = dzr.shape[-1], du_part.shape[1]
-    if table is None:
-        table, direct = (s0, True) if n == 1 else (pointer_table(sources), False)
+    table = source_table(sources) if table is None else table
     cdt = du_part.dtype
     rows_per_split = -(-M // du_part.shape[0])
     split_rows = -(-rows_per_split // DU_ROWS) * DU_ROWS
@@ -335,7 +332,7 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None, direct=None):
     dot = 0 if cdt == torch.float64 else 1 if s0.dtype in HALF and not interpreting() else 2
     width = max(16, min(DU_COLUMNS, block_d(D)))
     _du_kernel[(du_part.shape[0], -(-D // width), -(-(K - step) // DU_STEPS))](
-        table, dzr, du_part, M, D, K, step, n, split_rows, H=dzr.shape[1], DIRECT=direct, DOT=dot,
+        table, dzr, du_part, M, D, K, step, n, split_rows, H=dzr.shape[1], DIRECT=n == 1, DOT=dot,
         CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), STAGES=DU_STAGES, BLOCK_M=DU_ROWS,
         BLOCK_D=width, BLOCK_K=DU_STEPS, num_warps=DU_WARPS,
     )  # fmt: skip
@@ -361,7 +358,7 @@ def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources
     n, D, K = len(sources), s0.shape[-1], queries.shape[0]
     M = s0.numel() // D if D else 0
     cdt = stats.dtype
-    split = s0.dtype in HALF
+    split_dzr = s0.dtype in HALF  # dz r as hi and lo parts in the sources' half dtype
     dv = torch.empty(n, *s0.shape, device=s0.device, dtype=s0.dtype)
     read, R = logits.shape[0], rows.shape[1]
     if M == 0:
@@ -374,13 +371,11 @@ def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources
         cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK,
         BLOCK_D=width,
     )  # fmt: skip
-    # One source (every step but the first) is passed itself: no pointer table to build and copy.
-    table, direct = (s0, True) if n == 1 else (pointer_table(sources), False)
-    align = table_alignment(sources)
-    dzr = torch.empty(n, 2 if split else 1, K - step, M, device=s0.device, dtype=s0.dtype if split else cdt)
+    table = source_table(sources)  # every step but the first has one source: no pointer table
+    dzr = torch.empty(n, 2 if split_dzr else 1, K - step, M, device=s0.device, dtype=s0.dtype if split_dzr else cdt)
     _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
         table, dv, dh, rows, cols, dzr, M, D, R, K, step, read - n, n, *split_scalar(eps), source_bucket(K - step),
-        DIRECT=direct, SPLIT_DZR=split, CDT=tl_cdt, ALIGN=align, BLOCK_D=width,
+        DIRECT=n == 1, SPLIT_DZR=split_dzr, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
     )  # fmt: skip
-    add_dzr_products_(sources, dzr, cols[1 : 1 + splits], step, table, direct)
+    add_dzr_products_(sources, dzr, cols[1 : 1 + splits], step, table)
     return dv
