@@ -47,10 +47,11 @@ def _time_us(fn, graph: bool = False) -> float:
 def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     import triton.language as tl
 
-    from hybrid_attention.ops.attnres.rows import pointer_table, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.rows import pointer_table, residual_scale, source_bucket, split_scalar
     from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS, _full_fwd_kernel
 
     out, h = torch.empty_like(sources[0]), torch.empty_like(sources[0])
+    h_res = torch.empty_like(sources[0], dtype=torch.int8)  # h's rounding residual, kept for the stream backward
     stats = torch.empty(2, M, device=out.device)
     results = {}
     for S in counts:
@@ -58,9 +59,10 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
         logits = torch.empty(S, M, device=out.device)  # a stream step keeps its logits for the backward
         for align, (block_s, warps, stages) in itertools.product(aligns, FULL_FWD_CONFIGS):
             launch = _launcher(
-                _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, stats, logits, M,
-                S, D, *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, SAVE_Z=True,
-                CDT=tl.float32, ALIGN=align, BLOCK_S=block_s, STAGES=stages, BLOCK_D=D, num_warps=warps,
+                _full_fwd_kernel, (M,), table, sources[0], queries[0], key_ws[0], norm_w, out, h, h_res, stats,
+                logits, M, S, D, *split_scalar(EPS), *split_scalar(EPS), source_bucket(S), SAVE_H=True, SAVE_Z=True,
+                RES_SCALE=residual_scale(out.dtype), CDT=tl.float32, ALIGN=align, BLOCK_S=block_s, STAGES=stages,
+                BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
             results[f"S={S} ALIGN={align} BLOCK_S={block_s} warps={warps} STAGES={stages}"] = _time_us(launch)
     return results
@@ -69,7 +71,7 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
 def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     import triton.language as tl
 
-    from hybrid_attention.ops.attnres.rows import row_programs, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.rows import residual_scale, row_programs, source_bucket, split_scalar
     from hybrid_attention.ops.attnres.triton_stream import (
         COPY_BLOCK,
         STREAM_BWD_CONFIGS,
@@ -84,6 +86,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     gen = torch.Generator(device=dev).manual_seed(1)
     dx = torch.randn(M, D, device=dev, dtype=torch.bfloat16, generator=gen)
     h = torch.randn(M, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    h_res = torch.randint(-127, 128, (M, D), device=dev, dtype=torch.int8, generator=gen)
     stats = torch.rand(2, M, device=dev, generator=gen) + 0.5
     dh = torch.randn(K, M, D, device=dev, dtype=torch.bfloat16, generator=gen) * 0.01
     rows = torch.rand(K, 2 + K, M, device=dev, generator=gen)  # c, lse, then the logits of K sources
@@ -95,9 +98,10 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
         source = sources[k]  # a stream step assembles one source, passed itself (DIRECT)
         dzr = torch.randn(1, 2, K - k, M, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.rand(k + 1, M, device=dev, generator=gen)
-        local_args = (dx, h, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits :], M, D, 2 + K, K)
-        local_args += (k, logits.numel())
+        local_args = (dx, h, h_res, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits :], M, D)
+        local_args += (2 + K, K, k, logits.numel())
         local_consts = dict(HAS_DX=True, CDT=tl.float32, COPY_BLOCK=COPY_BLOCK, BLOCK_D=D)
+        local_consts["RES_SCALE"] = residual_scale(h.dtype)
         _stream_local_kernel[(local_programs,)](*local_args, **local_consts)  # tunes it
         best = _stream_local_kernel.best_config
         # The step's own rows of the tables at the tuned launch shape, without the tuner's host work: part of every

@@ -152,13 +152,14 @@ def compile_attnres(D: int, dtype) -> str:
     cdt = torch.float32  # the parameters' and statistics' dtype under every source dtype
     src = [torch.randn(M, D, dtype=dtype) for _ in range(S)]
     w = lambda *shape: torch.randn(*shape, dtype=cdt)  # noqa: E731
-    x, h, stats, logits = triton_full.full_fwd(src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True, save_logits=True)
+    x, h, h_res, stats, logits = triton_full.full_fwd(src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True, save_logits=True)
     triton_full.full_bwd(x, src, w(D), w(D), w(D), stats, 1e-6)
     rows = torch.zeros(K, 2 + S + K - 1, M, dtype=cdt)
     splits, programs = triton_stream.param_table_rows(M, x.device)
     tables = (torch.zeros(K, M, D, dtype=dtype), rows, torch.zeros(1 + splits + programs, K, D, dtype=cdt))
-    triton_stream.stream_bwd_(x, h, stats, logits, w(K, D), w(K, D), w(D), src[-1:], *tables, 1, 1e-6)
-    triton_stream.stream_bwd_(x, h, stats, logits, w(K, D), w(K, D), w(D), src[-2:], *tables, 1, 1e-6)  # a table
+    saved = (h, h_res, stats, logits)
+    triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-1:], *tables, 1, 1e-6)
+    triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-2:], *tables, 1, 1e-6)  # a table
     out, lse = triton_block.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
     triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
     many = src * 3  # past one tile of blocks: the row-at-a-time phase-1 backward

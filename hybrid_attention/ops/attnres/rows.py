@@ -68,6 +68,16 @@ def check_vectors(name: str, D: int, **vectors: torch.Tensor) -> None:
             raise ValueError(f"{name}: {label} must have shape [{D}], got {tuple(t.shape)}")
 
 
+def residual_scale(dtype: torch.dtype) -> float:
+    """The scale of a half-precision mixture's rounding residual kept in 8 bits, 0.0 for other dtypes (none is kept).
+
+    h rounds to h_r with |h - h_r| < |h_r| eps (eps = 2^-7 for bf16, 2^-10 for fp16; half that when rounding to
+    nearest, but Triton's interpreter truncates to bf16), so the fraction (h - h_r) / h_r times 127 / eps lies in
+    [-127, 127]: an int8 that gives h back to about 2^-7 of its rounding. The backward needs the unrounded h in
+    dh . h, a sum that cancels against the sources' dh . v_i (docs/math.md, "AttnRes backward")."""
+    return 127.0 / torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 0.0
+
+
 def compute_tl_dtype(dtype: torch.dtype):
     """float64 math for float64 tensors (interpreter tests), float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32

@@ -6,13 +6,13 @@ forward and two backward, and each source's gradient is assembled once, complete
 - `attn_res_norm_step(sources, carrier, ...)`: each later step, over the previous step's sources and one more.
 
 Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_full.py`) reads each source once and keeps lse,
-rho, the rounded mixture h and the logits z of its sources (n_k numbers per row). Backwards run from the last step
-down, and step k's runs after every later reader of its newest source and before the sublayer that produced it: that
-is when the source's gradient can be finished. So step k's backward (`triton_stream.py`) does its own RMSNorm
-backward from h, stores its dh and per-row numbers in tables shared by the stream, and assembles the complete
-gradient of its newest source (of all its sources for k = 0) from those tables, reading the source once and one dh
-row per later step (docs/math.md, "AttnRes backward"). Older sources get nothing from step k: autograd sums no
-gradients.
+rho, the rounded mixture h (with its rounding residual in 8 bits for half sources) and the logits z of its sources
+(n_k numbers per row). Backwards run from the last step down, and step k's runs after every later reader of its
+newest source and before the sublayer that produced it: that is when the source's gradient can be finished. So step
+k's backward (`triton_stream.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in tables
+shared by the stream, and assembles the complete gradient of its newest source (of all its sources for k = 0) from
+those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes backward"). Older
+sources get nothing from step k: autograd sums no gradients.
 
 The tables travel between the backwards as gradients: every step returns, besides x, three placeholders (zero
 strides, no memory) that the next step takes as inputs; their gradients are the tables dh [K, ..., D], rows
@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import check_sources
+from hybrid_attention.ops.attnres.rows import check_sources, residual_scale
 from hybrid_attention.ops.attnres.triton_full import full_fwd
 from hybrid_attention.ops.attnres.triton_stream import param_table_rows, stream_bwd_, stream_param_grads
 from hybrid_attention.ops.numerics import compute_dtype
@@ -65,9 +65,9 @@ class Carrier(NamedTuple):
 @torch.library.custom_op("hybrid_attention::attn_res_stream_fwd", mutates_args=())
 def _fwd_op(
     sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, eps: float, norm_eps: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(x, h [..., D] in the sources' dtype, stats [2, ...] in the compute dtype: lse, then rho, logits [S, ...] in
-    the compute dtype)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(x, h [..., D] in the sources' dtype, h's int8 rounding residual [..., D] (empty unless the sources are
+    half), stats [2, ...] in the compute dtype: lse, then rho, logits [S, ...] in the compute dtype)."""
     return _stream_fwd(sources, query, key_weight, norm_weight, eps, norm_eps)
 
 
@@ -82,6 +82,7 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
     return (
         torch.empty_like(s0),
         torch.empty_like(s0),
+        s0.new_empty(s0.shape if residual_scale(s0.dtype) else (0,), dtype=torch.int8),
         s0.new_empty(2, *rows, dtype=cdt),
         s0.new_empty(len(sources), *rows, dtype=cdt),
     )
@@ -89,12 +90,15 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
 
 @torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh", "rows", "cols"))
 def _bwd_op(
-    dx: Tensor | None, h: Tensor, stats: Tensor, logits: Tensor, queries: Tensor, key_weights: Tensor,
-    norm_weight: Tensor, sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor, step: int, eps: float,
+    dx: Tensor | None, h: Tensor, h_res: Tensor, stats: Tensor, logits: Tensor, queries: Tensor,
+    key_weights: Tensor, norm_weight: Tensor, sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor,
+    step: int, eps: float,
 ) -> Tensor:  # fmt: skip
     """Writes step `step`'s entries of the tables and adds to the dL/du partial sums; -> the gradients of `sources`
     [n, ..., D] in their dtype."""
-    return _stream_bwd(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps)
+    return _stream_bwd(
+        dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps
+    )
 
 
 def _stream_bwd(dx, *args):
@@ -102,7 +106,7 @@ def _stream_bwd(dx, *args):
 
 
 @_bwd_op.register_fake
-def _(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def _(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
     s0 = sources[0]
     return s0.new_empty(len(sources), *s0.shape)
 
@@ -151,9 +155,9 @@ class _StreamStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weights, eps, norm_eps, step, *sources):
         norm_weight = norm_weights[step]
-        x, h, stats, logits = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
+        x, h, h_res, stats, logits = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
         assembled = sources if step == 0 else sources[-1:]
-        ctx.save_for_backward(h, stats, logits, queries, key_weights, norm_weights, *assembled)
+        ctx.save_for_backward(h, h_res, stats, logits, queries, key_weights, norm_weights, *assembled)
         ctx.eps, ctx.step, ctx.n = eps, step, len(sources)
         ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
         K, D = queries.shape
@@ -169,14 +173,27 @@ class _StreamStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx, dh, rows, cols):
-        h, stats, logits, queries, key_weights, norm_weights, *assembled = ctx.saved_tensors
+        h, h_res, stats, logits, queries, key_weights, norm_weights, *assembled = ctx.saved_tensors
         step, n = ctx.step, ctx.n
         if dh is None:
             if dx is None:  # neither this step nor a later one reaches the loss
                 return (None,) * (9 + n)
             dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources, ctx.cols_rows)
         dv = _bwd(
-            dx, h, stats, logits, queries, key_weights, norm_weights[step], assembled, dh, rows, cols, step, ctx.eps
+            dx,
+            h,
+            h_res,
+            stats,
+            logits,
+            queries,
+            key_weights,
+            norm_weights[step],
+            assembled,
+            dh,
+            rows,
+            cols,
+            step,
+            ctx.eps,
         )
         if step > 0:
             return (dh, rows, cols, None, None, None, None, None, None, *([None] * (n - 1)), dv[0])

@@ -4,12 +4,13 @@
     h = sum_i softmax_i(z) v_i,   x = norm_weight * h * rho,   rho = rsqrt(mean(h^2) + norm_eps)
 
 The sources are separate [M, D] tensors read through a pointer table (`rows.pointer_table`), never stacked. The
-forward keeps two numbers per row, lse = logsumexp(z) and rho, and on request the rounded mixture h and the logits z
-of every source (the residual stream's backward, `triton_stream.py`, starts from h and reads z). The backward of one
-AttnRes recomputes z, p and h from the sources (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes
-every source's gradient into one [S, M, D] buffer. One program per row in the forward; in the backward each program
-loops over rows so that the gradients of u and of the norm weight are summed in registers, one partial row per
-program, and a last small kernel sums the partial rows in a fixed order (deterministic, no atomics).
+forward keeps two numbers per row, lse = logsumexp(z) and rho, and on request the rounded mixture h (with its
+rounding residual in 8 bits for half sources) and the logits z of every source (the residual stream's backward,
+`triton_stream.py`, starts from h and reads z). The backward of one AttnRes recomputes z, p and h from the sources
+(docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes every source's gradient into one [S, M, D]
+buffer. One program per row in the forward; in the backward each program loops over rows so that the gradients of u
+and of the norm weight are summed in registers, one partial row per program, and a last small kernel sums the
+partial rows in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hybrid_attention.ops.attnres.rows import (
     block_d,
     compute_tl_dtype,
     pointer_table,
+    residual_scale,
     row_programs,
     source_bucket,
     split_scalar,
@@ -78,6 +80,7 @@ if triton is not None:
         norm_w,  # [D]
         out,  # [M, D], the sources' dtype
         h_out,  # [M, D], the sources' dtype: the rounded mixture, written when SAVE_H
+        h_res,  # [M, D] int8: its rounding residual, written when SAVE_H and RES_SCALE (`rows.residual_scale`)
         stats,  # [2, M] compute dtype: lse, then rho
         logits,  # [S, M] compute dtype: z, written when SAVE_Z
         M,
@@ -90,6 +93,7 @@ if triton is not None:
         S_BUCKET,  # autotuning key only
         SAVE_H: tl.constexpr,
         SAVE_Z: tl.constexpr,
+        RES_SCALE: tl.constexpr,
         CDT: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK_S: tl.constexpr,
@@ -124,12 +128,18 @@ if triton is not None:
             acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
             run_max = new_max
         # h is rounded to the output dtype before the norm, as the unfused composition does.
-        h = (acc / run_sum).to(out.dtype.element_ty).to(CDT)
+        mixture = acc / run_sum
+        h = mixture.to(out.dtype.element_ty).to(CDT)
         rho = tl.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps)
         nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
         tl.store(out + row * D + offs_d, (h * rho * nw).to(out.dtype.element_ty), mask=d_ok)
         if SAVE_H:
             tl.store(h_out + row * D + offs_d, h.to(out.dtype.element_ty), mask=d_ok)
+            if RES_SCALE > 0:
+                # (mixture - h) / h in [-127, 127] units (clamped: only subnormal h can leave them).
+                frac = (mixture - h) / tl.where(h != 0, h, 1.0) * RES_SCALE  # h = 0 only where the mixture is
+                frac = tl.minimum(tl.maximum(tl.floor(frac + 0.5), -127.0), 127.0)
+                tl.store(h_res + row * D + offs_d, frac.to(tl.int8), mask=d_ok)
         tl.store(stats + row, run_max + tl.log(run_sum))
         tl.store(stats + M + row, rho)
 
@@ -239,7 +249,8 @@ if triton is not None:
 
 def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=False, save_logits=False):
     """sources: S x [..., D] contiguous, one dtype and shape -> (x [..., D] in that dtype, stats [2, ...] in the
-    compute dtype: lse, then rho), or with `save_h` (x, h, stats), h [..., D] the mixture rounded to that dtype;
+    compute dtype: lse, then rho), or with `save_h` (x, h, h_res, stats), h [..., D] the mixture rounded to that
+    dtype and h_res its rounding residual, int8 [..., D] for half sources (`rows.residual_scale`), empty otherwise;
     with `save_logits` also the logits z [S, ...] in the compute dtype, last."""
     s0 = sources[0]
     D = s0.shape[-1]
@@ -247,16 +258,18 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=Fals
     cdt = compute_dtype(s0)
     out = torch.empty_like(s0)
     h = torch.empty_like(s0) if save_h else out
+    res_scale = residual_scale(s0.dtype) if save_h else 0.0
+    h_res = torch.empty(s0.shape if res_scale else (0,), device=s0.device, dtype=torch.int8)
     stats = torch.empty(2, *s0.shape[:-1], device=s0.device, dtype=cdt)
     S = len(sources)
     logits = torch.empty(S, *s0.shape[:-1], device=s0.device, dtype=cdt) if save_logits else stats
     if M > 0:
         _full_fwd_kernel[(M,)](
-            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, stats, logits, M, S, D,
+            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, h_res, stats, logits, M, S, D,
             *split_scalar(eps), *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, SAVE_Z=save_logits,
-            CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
+            RES_SCALE=res_scale, CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
         )  # fmt: skip
-    result = (out, h, stats) if save_h else (out, stats)
+    result = (out, h, h_res, stats) if save_h else (out, stats)
     return (*result, logits) if save_logits else result
 
 

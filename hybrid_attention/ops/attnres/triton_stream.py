@@ -1,16 +1,16 @@
 """The backward of one step of a Full AttnRes residual stream: the Triton kernels that finish the gradients of the
 sources the step is the first to read.
 
-Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k and the
-logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so when step k's runs, the later
-steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype), rows [K, 2 + S, M] (c, lse,
-then the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and
-of dL/d norm_weight), all in the compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes
-backward"):
+Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k (and its
+rounding residual) and the logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so
+when step k's runs, the later steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype),
+rows [K, 2 + S, M] (c, lse, then the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u,
+then partial sums of dL/du and of dL/d norm_weight), all in the compute dtype but dh. Per row, with the notation of
+docs/math.md ("AttnRes backward"):
 
     local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
-              reads see it), c_k = dh_k . h_k, the row's share of d norm_weight_k; dh_k, c_k, lse_k, u_k and the
-              step's logits go into the tables
+              reads see it), c_k = dh_k . h_k (h_k unrounded: for half sources, from its 8-bit rounding residual),
+              the row's share of d norm_weight_k; dh_k, c_k, lse_k, u_k and the step's logits go into the tables
     assembly  (`_stream_bwd_kernel`) for each source v_i this step is the first reader of (its newest one; all of
               them for k = 0), with the table entries of k' = k .. K-1:
                   p = exp(z_k',i - lse_k'),  dz = p (dh_k' . v_i - c_k')
@@ -39,6 +39,7 @@ import torch
 from hybrid_attention.ops.attnres.rows import (
     block_d,
     compute_tl_dtype,
+    residual_scale,
     row_programs,
     source_bucket,
     source_table,
@@ -119,6 +120,7 @@ if triton is not None:
     def _stream_local_kernel(
         dx,  # [M, D] the gradient of the step's output (read when HAS_DX)
         h,  # [M, D] the step's rounded mixture
+        h_res,  # [M, D] int8: its rounding residual (`rows.residual_scale`), read when RES_SCALE
         stats,  # [2, M] the step's lse, rho (compute dtype)
         queries,  # [K, D]
         key_ws,  # [K, D]
@@ -135,6 +137,7 @@ if triton is not None:
         k,
         n_logits,
         HAS_DX: tl.constexpr,
+        RES_SCALE: tl.constexpr,
         CDT: tl.constexpr,
         COPY_BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -168,7 +171,13 @@ if triton is not None:
                 dh, dnw_rows = rms_norm_bwd_rows(g, hr, rho, nw, D)
                 dnw_acc += dnw_rows
                 dh = dh.to(src_ty).to(CDT)
-                c = tl.sum(dh * hr, axis=1)
+                if RES_SCALE > 0:
+                    # c = dh . h of the unrounded mixture: it cancels against the assembly's dh . v_i, and the rounded
+                    # h would leave sum_i dz_i = dh . (h - h_r), amplified by that cancellation.
+                    frac = tl.load(h_res + at, mask=mask, other=0).to(CDT)
+                    c = tl.sum(dh * (hr + hr * frac * (1.0 / RES_SCALE)), axis=1)
+                else:
+                    c = tl.sum(dh * hr, axis=1)
             else:
                 dh = tl.zeros([BLOCK_M, BLOCK_D], CDT)
                 c = tl.zeros([BLOCK_M], CDT)
@@ -338,13 +347,14 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None):
     )  # fmt: skip
 
 
-def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def stream_bwd_(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
     """The backward of step `step` of a stream (see the module docstring).
 
     Args:
         dx: [..., D] the gradient of the step's output, or None (then dh_step = 0).
-        h, stats, logits: the step's forward results: h [..., D] in the sources' dtype, stats [2, ...] (lse, rho),
-            logits [S_step, ...] (z of each source the step read), both in the compute dtype.
+        h, h_res, stats, logits: the step's forward results (`triton_full.full_fwd` with `save_h`, `save_logits`):
+            h [..., D] in the sources' dtype, its int8 rounding residual (half sources; empty otherwise), stats
+            [2, ...] (lse, rho), logits [S_step, ...] (z of each source the step read), both in the compute dtype.
         queries, key_weights: [K, D], every step's; norm_weight: [D], this step's.
         sources: n x [..., D], the sources whose gradients this step completes: the last n it read.
         dh, rows, cols: the stream's tables [K, ..., D], [K, 2 + S, ...] (S >= S_step) and [1 + splits + programs, K,
@@ -367,9 +377,9 @@ def stream_bwd_(dx, h, stats, logits, queries, key_weights, norm_weight, sources
     splits, local_programs = param_table_rows(M, s0.device)
     tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
     _stream_local_kernel[(local_programs,)](
-        h if dx is None else dx, h, stats, queries, key_weights, norm_weight, logits, dh, rows, cols,
-        cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK,
-        BLOCK_D=width,
+        h if dx is None else dx, h, h_res, stats, queries, key_weights, norm_weight, logits, dh, rows, cols,
+        cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, RES_SCALE=residual_scale(s0.dtype),
+        CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK, BLOCK_D=width,
     )  # fmt: skip
     table = source_table(sources)  # every step but the first has one source: no pointer table
     dzr = torch.empty(n, 2 if split_dzr else 1, K - step, M, device=s0.device, dtype=s0.dtype if split_dzr else cdt)
