@@ -62,6 +62,28 @@ def assert_as_accurate(
     assert err <= bound, f"{name}: error {err:.2e} vs the reference > max({factor} x the plain {base:.2e}, {floor:.1e})"
 
 
+def round_bfloat16_like_the_gpu(monkeypatch) -> None:
+    """Make the Triton interpreter round float32 -> bfloat16 to nearest even, as the GPU does (it truncates, which
+    doubles the rounding error and biases it), so that bf16 accuracy can be checked on the CPU. A no-op on a GPU."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:  # a Triton whose interpreter converts elsewhere: the check would not mean what it says
+        import pytest
+
+        pytest.skip("this Triton interpreter has no _convert_float to patch")
+
+    def convert(values, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
+            return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return original(values, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised-looking tensor filled with NaN, so an unwritten element fails a comparison."""
     return torch.full_like(t, float("nan"))

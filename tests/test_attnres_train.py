@@ -18,7 +18,7 @@ from hybrid_attention.ops.attnres.triton_stream import param_table_rows
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.conftest import DEV
-from tests.helpers import assert_as_accurate, assert_close
+from tests.helpers import assert_as_accurate, assert_close, round_bfloat16_like_the_gpu
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -259,14 +259,20 @@ def check_stream(name):
     check_grads(name, grads(outs, src + flat), grads(refs, src64 + flat64), labels)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dtype, gpu_rounding",
+    [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
+    ids=["bf16-truncated", "bf16-rounded", "fp16"],
+)
 @pytest.mark.parametrize("zero_query", [False, True])
-def test_chain_low_precision(dtype, zero_query):
+def test_chain_low_precision(dtype, gpu_rounding, zero_query, monkeypatch):
     """Half sources, float32 parameters (dh stored in the sources' dtype, dz r as two half parts for the dL/du
     product): every output and gradient as accurate against float64 as the plain composition at the same precision.
     The sources share a direction (cosines around 0.5), so dz_i = p_i (dh . v_i - dh . h) cancels: c = dh . h must
     come from the unrounded mixture (its rounding residual), or the parameters' gradients are several times less
-    accurate."""
+    accurate. bf16 both as the interpreter converts (truncating) and as the GPU does (to nearest even)."""
+    if gpu_rounding:
+        round_bfloat16_like_the_gpu(monkeypatch)
     S, D, shape = 6, 64, (4, 16)
     independent = sources(S, D, seed=41, dtype=torch.float64, shape=shape)
     src64 = [independent[0].detach() + s.detach() for s in independent]

@@ -20,7 +20,7 @@ from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
 from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
 from hybrid_attention.ops.kda.triton_utils import LOG2E, NARROW_BOUND, WIDE, narrow_span
 from tests.conftest import DEV
-from tests.helpers import assert_close, rel_err
+from tests.helpers import assert_close, rel_err, round_bfloat16_like_the_gpu
 from tests.kda_triton_cases import (
     CONFIG_CASES,
     changed_after,
@@ -29,7 +29,6 @@ from tests.kda_triton_cases import (
     make_inputs,
     poison_torch_empty,
     reference_kda,
-    round_bfloat16_like_the_gpu,
     run,
     triton_kda,
 )

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import rel_err  # noqa: E402
-from tests.kda_triton_cases import make_inputs, reference_kda, round_bfloat16_like_the_gpu, run, triton_kda  # noqa: E402
+from tests.helpers import rel_err, round_bfloat16_like_the_gpu  # noqa: E402
+from tests.kda_triton_cases import make_inputs, reference_kda, run, triton_kda  # noqa: E402
 
 
 def main(argv=None) -> None:
