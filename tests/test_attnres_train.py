@@ -483,16 +483,19 @@ def test_opcheck():
             args = (dx, h, h_res, stats, logits, qs, kws, nw, src_d[1:2], *tables, 1, EPS)
             torch.library.opcheck(ops.attn_res_stream_bwd, args)
         torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[2], splits))
-    queries, key_ws = vectors(D, 2, seed=32, rows=2)
-    torch.library.opcheck(ops.attn_res_partial_fwd, (src, queries, key_ws, EPS))
-    out, lse = attn_res_partial_train(src, queries, key_ws, EPS)
-    out, lse = [o.detach().requires_grad_() for o in out], lse.detach().requires_grad_()
-    plain = [s.detach() for s in src], queries.detach(), key_ws.detach(), lse.detach()
-    bwd_args = ([torch.randn_like(o) for o in out], torch.randn_like(lse), *plain, EPS)
+    # Block AttnRes: kernel ops likewise, both phases each way.
+    queries, key_ws = (t.detach() for t in vectors(D, 2, seed=32, rows=2))
+    blocks, (q, kw, nw) = [s.detach() for s in src], (t.detach() for t in (query, key_w, norm_w))
+    torch.library.opcheck(ops.attn_res_partial_fwd, (blocks, queries, key_ws, EPS))
+    out, lse = ops.attn_res_partial_fwd(blocks, queries, key_ws, EPS)
+    bwd_args = ([torch.randn_like(o) for o in out], torch.randn_like(lse), blocks, queries, key_ws, lse, EPS)
     torch.library.opcheck(ops.attn_res_partial_bwd, bwd_args)
-    for partial in (src[0], None):
-        args = (out[0], lse[0], partial, query, key_w, norm_w, EPS, NORM_EPS, F64)
+    for partial in (blocks[0], None):
+        args = (out[0], lse[0], partial, q, kw, nw, EPS, NORM_EPS, F64)
         torch.library.opcheck(ops.attn_res_merge_norm_fwd, args)
+        x, rho = ops.attn_res_merge_norm_fwd(*args)
+        args = (torch.randn_like(x), out[0], lse[0], partial, q, kw, nw, rho, EPS)
+        torch.library.opcheck(ops.attn_res_merge_norm_bwd, args)
 
 
 def test_bad_inputs():

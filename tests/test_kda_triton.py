@@ -476,13 +476,19 @@ def test_decode_step_compiles_as_the_custom_op():
 
 
 def test_fake_implementations():
-    """The fake (meta) implementations of the chunk forward op and of the decode step op (which mutates state)."""
-    from hybrid_attention.ops.kda.triton_chunk import _fwd_op
+    """The fake (meta) implementations of the chunk forward and backward ops and of the decode step op (which
+    mutates state)."""
+    from hybrid_attention.ops.kda.triton_chunk import _bwd_op, _fwd_op
     from hybrid_attention.ops.kda.triton_recurrent import _step_op
 
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 20, 1, 16, 16, gate=True, seed=13)
     args = (q, k, v, g, beta, h0, None, A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, True, True)
     torch.library.opcheck(_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    o, ht, *saved = _fwd_op(*args)
+    for h0_needed in (True, False):
+        args = (torch.randn_like(o), torch.randn_like(ht), q, k, v, g, beta, None, A_log, dt_bias.view(1, 16), saved,
+                0.25, -5.0, True, True, h0_needed)  # fmt: skip
+        torch.library.opcheck(_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(2, 1, 1, 16, 16, gate=True, seed=16)
     args = (q, k, v, g, beta, h0.clone(), A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, None)
     torch.library.opcheck(_step_op, args, test_utils=("test_schema", "test_faketensor"))

@@ -98,18 +98,9 @@ def test_low_precision_as_accurate_as_eager(dtype):
 def test_opcheck():
     gate_up, weight, dout = _inputs((5,), 48, 16, torch.float32, 11)
     ops = torch.ops.hybrid_attention
-    torch.library.opcheck(ops.swiglu_down_fwd, (gate_up.requires_grad_(), weight.requires_grad_()))
+    torch.library.opcheck(ops.swiglu_down_fwd, (gate_up, weight))
     for need_weight_grad in (True, False):
         torch.library.opcheck(ops.swiglu_down_bwd, (dout, gate_up.detach(), weight.detach(), need_weight_grad))
-
-
-@pytest.mark.skipif(DEV == "cuda", reason="float64 kernels run under the interpreter only")
-def test_custom_op_autograd_matches_the_eager_function():
-    # Compiled graphs run the custom ops (their registered backward), eager calls the autograd Function.
-    inputs = _inputs((9,), 48, 10, F64, 29)
-    ops = _grads(torch.ops.hybrid_attention.swiglu_down_fwd, *inputs)
-    for name, a, b in zip(NAMES, ops, _grads(swiglu_down, *inputs), strict=True):
-        assert torch.equal(a, b), name
 
 
 def test_compile_fullgraph():

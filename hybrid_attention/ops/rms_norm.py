@@ -1,4 +1,4 @@
-"""RMSNorm with a learnable scale as one Triton kernel each way, a torch custom op with a registered backward.
+"""RMSNorm with a learnable scale as one Triton kernel each way, differentiable, as torch custom ops.
 
     y = round(x rstd w),     rstd = 1 / sqrt(mean(x^2) + eps)                              (per row)
 
@@ -12,8 +12,9 @@ dx and per-program partial sums of dw; the partials are summed by torch in a fix
 to run (no atomics). Eager PyTorch runs about seven elementwise
 kernels forward and twelve backward, several over float32 copies of x.
 
-Eager calls run an autograd Function; under `torch.compile` the same kernels run as custom ops with fake
-implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes.
+An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
+traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
+dispatch costs more host time than these kernels take on the GPU).
 `layers.norm.RMSNorm` uses `rms_norm_fused` on CUDA (the rule of `hybrid_attention.backends`); its eager code is the
 reference.
 """
@@ -27,7 +28,13 @@ from torch import Tensor
 
 from hybrid_attention.ops.attnres.rows import compute_tl_dtype, next_power_of_2, row_programs, split_scalar
 from hybrid_attention.ops.numerics import compute_dtype
-from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import (
+    as_rows,
+    eager_or_traced,
+    interpreting,
+    triton_available,
+    triton_runs_on,
+)
 
 MAX_WIDTH = 16384  # widest row a program holds in registers
 ROW_ELEMENTS = 4096  # elements of x a program holds at once: rows per block = ROW_ELEMENTS // width, at most 16
@@ -118,21 +125,6 @@ def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
     return dx, dw_part.sum(0).to(weight.dtype)
 
 
-# Eager calls launch the kernels from an autograd Function (a custom op's dispatch costs more host time than these
-# kernels take on the GPU); torch.compile traces the custom ops below, which run the same two functions.
-class _RMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, dtype):
-        y, rstd = _forward(x, weight, eps, dtype)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = _backward_kernels(dy, *ctx.saved_tensors)
-        return dx, dw, None, None
-
-
 @torch.library.custom_op("hybrid_attention::rms_norm_fwd", mutates_args=())
 def _fwd_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(y [..., D] in `dtype`, rstd [...] in the compute dtype)."""
@@ -155,19 +147,21 @@ def _(dy, x, weight, rstd):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-def _setup(ctx, inputs, output):
-    x, weight, _, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.mark_non_differentiable(output[1])
+_fwd_call = eager_or_traced(_fwd_op, _forward)
+_bwd_call = eager_or_traced(_bwd_op, _backward_kernels)
 
 
-def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = _bwd_op(dy, x, weight, rstd)
-    return dx, dw, None, None
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, dtype):
+        y, rstd = _fwd_call(x, weight, eps, dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
-
-_fwd_op.register_autograd(_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = _bwd_call(dy, *ctx.saved_tensors)
+        return dx, dw, None, None
 
 
 def rms_norm_fused_supported(x: Tensor) -> bool:
@@ -196,6 +190,4 @@ def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype | N
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"rms_norm_fused: dtype must be a floating dtype or None, got {dtype}")
     dtype = x.dtype if dtype is None else dtype
-    if torch.compiler.is_compiling():
-        return _fwd_op(x, weight, float(eps), dtype)[0]
     return _RMSNormFn.apply(x, weight, float(eps), dtype)

@@ -9,8 +9,9 @@ matmul against the gate and up weights stacked. Autograd keeps that input and W 
 kernel recomputes y (bit for bit the forward's) for dW while it writes da and db into one [..., 2F] gradient, which
 is that matmul's output gradient as it is. Eager autograd keeps SiLU(a) and y too, two more [..., F] tensors per MLP.
 
-Eager calls run an autograd Function; under `torch.compile` the same code runs as custom ops with fake
-implementations, so `torch.compile(fullgraph=True)` traces them as opaque nodes. `layers.mlp.SwiGLU` uses it in
+An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
+traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
+dispatch costs more host time than these kernels take on the GPU). `layers.mlp.SwiGLU` uses it in
 training on CUDA (the rule of `hybrid_attention.backends`); its eager code is the reference.
 """
 
@@ -24,7 +25,13 @@ from torch import Tensor
 
 from hybrid_attention.ops.act_mul import _act_mul_kernel
 from hybrid_attention.ops.attnres.rows import compute_tl_dtype
-from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import (
+    as_rows,
+    eager_or_traced,
+    interpreting,
+    triton_available,
+    triton_runs_on,
+)
 
 BLOCK = 1024  # columns per program
 
@@ -93,20 +100,6 @@ def _backward(dout: Tensor, gate_up: Tensor, weight: Tensor, need_weight_grad: b
     return dgu, dout.reshape(-1, dout.shape[-1]).T @ y.reshape(-1, y.shape[-1])
 
 
-# Eager calls launch the kernels from an autograd Function (a custom op's dispatch costs more host time than these
-# kernels take on the GPU); torch.compile traces the custom ops below, which run the same two functions.
-class _SwiGLUDownFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, weight):
-        ctx.save_for_backward(gate_up, weight)
-        return _forward(gate_up, weight)
-
-    @staticmethod
-    def backward(ctx, dout):
-        dgu, dw = _backward(dout.contiguous(), *ctx.saved_tensors, ctx.needs_input_grad[1])
-        return dgu, (dw if ctx.needs_input_grad[1] else None)
-
-
 @torch.library.custom_op("hybrid_attention::swiglu_down_fwd", mutates_args=())
 def _fwd_op(gate_up: Tensor, weight: Tensor) -> Tensor:
     """[..., 2F], [O, F] -> [..., O] in gate_up's dtype."""
@@ -118,10 +111,14 @@ def _(gate_up, weight):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
+def _backward_kernels(dout, gate_up, weight, need_weight_grad):
+    return _backward(dout.contiguous(), gate_up, weight, need_weight_grad)
+
+
 @torch.library.custom_op("hybrid_attention::swiglu_down_bwd", mutates_args=())
 def _bwd_op(dout: Tensor, gate_up: Tensor, weight: Tensor, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
     """[..., O], [..., 2F], [O, F] -> (d gate_up [..., 2F], d weight [O, F] or an empty tensor)."""
-    return _backward(dout.contiguous(), gate_up, weight, need_weight_grad)
+    return _backward_kernels(dout, gate_up, weight, need_weight_grad)
 
 
 @_bwd_op.register_fake
@@ -129,16 +126,20 @@ def _(dout, gate_up, weight, need_weight_grad):
     return torch.empty_like(gate_up), (torch.empty_like(weight) if need_weight_grad else weight.new_empty(0))
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+_fwd_call = eager_or_traced(_fwd_op, _forward)
+_bwd_call = eager_or_traced(_bwd_op, _backward_kernels)
 
 
-def _op_backward(ctx, dout):
-    dgu, dw = _bwd_op(dout, *ctx.saved_tensors, ctx.needs_input_grad[1])
-    return dgu, (dw if ctx.needs_input_grad[1] else None)
+class _SwiGLUDownFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, weight):
+        ctx.save_for_backward(gate_up, weight)
+        return _fwd_call(gate_up, weight)
 
-
-_fwd_op.register_autograd(_op_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx, dout):
+        dgu, dw = _bwd_call(dout, *ctx.saved_tensors, ctx.needs_input_grad[1])
+        return dgu, (dw if ctx.needs_input_grad[1] else None)
 
 
 def swiglu_down_supported(x: Tensor) -> bool:
@@ -165,6 +166,4 @@ def swiglu_down(gate_up: Tensor, weight: Tensor) -> Tensor:
             f"swiglu_down: weight must be [O, {width}] of {gate_up.dtype} on {gate_up.device} (gate_up is "
             f"{tuple(gate_up.shape)}); got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
         )
-    if torch.compiler.is_compiling():
-        return _fwd_op(gate_up, weight)
     return _SwiGLUDownFn.apply(gate_up, weight)

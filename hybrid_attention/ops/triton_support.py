@@ -37,6 +37,18 @@ def triton_runs_on(x: torch.Tensor, *, cpu_interpreter: bool = True) -> bool:
     return x.is_cuda or (cpu_interpreter and x.device.type == "cpu" and interpreting())
 
 
+def eager_or_traced(op, body):
+    """The entry to the custom op `op` whose implementation is `body`: under torch.compile the op (an opaque node
+    with its fake implementation), in eager `body` itself, without the dispatcher's round trip, which takes more host
+    time per call than many of our kernels take on the GPU. Autograd is then an autograd.Function around the
+    entries (the same in both modes), not the op's registered formula."""
+
+    def call(*args):
+        return op._opoverload(*args) if torch.compiler.is_compiling() else body(*args)
+
+    return call
+
+
 def as_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """[..., width] -> [rows, width] with unit stride along width (a view when possible), the row-strided layout
     the kernel wrappers pass on (a slice of a packed projection keeps its row stride, no copy)."""

@@ -4,7 +4,8 @@ steps assemble each source's gradient once: `stream_train.py`.)
 
 The kernels (`triton_full.py`) are custom ops with fake implementations, called from an autograd.Function, so
 `torch.compile(fullgraph=True)` traces a training step through them. Eager calls the ops' bodies directly (no
-dispatcher round trip per call). The readable reference is `rms_norm(naive.attn_res(sources, ...))`.
+dispatcher round trip per call: `triton_support.eager_or_traced`). The readable reference is
+`rms_norm(naive.attn_res(sources, ...))`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
 from hybrid_attention.ops.attnres.triton_full import full_bwd, full_fwd
 from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.triton_support import eager_or_traced
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_norm_fwd", mutates_args=())
@@ -33,6 +35,10 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
     return torch.empty_like(s0), s0.new_empty(2, *s0.shape[:-1], dtype=compute_dtype(s0))
 
 
+def _backward_kernels(dout, sources, query, key_weight, norm_weight, stats, eps):
+    return full_bwd(dout.contiguous(), sources, query, key_weight, norm_weight, stats, eps)
+
+
 @torch.library.custom_op("hybrid_attention::attn_res_norm_bwd", mutates_args=())
 def _bwd_op(
     dout: Tensor, sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, stats: Tensor,
@@ -40,7 +46,7 @@ def _bwd_op(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(the sources' gradients [S, ..., D] in their dtype, the gradients of query, key_weight and norm_weight as one
     [3, D] tensor in the query's dtype)."""
-    return full_bwd(dout.contiguous(), sources, query, key_weight, norm_weight, stats, eps)
+    return _backward_kernels(dout, sources, query, key_weight, norm_weight, stats, eps)
 
 
 @_bwd_op.register_fake
@@ -49,15 +55,8 @@ def _(dout, sources, query, key_weight, norm_weight, stats, eps):
     return s0.new_empty(len(sources), *s0.shape), query.new_empty(3, query.shape[0])
 
 
-def _fwd(*args):
-    # torch.compile traces the custom op; eager calls its body directly (the same code, without the dispatcher).
-    return _fwd_op._opoverload(*args) if torch.compiler.is_compiling() else full_fwd(*args)
-
-
-def _bwd(dout, *args):
-    if torch.compiler.is_compiling():
-        return _bwd_op._opoverload(dout, *args)
-    return full_bwd(dout.contiguous(), *args)
+_fwd = eager_or_traced(_fwd_op, full_fwd)
+_bwd = eager_or_traced(_bwd_op, _backward_kernels)
 
 
 class _AttnResNorm(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """Differentiable fused Block AttnRes for training: both phases, the second fused with the RMSNorm of the sublayer that
-reads the mixture, as torch custom ops (fake implementations, registered autograd), so
-`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes. (Full AttnRes: one
-AttnRes in `full_train.py`, a whole stream of them in `stream_train.py`.)
+reads the mixture. The kernels are torch custom ops with fake implementations, called from autograd.Functions, so
+`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes; eager calls the ops'
+bodies directly (`triton_support.eager_or_traced`). (Full AttnRes: one AttnRes in `full_train.py`, a whole stream of
+them in `stream_train.py`.)
 
 - `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
 - `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
@@ -23,6 +24,7 @@ from torch import Tensor
 from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
 from hybrid_attention.ops.attnres.triton_block import merge_norm_bwd, merge_norm_fwd, partial_bwd, partial_fwd
 from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.triton_support import eager_or_traced
 
 
 def _flat(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -35,6 +37,21 @@ def _distinct_empty(like: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------- Block AttnRes, phase 1
+def _partial_forward(blocks, queries, key_weights, eps):
+    shape, Q = blocks[0].shape, queries.shape[0]
+    out, lse = partial_fwd(_flat(blocks), queries, key_weights, eps)
+    return [o.view(shape) for o in out], lse.view(Q, *shape[:-1])
+
+
+def _partial_backward_kernels(dout, dlse, blocks, queries, key_weights, lse, eps):
+    shape, Q = blocks[0].shape, queries.shape[0]
+    dblk, du = partial_bwd(
+        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
+        queries, key_weights, lse.view(Q, -1), eps,
+    )  # fmt: skip
+    return dblk.view(len(blocks), *shape), du
+
+
 # The Q outputs are separate tensors, not one [Q, ..., D]: each sublayer's phase 2 reads one and its backward returns
 # that one's gradient, which the phase-1 backward reads where it lies (a stacked output would have autograd copy the
 # Q gradients into one tensor first).
@@ -43,9 +60,7 @@ def _partial_fwd_op(
     blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float
 ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
     """(out: Q x [..., D] in the blocks' dtype, lse [Q, ...] in the compute dtype)."""
-    shape, Q = blocks[0].shape, queries.shape[0]
-    out, lse = partial_fwd(_flat(blocks), queries, key_weights, eps)
-    return [o.view(shape) for o in out], lse.view(Q, *shape[:-1])
+    return _partial_forward(blocks, queries, key_weights, eps)
 
 
 @_partial_fwd_op.register_fake
@@ -61,12 +76,7 @@ def _partial_bwd_op(
     eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
-    shape, Q = blocks[0].shape, queries.shape[0]
-    dblk, du = partial_bwd(
-        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
-        queries, key_weights, lse.view(Q, -1), eps,
-    )  # fmt: skip
-    return dblk.view(len(blocks), *shape), du
+    return _partial_backward_kernels(dout, dlse, blocks, queries, key_weights, lse, eps)
 
 
 @_partial_bwd_op.register_fake
@@ -75,30 +85,31 @@ def _(dout, dlse, blocks, queries, key_weights, lse, eps):
     return b0.new_empty(len(blocks), *b0.shape), lse.new_empty(queries.shape)
 
 
-def _partial_setup(ctx, inputs, output):
-    blocks, queries, key_weights, eps = inputs
-    ctx.save_for_backward(*blocks, queries, key_weights, output[1])  # the backward never reads out
-    ctx.n_blocks, ctx.eps = len(blocks), eps
+_partial_fwd_call = eager_or_traced(_partial_fwd_op, _partial_forward)
+_partial_bwd_call = eager_or_traced(_partial_bwd_op, _partial_backward_kernels)
 
 
-def _partial_backward(ctx, dout, dlse):
-    saved, n = ctx.saved_tensors, ctx.n_blocks
-    blocks, (queries, key_weights), lse = saved[:n], saved[n : n + 2], saved[-1]
-    dblk, du = _partial_bwd_op(list(dout), dlse, list(blocks), queries, key_weights, lse, ctx.eps)
-    dq, dkw = (du * key_weights).to(queries.dtype), (du * queries).to(key_weights.dtype)
-    return list(dblk.unbind(0)), dq, dkw, None
+class _Partial(torch.autograd.Function):
+    """Phase 1 for Q queries: (out_0 .. out_{Q-1}, lse) from the N blocks."""
 
+    @staticmethod
+    def forward(ctx, queries, key_weights, eps, *blocks):
+        out, lse = _partial_fwd_call(list(blocks), queries, key_weights, eps)
+        ctx.save_for_backward(*blocks, queries, key_weights, lse)  # the backward never reads out
+        ctx.eps = eps
+        return *out, lse
 
-_partial_fwd_op.register_autograd(_partial_backward, setup_context=_partial_setup)
+    @staticmethod
+    def backward(ctx, *grads):
+        *dout, dlse = grads
+        *blocks, queries, key_weights, lse = ctx.saved_tensors
+        dblk, du = _partial_bwd_call(dout, dlse, blocks, queries, key_weights, lse, ctx.eps)
+        dq, dkw = (du * key_weights).to(queries.dtype), (du * queries).to(key_weights.dtype)
+        return dq, dkw, None, *dblk.unbind(0)
 
 
 # ------------------------------------------------------------------------------------------- Block AttnRes, phase 2
-@torch.library.custom_op("hybrid_attention::attn_res_merge_norm_fwd", mutates_args=())
-def _merge_fwd_op(
-    out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor, norm_weight: Tensor,
-    eps: float, norm_eps: float, dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(x [..., D] in `dtype`, rho [...] in the compute dtype)."""
+def _merge_forward(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
     shape, D = out.shape, out.shape[-1]
     flat_partial = None if partial is None else partial.contiguous().view(-1, D)
     x, rho = merge_norm_fwd(
@@ -106,6 +117,27 @@ def _merge_fwd_op(
         norm_eps, dtype,
     )  # fmt: skip
     return x.view(shape), rho.view(shape[:-1])
+
+
+def _merge_backward_kernels(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps):
+    shape, D = out.shape, out.shape[-1]
+    flat_partial = None if partial is None else partial.contiguous().view(-1, D)
+    dout, dlse, dpartial, du, dnw = merge_norm_bwd(
+        dx.contiguous().view(-1, D), out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query,
+        key_weight, norm_weight, rho.view(-1), eps,
+    )  # fmt: skip
+    if partial is None:
+        return dout.view(shape), _distinct_empty(lse), _distinct_empty(out), _distinct_empty(out), dnw
+    return dout.view(shape), dlse.view(shape[:-1]), dpartial.view(shape), du, dnw
+
+
+@torch.library.custom_op("hybrid_attention::attn_res_merge_norm_fwd", mutates_args=())
+def _merge_fwd_op(
+    out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor, norm_weight: Tensor,
+    eps: float, norm_eps: float, dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(x [..., D] in `dtype`, rho [...] in the compute dtype)."""
+    return _merge_forward(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype)
 
 
 @_merge_fwd_op.register_fake
@@ -119,15 +151,7 @@ def _merge_bwd_op(
     norm_weight: Tensor, rho: Tensor, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(d out, d lse, d partial, dL/du [D], d norm_weight [D]); without `partial` the 2nd to 4th are empty."""
-    shape, D = out.shape, out.shape[-1]
-    flat_partial = None if partial is None else partial.contiguous().view(-1, D)
-    dout, dlse, dpartial, du, dnw = merge_norm_bwd(
-        dx.contiguous().view(-1, D), out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query,
-        key_weight, norm_weight, rho.view(-1), eps,
-    )  # fmt: skip
-    if partial is None:
-        return dout.view(shape), _distinct_empty(lse), _distinct_empty(out), _distinct_empty(out), dnw
-    return dout.view(shape), dlse.view(shape[:-1]), dpartial.view(shape), du, dnw
+    return _merge_backward_kernels(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps)
 
 
 @_merge_bwd_op.register_fake
@@ -138,24 +162,31 @@ def _(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps):
     return torch.empty_like(out), torch.empty_like(lse), torch.empty_like(partial), out.new_empty(D), out.new_empty(D)
 
 
-def _merge_setup(ctx, inputs, output):
-    out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype = inputs
-    ctx.save_for_backward(out, lse, partial, query, key_weight, norm_weight, output[1])
-    ctx.eps = eps
-    ctx.mark_non_differentiable(output[1])
+_merge_fwd_call = eager_or_traced(_merge_fwd_op, _merge_forward)
+_merge_bwd_call = eager_or_traced(_merge_bwd_op, _merge_backward_kernels)
 
 
-def _merge_backward(ctx, dx, _drho):
-    out, lse, partial, query, key_weight, norm_weight, rho = ctx.saved_tensors
-    dout, dlse, dpartial, du, dnw = _merge_bwd_op(dx, out, lse, partial, query, key_weight, norm_weight, rho, ctx.eps)
-    dnw = dnw.to(norm_weight.dtype)
-    if partial is None:  # h = out: lse, the query and the key-norm weight play no part
-        return dout, None, None, None, None, dnw, None, None, None
-    dq, dkw = (du * key_weight).to(query.dtype), (du * query).to(key_weight.dtype)
-    return dout, dlse, dpartial, dq, dkw, dnw, None, None, None
+class _MergeNorm(torch.autograd.Function):
+    """Phase 2 + RMSNorm: x from (out, lse) and the block's partial sum (None: h = out)."""
 
+    @staticmethod
+    def forward(ctx, out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
+        x, rho = _merge_fwd_call(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype)
+        ctx.save_for_backward(out, lse, partial, query, key_weight, norm_weight, rho)
+        ctx.eps = eps
+        return x
 
-_merge_fwd_op.register_autograd(_merge_backward, setup_context=_merge_setup)
+    @staticmethod
+    def backward(ctx, dx):
+        out, lse, partial, query, key_weight, norm_weight, rho = ctx.saved_tensors
+        dout, dlse, dpartial, du, dnw = _merge_bwd_call(
+            dx, out, lse, partial, query, key_weight, norm_weight, rho, ctx.eps
+        )
+        dnw = dnw.to(norm_weight.dtype)
+        if partial is None:  # h = out: lse, the query and the key-norm weight play no part
+            return dout, None, None, None, None, dnw, None, None, None
+        dq, dkw = (du * key_weight).to(query.dtype), (du * query).to(key_weight.dtype)
+        return dout, dlse, dpartial, dq, dkw, dnw, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------- public functions
@@ -179,7 +210,8 @@ def attn_res_partial_train(
     for label, t in (("queries", queries), ("key_weights", key_weights)):
         if t.dim() != 2 or t.shape[1] != D or t.shape[0] != queries.shape[0] or t.shape[0] == 0:
             raise ValueError(f"{name}: {label} must have shape [Q, {D}] with Q >= 1 (the same Q), got {tuple(t.shape)}")
-    return _partial_fwd_op(blocks, queries.contiguous(), key_weights.contiguous(), float(eps))
+    *out, lse = _Partial.apply(queries.contiguous(), key_weights.contiguous(), float(eps), *blocks)
+    return out, lse
 
 
 def attn_res_merge_norm_train(
@@ -227,4 +259,4 @@ def attn_res_merge_norm_train(
     else:
         check_sources(name, [out])
     dtype = dtype or partial.dtype
-    return _merge_fwd_op(out, lse, partial, query, key_weight, norm_weight, float(eps), float(norm_eps), dtype)[0]
+    return _MergeNorm.apply(out, lse, partial, query, key_weight, norm_weight, float(eps), float(norm_eps), dtype)

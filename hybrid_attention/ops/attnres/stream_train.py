@@ -47,6 +47,7 @@ from hybrid_attention.ops.attnres.rows import check_sources, residual_scale
 from hybrid_attention.ops.attnres.triton_full import full_fwd
 from hybrid_attention.ops.attnres.triton_stream import param_table_rows, stream_bwd_, stream_param_grads
 from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.triton_support import eager_or_traced
 
 
 class Carrier(NamedTuple):
@@ -123,17 +124,9 @@ def _(cols, splits):
     return cols.new_empty(cols.shape[1:]), cols.new_empty(cols.shape[1:])
 
 
-def _fwd(*args):
-    # torch.compile traces the custom op; eager calls its body directly (the same code, without the dispatcher).
-    return _fwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_fwd(*args)
-
-
-def _bwd(*args):
-    return _bwd_op._opoverload(*args) if torch.compiler.is_compiling() else _stream_bwd(*args)
-
-
-def _param_grads(*args):
-    return _param_grads_op._opoverload(*args) if torch.compiler.is_compiling() else stream_param_grads(*args)
+_fwd = eager_or_traced(_fwd_op, _stream_fwd)
+_bwd = eager_or_traced(_bwd_op, _stream_bwd)
+_param_grads = eager_or_traced(_param_grads_op, stream_param_grads)
 
 
 def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int, cols_rows: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,7 +1,8 @@
 """Chunkwise KDA on our Triton kernels: `chunk_kda_triton`, differentiable and `torch.compile`-traceable.
 
 The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd` / `kda_chunk_bwd`) with fake
-(meta) implementations and a registered autograd formula, so a compiled model sees one opaque node each way.
+(meta) implementations, called from an autograd.Function, so a compiled model sees one opaque node each way; eager
+calls the ops' bodies directly (`triton_support.eager_or_traced`).
 The drivers chunk_fwd.py (forward, 2 kernels, +1 output pass for few long sequences) and chunk_bwd.py (backward,
 3 kernels, +1 with the fused l2norm) launch the kernels of kernels/; docs/kernels.md explains the organisation and
 what is saved.
@@ -22,11 +23,19 @@ from hybrid_attention.ops.kda.chunk_states import chunk_count
 from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.gate import FORM_CODES, FUSED_FORMS, check_gate
 from hybrid_attention.ops.kda.triton_utils import CHUNK, MAX_DIM, MAX_TILE_SPAN, ChunkLayout, empty
-from hybrid_attention.ops.triton_support import triton_runs_on
+from hybrid_attention.ops.triton_support import eager_or_traced, triton_runs_on
 
 _SAVED = ("aqk", "tm", "akk", "glast", "rq", "rk", "h", "vnew", "fbad")
 _NAME = "chunk_kda[triton]"
 FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the op's schema needs the count
+
+
+def _forward(
+    q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save
+):
+    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
+                           lower_bound=lower_bound, gate=gate, l2norm=l2norm, final=final, save=save)  # fmt: skip
+    return (o, ht, *(saved[name] for name in _SAVED))
 
 
 @torch.library.custom_op("hybrid_attention::kda_chunk_fwd", mutates_args=())
@@ -36,9 +45,8 @@ def _fwd_op(
     scale: float, lower_bound: float, gate: int, l2norm: bool, final: bool, save: bool,
 ) -> FwdOutputs:  # fmt: skip
     """(o, final state, *saved for the backward in _SAVED order)."""
-    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
-                           lower_bound=lower_bound, gate=gate, l2norm=l2norm, final=final, save=save)  # fmt: skip
-    return (o, ht, *(saved[name] for name in _SAVED))
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm,
+                    final, save)  # fmt: skip
 
 
 @_fwd_op.register_fake
@@ -50,6 +58,16 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_
     return (o, ht, *(saved[name] for name in _SAVED))
 
 
+def _backward_kernels(
+    do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate, l2norm, h0_needed
+):
+    saved = dict(zip(_SAVED, saved, strict=True))
+    grads = kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, scale=scale,
+                    lower_bound=lower_bound, gate=gate, l2norm=l2norm)  # fmt: skip
+    # Custom op outputs may not alias each other: the empty placeholders must be distinct tensors.
+    return tuple(x if x.numel() else empty(x, 0) for x in grads)
+
+
 @torch.library.custom_op("hybrid_attention::kda_chunk_bwd", mutates_args=())
 def _bwd_op(
     do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -57,11 +75,8 @@ def _bwd_op(
     scale: float, lower_bound: float, gate: int, l2norm: bool, h0_needed: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta, d initial_state, d A_log, d dt_bias); unused slots are empty tensors."""
-    saved = dict(zip(_SAVED, saved, strict=True))
-    grads = kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, scale=scale,
-                    lower_bound=lower_bound, gate=gate, l2norm=l2norm)  # fmt: skip
-    # Custom op outputs may not alias each other: the empty placeholders must be distinct tensors.
-    return tuple(x if x.numel() else empty(x, 0) for x in grads)
+    return _backward_kernels(do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate,
+                             l2norm, h0_needed)  # fmt: skip
 
 
 @_bwd_op.register_fake
@@ -78,35 +93,43 @@ def _(do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower
             dh0, da_log, ddt)  # fmt: skip
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save = inputs
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *output[2:])
-    ctx.meta = (scale, lower_bound, gate, l2norm, h0 is not None, final, save)
-    ctx.mark_non_differentiable(*output[2:])
-    # Without this autograd would fill a zero gradient for every saved tensor (about 1 GB at 8 x 4096 x 16 x 128):
-    # the backward takes None for outputs that got no gradient.
-    ctx.set_materialize_grads(False)
+_fwd_call = eager_or_traced(_fwd_op, _forward)
+_bwd_call = eager_or_traced(_bwd_op, _backward_kernels)
 
 
-def _backward(ctx, do, dht, *_):
-    scale, lower_bound, gate, l2norm, has_h0, final, save = ctx.meta
-    if not save:
-        raise RuntimeError(f"{_NAME}: backward through a forward that ran without saving its tensors")
-    q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *saved = ctx.saved_tensors
-    if do is None:  # only the final state was used
-        do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0, da_log, ddt = _bwd_op(
-        do, dht if final else None, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved,
-        scale, lower_bound, gate, l2norm, has_h0,
-    )  # fmt: skip
-    if gate:
-        da_log, ddt = da_log.to(a_log.dtype), ddt.to(dt_bias.dtype)
-    else:
-        da_log = ddt = None
-    return (dq, dk, dv, dg, dbeta, dh0 if has_h0 else None, None, da_log, ddt) + (None,) * 6
+class _ChunkKDA(torch.autograd.Function):
+    """(o, final state, *saved in _SAVED order); the saved tensors are outputs too (the chunk states among them)."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save):
+        o, ht, *saved = _fwd_call(
+            q, k, v, g, beta, h0, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save
+        )
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *saved)
+        ctx.meta = (scale, lower_bound, gate, l2norm, h0 is not None, final, save)
+        ctx.mark_non_differentiable(*saved)
+        # Without this autograd would fill a zero gradient for every saved tensor (about 1 GB at 8 x 4096 x 16 x
+        # 128): the backward takes None for outputs that got no gradient.
+        ctx.set_materialize_grads(False)
+        return o, ht, *saved
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, do, dht, *_):
+        scale, lower_bound, gate, l2norm, has_h0, final, save = ctx.meta
+        if not save:
+            raise RuntimeError(f"{_NAME}: backward through a forward that ran without saving its tensors")
+        q, k, v, g, beta, cu_seqlens, a_log, dt_bias, *saved = ctx.saved_tensors
+        if do is None:  # only the final state was used
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, dh0, da_log, ddt = _bwd_call(
+            do, dht if final else None, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved,
+            scale, lower_bound, gate, l2norm, has_h0,
+        )  # fmt: skip
+        if gate:
+            da_log, ddt = da_log.to(a_log.dtype), ddt.to(dt_bias.dtype)
+        else:
+            da_log = ddt = None
+        return (dq, dk, dv, dg, dbeta, dh0 if has_h0 else None, None, da_log, ddt) + (None,) * 6
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log, dt_bias, lower_bound):
@@ -181,8 +204,8 @@ def chunk_kda_triton(
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     # The chunk states are the `h` the forward saves for the backward: keep the saved tensors to return them.
     save = grad or return_chunk_states
-    o, ht, *saved = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale, lb, gate,
-                            bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
+    o, ht, *saved = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale,
+                                    lb, gate, bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
     ht = ht if output_final_state else None
     if not return_chunk_states:
         return o, ht
