@@ -260,11 +260,15 @@ def check_stream(name):
 
 
 @pytest.mark.parametrize(
-    "dtype, gpu_rounding",
-    [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
-    ids=["bf16-truncated", "bf16-rounded", "fp16"],
+    "dtype, gpu_rounding, zero_query",
+    [
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, True, False),
+        (torch.bfloat16, True, True),  # the pseudo-queries' initialisation: uniform weights
+        (torch.float16, False, False),
+    ],
+    ids=["bf16-truncated", "bf16-rounded", "bf16-rounded-zero-query", "fp16"],
 )
-@pytest.mark.parametrize("zero_query", [False, True])
 def test_chain_low_precision(dtype, gpu_rounding, zero_query, monkeypatch):
     """Half sources, float32 parameters (dh stored in the sources' dtype, dz r as two half parts for the dL/du
     product): every output and gradient as accurate against float64 as the plain composition at the same precision.
