@@ -72,6 +72,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import residual_scale, row_programs, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.stream_train import early_steps
     from hybrid_attention.ops.attnres.triton_stream import (
         COPY_BLOCK,
         STREAM_BWD_CONFIGS,
@@ -89,6 +90,8 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     h_res = torch.randint(-127, 128, (M, D), device=dev, dtype=torch.int8, generator=gen)
     stats = torch.rand(2, M, device=dev, generator=gen) + 0.5
     dh = torch.randn(K, M, D, device=dev, dtype=torch.bfloat16, generator=gen) * 0.01
+    k_split = early_steps(K)
+    dh_early, dh_late = dh[:k_split], dh[k_split:]  # the stream's two dh tables, as views of one
     rows = torch.rand(K, 2 + K, M, device=dev, generator=gen)  # c, lse, then the logits of K sources
     splits, local_programs = param_table_rows(M, dev)
     cols = torch.randn(1 + splits + local_programs, K, D, device=dev, generator=gen)  # u, dL/du and d norm_w parts
@@ -98,7 +101,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
         source = sources[k]  # a stream step assembles one source, passed itself (DIRECT)
         dzr = torch.randn(1, 2, K - k, M, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.rand(k + 1, M, device=dev, generator=gen)
-        local_args = (dx, h, h_res, stats, queries, key_ws, norm_w, logits, dh, rows, cols, cols[1 + splits :], M, D)
+        local_args = (dx, h, h_res, stats, queries, key_ws, norm_w, logits, dh[k], rows, cols, cols[1 + splits :], M, D)
         local_args += (2 + K, K, k, logits.numel())
         local_consts = dict(HAS_DX=True, CDT=tl.float32, COPY_BLOCK=COPY_BLOCK, BLOCK_D=D)
         local_consts["RES_SCALE"] = residual_scale(h.dtype)
@@ -124,9 +127,9 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
         )
         for per_sm, (block_m, warps, stages) in itertools.product(per_sms, STREAM_BWD_CONFIGS):
             assemble = _launcher(
-                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), source, dv, dh, rows, cols, dzr, M, D, 2 + K, K,
-                k, k, 1, *split_scalar(EPS), source_bucket(K - k), DIRECT=True, SPLIT_DZR=True, CDT=tl.float32,
-                ALIGN=16, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
+                _stream_bwd_kernel, (row_programs(M, dev, per_sm),), source, dv, dh_early, dh_late, rows, cols, dzr,
+                M, D, 2 + K, K, k, k_split, k, 1, *split_scalar(EPS), source_bucket(K - k), DIRECT=True,
+                SPLIT_DZR=True, CDT=tl.float32, ALIGN=16, BLOCK_M=block_m, STAGES=stages, BLOCK_D=D, num_warps=warps,
             )  # fmt: skip
             name = f"step={k} later={K - 1 - k} per_sm={per_sm} BLOCK_M={block_m} warps={warps} STAGES={stages}"
             results[name] = _time_us(lambda assemble=assemble, local=local: (local(), assemble()))

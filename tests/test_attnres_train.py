@@ -13,7 +13,7 @@ from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.attnres.rows import residual_scale
-from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
+from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start, early_steps
 from hybrid_attention.ops.attnres.triton_stream import param_table_rows
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
@@ -479,14 +479,16 @@ def test_opcheck():
         shape = src0[0].shape
         splits, programs = param_table_rows(x.numel() // D, x.device)
         for dx in (torch.randn_like(x), None):
+            k_split = early_steps(3)  # step 1's dh row in the early table, step 2's in the late one
             tables = (
-                torch.randn(3, *shape, dtype=dtype, device=DEV),
+                torch.randn(k_split, *shape, dtype=dtype, device=DEV),
+                torch.randn(3 - k_split, *shape, dtype=dtype, device=DEV),
                 torch.randn(3, 2 + 3, *shape[:-1], dtype=pdt, device=DEV),  # a stream of 3 sources
                 torch.randn(1 + splits + programs, 3, D, dtype=pdt, device=DEV),
             )
             args = (dx, h, h_res, stats, logits, qs, kws, nw, src_d[1:2], *tables, 1, EPS)
             torch.library.opcheck(ops.attn_res_stream_bwd, args)
-        torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[2], splits))
+        torch.library.opcheck(ops.attn_res_stream_param_grads, (tables[3], splits))
     # Block AttnRes: kernel ops likewise, both phases each way.
     queries, key_ws = (t.detach() for t in vectors(D, 2, seed=32, rows=2))
     blocks, (q, kw, nw) = [s.detach() for s in src], (t.detach() for t in (query, key_w, norm_w))

@@ -156,7 +156,9 @@ def compile_attnres(D: int, dtype) -> str:
     triton_full.full_bwd(x, src, w(D), w(D), w(D), stats, 1e-6)
     rows = torch.zeros(K, 2 + S + K - 1, M, dtype=cdt)
     splits, programs = triton_stream.param_table_rows(M, x.device)
-    tables = (torch.zeros(K, M, D, dtype=dtype), rows, torch.zeros(1 + splits + programs, K, D, dtype=cdt))
+    k_split = K - 1  # step 1 below writes its row of the early dh table and reads both tables
+    tables = (torch.zeros(k_split, M, D, dtype=dtype), torch.zeros(K - k_split, M, D, dtype=dtype), rows)
+    tables += (torch.zeros(1 + splits + programs, K, D, dtype=cdt),)
     saved = (h, h_res, stats, logits)
     triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-1:], *tables, 1, 1e-6)
     triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-2:], *tables, 1, 1e-6)  # a table

@@ -14,13 +14,15 @@ shared by the stream, and assembles the complete gradient of its newest source (
 those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes backward"). Older
 sources get nothing from step k: autograd sums no gradients.
 
-The tables travel between the backwards as gradients: every step returns, besides x, three placeholders (zero
-strides, no memory) that the next step takes as inputs; their gradients are the tables dh [K, ..., D], rows
-[K, 2 + S, ...] (c, lse, the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then
-partial sums of dL/du and of dL/d norm_weight). The first backward to run allocates them for the K steps (rows of
-steps that never run backward stay zero and add nothing), each later one fills its entries in place and hands them
-on, with the same shapes: hence the step count K is fixed at the start, by the queries [K, D], and with it S (each
-step reads one more source).
+The tables travel between the backwards as gradients: every step returns, besides x, four placeholders (zero
+strides, no memory) that the next step takes as inputs; their gradients are the tables of dh, [k_split, ..., D] for
+the early steps and [K - k_split, ..., D] for the last quarter (`early_steps`), rows [K, 2 + S, ...] (c, lse, the
+logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and of dL/d
+norm_weight). The first backward to run allocates all but the early dh table for the K steps (rows of steps that
+never run backward stay zero and add nothing); the first backward of an early step allocates that one, when the
+later layers' saved tensors are freed, so that the whole dh never sits on the memory peak at the backward's start.
+Each later backward fills its entries in place and hands the tables on, with the same shapes: hence the step count K
+is fixed at the start, by the queries [K, D], and with it S (each step reads one more source).
 
 dL/du_k gathers terms from every source step k reads, so it is complete only in the stream start's backward, the last
 to run. The pseudo-queries, key-norm weights and RMSNorm weights therefore enter every step as three stacked [K, D]
@@ -60,7 +62,7 @@ class Carrier(NamedTuple):
     key_weights: Tensor  # [K, D]
     norm_weights: Tensor  # [K, D]
     eps: float  # the key norms' epsilon, one for the stream (the backward recomputes r_i once per source)
-    tables: tuple[Tensor, Tensor, Tensor]
+    tables: tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.library.custom_op("hybrid_attention::attn_res_stream_fwd", mutates_args=())
@@ -89,17 +91,18 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
     )
 
 
-@torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh", "rows", "cols"))
+@torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh_early", "dh_late", "rows", "cols"))
 def _bwd_op(
     dx: Tensor | None, h: Tensor, h_res: Tensor, stats: Tensor, logits: Tensor, queries: Tensor,
-    key_weights: Tensor, norm_weight: Tensor, sources: list[Tensor], dh: Tensor, rows: Tensor, cols: Tensor,
-    step: int, eps: float,
+    key_weights: Tensor, norm_weight: Tensor, sources: list[Tensor], dh_early: Tensor, dh_late: Tensor, rows: Tensor,
+    cols: Tensor, step: int, eps: float,
 ) -> Tensor:  # fmt: skip
     """Writes step `step`'s entries of the tables and adds to the dL/du partial sums; -> the gradients of `sources`
     [n, ..., D] in their dtype."""
     return _stream_bwd(
-        dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps
-    )
+        dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh_early, dh_late, rows, cols, step,
+        eps,
+    )  # fmt: skip
 
 
 def _stream_bwd(dx, *args):
@@ -107,7 +110,9 @@ def _stream_bwd(dx, *args):
 
 
 @_bwd_op.register_fake
-def _(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def _(
+    dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh_early, dh_late, rows, cols, step, eps
+):
     s0 = sources[0]
     return s0.new_empty(len(sources), *s0.shape)
 
@@ -129,24 +134,39 @@ _bwd = eager_or_traced(_bwd_op, _stream_bwd)
 _param_grads = eager_or_traced(_param_grads_op, stream_param_grads)
 
 
+def early_steps(K: int) -> int:
+    """How many of a stream's K steps keep their dh in the early table: all but the last quarter."""
+    return K - -(-K // 4)
+
+
+def _dh_table(h: Tensor, steps: int, live: int) -> Tensor:
+    """A dh table of `steps` entries like h, allocated by the first backward of its steps to run: the entries from
+    `live` on belong to steps that never run their backward, so they are zero (their terms are then exactly zero)."""
+    dh = torch.empty(steps, *h.shape, device=h.device, dtype=h.dtype)
+    dh[max(live, 0) :].zero_()
+    return dh
+
+
 def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int, cols_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The tables of a stream over S sources, cols with `cols_rows` rows, for the first backward to run (step
-    `step`): the steps after it never run theirs, so their entries are zero (dh = 0, c = 0 and u = 0, lse = 0, z = 0
-    keep p finite: their terms are exactly zero; their partial sums stay zero)."""
-    dh = torch.empty(K, *h.shape, device=h.device, dtype=h.dtype)
-    dh[step + 1 :].zero_()
+    """The late dh table, rows and cols of a stream over S sources (cols with `cols_rows` rows), for the first backward
+    to run (step `step`): the steps after it never run theirs, so their entries are zero (dh = 0, c = 0 and u = 0,
+    lse = 0, z = 0 keep p finite: their terms are exactly zero; their partial sums stay zero)."""
+    k_split = early_steps(K)
+    dh_late = _dh_table(h, K - k_split, step + 1 - k_split)
     rows = torch.zeros(K, 2 + S, *h.shape[:-1], device=h.device, dtype=stats.dtype)
     cols = torch.zeros(cols_rows, K, h.shape[-1], device=h.device, dtype=stats.dtype)
-    return dh, rows, cols
+    return dh_late, rows, cols
 
 
 class _StreamStep(torch.autograd.Function):
     """Step `step` of a stream: x = RMSNorm(AttnRes(sources)) with the step's row of queries, key_weights and
-    norm_weights, and the three table placeholders. `dh_c, rows_c, cols_c`: the previous step's placeholders (None
-    at the start)."""
+    norm_weights, and the four table placeholders. `dh_early_c, dh_late_c, rows_c, cols_c`: the previous step's
+    placeholders (None at the start)."""
 
     @staticmethod
-    def forward(ctx, dh_c, rows_c, cols_c, queries, key_weights, norm_weights, eps, norm_eps, step, *sources):
+    def forward(
+        ctx, dh_early_c, dh_late_c, rows_c, cols_c, queries, key_weights, norm_weights, eps, norm_eps, step, *sources
+    ):
         norm_weight = norm_weights[step]
         x, h, h_res, stats, logits = _fwd(list(sources), queries[step], key_weights[step], norm_weight, eps, norm_eps)
         assembled = sources if step == 0 else sources[-1:]
@@ -154,46 +174,40 @@ class _StreamStep(torch.autograd.Function):
         ctx.eps, ctx.step, ctx.n = eps, step, len(sources)
         ctx.set_materialize_grads(False)  # no gradient for the placeholders: this is the first backward to run
         K, D = queries.shape
+        k_split = early_steps(K)
         ctx.stream_sources = len(sources) + K - 1 - step  # each later step reads one more
         ctx.splits, programs = param_table_rows(x.numel() // D if D else 0, x.device)
         ctx.cols_rows = 1 + ctx.splits + programs
         placeholders = (
-            x.new_empty(()).expand(K, *x.shape),
+            x.new_empty(()).expand(k_split, *x.shape),
+            x.new_empty(()).expand(K - k_split, *x.shape),
             stats.new_empty(()).expand(K, 2 + ctx.stream_sources, *x.shape[:-1]),
             stats.new_empty(()).expand(ctx.cols_rows, K, D),
         )
         return x, *placeholders
 
     @staticmethod
-    def backward(ctx, dx, dh, rows, cols):
+    def backward(ctx, dx, dh_early, dh_late, rows, cols):
         h, h_res, stats, logits, queries, key_weights, norm_weights, *assembled = ctx.saved_tensors
-        step, n = ctx.step, ctx.n
-        if dh is None:
+        step, n, K = ctx.step, ctx.n, queries.shape[0]
+        k_split = early_steps(K)
+        if rows is None:
             if dx is None:  # neither this step nor a later one reaches the loss
-                return (None,) * (9 + n)
-            dh, rows, cols = _new_tables(h, stats, queries.shape[0], step, ctx.stream_sources, ctx.cols_rows)
-        dv = _bwd(
-            dx,
-            h,
-            h_res,
-            stats,
-            logits,
-            queries,
-            key_weights,
-            norm_weights[step],
-            assembled,
-            dh,
-            rows,
-            cols,
-            step,
-            ctx.eps,
-        )
+                return (None,) * (10 + n)
+            dh_late, rows, cols = _new_tables(h, stats, K, step, ctx.stream_sources, ctx.cols_rows)
+        # The early table is allocated only when the backward reaches its steps: by then the later layers' saved
+        # tensors are freed, so the whole [K, ..., D] of dh never adds to the memory peak at the backward's start.
+        if step < k_split and dh_early is None:
+            dh_early = _dh_table(h, k_split, step + 1)
+        early = h.new_empty(0) if dh_early is None else dh_early  # not read while step >= k_split
+        args = (dx, h, h_res, stats, logits, queries, key_weights, norm_weights[step], assembled)
+        dv = _bwd(*args, early, dh_late, rows, cols, step, ctx.eps)
         if step > 0:
-            return (dh, rows, cols, None, None, None, None, None, None, *([None] * (n - 1)), dv[0])
+            return (dh_early, dh_late, rows, cols, *([None] * 6), *([None] * (n - 1)), dv[0])
         # Complete: every source is assembled and every step has added its partial sums.
         du, dnw = _param_grads(cols, ctx.splits)
         dq, dkw = (du * key_weights.to(du.dtype)).to(queries.dtype), (du * queries.to(du.dtype)).to(key_weights.dtype)
-        return (None, None, None, dq, dkw, dnw.to(norm_weights.dtype), None, None, None, *dv.unbind(0))
+        return (None, None, None, None, dq, dkw, dnw.to(norm_weights.dtype), None, None, None, *dv.unbind(0))
 
 
 def attn_res_norm_stream_start(
@@ -231,7 +245,7 @@ def attn_res_norm_stream_start(
     queries, key_weights, norm_weights = (t.contiguous() for _, t in stacked)
     eps = float(eps)
     x, *tables = _StreamStep.apply(
-        None, None, None, queries, key_weights, norm_weights, eps, float(norm_eps), 0, *sources
+        None, None, None, None, queries, key_weights, norm_weights, eps, float(norm_eps), 0, *sources
     )
     return x, Carrier(0, len(sources), queries, key_weights, norm_weights, eps, tuple(tables))
 

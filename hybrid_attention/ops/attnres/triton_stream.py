@@ -3,10 +3,10 @@ sources the step is the first to read.
 
 Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k (and its
 rounding residual) and the logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so
-when step k's runs, the later steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype),
-rows [K, 2 + S, M] (c, lse, then the logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u,
-then partial sums of dL/du and of dL/d norm_weight), all in the compute dtype but dh. Per row, with the notation of
-docs/math.md ("AttnRes backward"):
+when step k's runs, the later steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype,
+as two tables: the steps before k_split and the rest), rows [K, 2 + S, M] (c, lse, then the logits of the stream's S
+sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and of dL/d norm_weight), all in the
+compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
 
     local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
               reads see it), c_k = dh_k . h_k (h_k unrounded: for half sources, from its 8-bit rounding residual),
@@ -126,7 +126,7 @@ if triton is not None:
         key_ws,  # [K, D]
         norm_w,  # [D]
         logits,  # [n_logits] the step's logits of its sources (compute dtype), copied into rows[k, 2:]
-        dh_all,  # [K, M, D] the sources' dtype: row k written here
+        dh_step,  # [M, D] the sources' dtype: the step's entry of its dh table, written here
         rows,  # [K, R, M] compute dtype: c, lse, then the logits
         u_all,  # [K, D] compute dtype: u
         dnw_part,  # [programs, K, D] compute dtype: partial sums of d norm_weight, [pid, k] written here
@@ -145,7 +145,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        src_ty = dh_all.dtype.element_ty
+        src_ty = dh_step.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -181,7 +181,7 @@ if triton is not None:
             else:
                 dh = tl.zeros([BLOCK_M, BLOCK_D], CDT)
                 c = tl.zeros([BLOCK_M], CDT)
-            tl.store(dh_all + k64 * M * D + at, dh.to(src_ty), mask=mask)
+            tl.store(dh_step + at, dh.to(src_ty), mask=mask)
             tl.store(rows + k64 * R * M + rm, c, mask=m_ok)
             tl.store(rows + (k64 * R + 1) * M + rm, tl.load(stats + rm, mask=m_ok, other=0.0), mask=m_ok)
         tl.store(dnw_part + (pid * K + k64) * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
@@ -197,7 +197,8 @@ if triton is not None:
     def _stream_bwd_kernel(
         table,  # int64 [n]: data pointers of the n sources to assemble, each [M, D] contiguous
         dv,  # [n, M, D] their gradients (the sources' dtype)
-        dh_all,  # [K, M, D] the sources' dtype: rows >= k read
+        dh_early,  # [k_split, M, D] the sources' dtype: the dh table of steps < k_split (entries >= k read)
+        dh_late,  # [K - k_split, M, D]: the dh table of the later steps
         rows,  # [K, R, M] compute dtype: c, lse, the logits of the stream's sources
         u_all,  # [K, D] compute dtype: u
         dzr,  # [n, H, K - k, M] dz r per source, plane (hi, lo when SPLIT_DZR), step k.., row
@@ -206,6 +207,7 @@ if triton is not None:
         R,
         K,
         k,
+        k_split,
         first_source,  # the stream's index of the first of the n sources (they are consecutive)
         n,
         eps,
@@ -221,7 +223,7 @@ if triton is not None:
     ):
         eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
         pid = tl.program_id(0)
-        src_ty = dh_all.dtype.element_ty
+        src_ty = dh_late.dtype.element_ty
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -241,7 +243,9 @@ if triton is not None:
                     slot = j64 * plane
                 for kk in tl.range(k, K, num_stages=STAGES):
                     kk64 = tl.zeros([], tl.int64) + kk
-                    dh_l = tl.load(dh_all + kk64 * M * D + at, mask=mask, other=0.0).to(CDT)
+                    # One loop over both dh tables (one pipeline), the step's row picked from its table.
+                    row_l = tl.where(kk < k_split, dh_early + kk64 * M * D, dh_late + (kk64 - k_split) * M * D)
+                    dh_l = tl.load(row_l + at, mask=mask, other=0.0).to(CDT)
                     c_l = tl.load(rows + kk64 * R * M + rm, mask=m_ok, other=0.0)
                     lse_l = tl.load(rows + (kk64 * R + 1) * M + rm, mask=m_ok, other=0.0)
                     z_l = tl.load(rows + (kk64 * R + 2 + first_source + j64) * M + rm, mask=m_ok, other=0.0)
@@ -347,7 +351,9 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None):
     )  # fmt: skip
 
 
-def stream_bwd_(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh, rows, cols, step, eps):
+def stream_bwd_(
+    dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh_early, dh_late, rows, cols, step, eps
+):
     """The backward of step `step` of a stream (see the module docstring).
 
     Args:
@@ -357,9 +363,11 @@ def stream_bwd_(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, 
             [2, ...] (lse, rho), logits [S_step, ...] (z of each source the step read), both in the compute dtype.
         queries, key_weights: [K, D], every step's; norm_weight: [D], this step's.
         sources: n x [..., D], the sources whose gradients this step completes: the last n it read.
-        dh, rows, cols: the stream's tables [K, ..., D], [K, 2 + S, ...] (S >= S_step) and [1 + splits + programs, K,
-            D] (`param_table_rows`: u, then partial sums of dL/du and of dL/d norm_weight); entries `step` are
-            written, the dL/du partial sums of every step added to.
+        dh_early, dh_late, rows, cols: the stream's tables: dh of the steps before k_split [k_split, ..., D] and from
+            it on [K - k_split, ..., D] (dh_early may be any tensor while step >= k_split: it is not read),
+            [K, 2 + S, ...] (S >= S_step) and [1 + splits + programs, K, D] (`param_table_rows`: u, then partial sums
+            of dL/du and of dL/d norm_weight); entries `step` are written, the dL/du partial sums of every step added
+            to.
 
     Returns:
         the sources' gradients [n, ..., D] in their dtype.
@@ -376,15 +384,18 @@ def stream_bwd_(dx, h, h_res, stats, logits, queries, key_weights, norm_weight, 
         return dv
     splits, local_programs = param_table_rows(M, s0.device)
     tl_cdt, width = compute_tl_dtype(cdt), block_d(D)
+    k_split = K - dh_late.shape[0]
+    dh_step = dh_late[step - k_split] if step >= k_split else dh_early[step]
     _stream_local_kernel[(local_programs,)](
-        h if dx is None else dx, h, h_res, stats, queries, key_weights, norm_weight, logits, dh, rows, cols,
+        h if dx is None else dx, h, h_res, stats, queries, key_weights, norm_weight, logits, dh_step, rows, cols,
         cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, RES_SCALE=residual_scale(s0.dtype),
         CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK, BLOCK_D=width,
     )  # fmt: skip
     table = source_table(sources)  # every step but the first has one source: no pointer table
     dzr = torch.empty(n, 2 if split_dzr else 1, K - step, M, device=s0.device, dtype=s0.dtype if split_dzr else cdt)
     _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
-        table, dv, dh, rows, cols, dzr, M, D, R, K, step, read - n, n, *split_scalar(eps), source_bucket(K - step),
+        table, dv, dh_early, dh_late, rows, cols, dzr, M, D, R, K, step, k_split, read - n, n, *split_scalar(eps),
+        source_bucket(K - step),
         DIRECT=n == 1, SPLIT_DZR=split_dzr, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
     )  # fmt: skip
     add_dzr_products_(sources, dzr, cols[1 : 1 + splits], step, table)
