@@ -589,3 +589,43 @@ def test_chain_without_rows():
     assert all(g.shape == (2, 0, D) for g in got[:S])
     for i, g in enumerate(got[S:]):
         assert torch.equal(g, torch.zeros_like(g)), f"parameter {i}: {g}"
+
+
+@pytest.mark.parametrize("used_last", [True, False])
+def test_early_dh_table_allocated_late(used_last, monkeypatch, poisoned):
+    """The stream's backward allocates its late dh table (the last quarter of the steps) first, and the early one
+    only when it reaches an early step, after the later steps' backwards have run (so the whole dh never sits on the
+    memory peak at the backward's start); with NaN-poisoned allocations, the entries of steps whose backward never
+    runs must be zeroed for the gradients to match the reference."""
+    from hybrid_attention.ops.attnres import stream_train
+
+    S, D, start = 9, 16, 2
+    K = S - start + 1
+    k_split = stream_train.early_steps(K)
+    allocated, backward_steps = [], []
+    make_table, run_backward = stream_train._dh_table, stream_train._bwd
+
+    def recording_table(h, steps, live):
+        allocated.append((steps, len(backward_steps)))  # the table's size, and how many backwards ran before it
+        return make_table(h, steps, live)
+
+    def recording_backward(*args):
+        backward_steps.append(args[-2])
+        return run_backward(*args)
+
+    monkeypatch.setattr(stream_train, "_dh_table", recording_table)
+    monkeypatch.setattr(stream_train, "_bwd", recording_backward)
+    used = range(start, S + 1) if used_last else range(start, S - 2)  # without the last three: a dead late table
+    src = sources(S, D, seed=95, shape=(1, 2))
+    params = [vectors(D, 3, seed=95 + l) for l in range(start, S + 1)]
+    outs = run_chain(src, params, start, used)
+    fused = grads(outs, src)
+    src64, params64 = f64(src), [f64(p) for p in params]
+    check_grads("two dh tables", fused, grads(reference_chain(src64, params64, start, used), src64), range(S))
+    first = backward_steps[0]
+    assert first == used[-1] - start, backward_steps
+    assert len(allocated) == 2 and allocated[0] == (K - k_split, 0), allocated  # the late table, first
+    # The early table: by the first backward of an early step, after every later step's backward (none when the
+    # first backward is an early step's).
+    later = sum(s >= k_split for s in backward_steps)
+    assert allocated[1] == (k_split, later) and (later > 0) == (first >= k_split), (allocated, backward_steps)
