@@ -147,11 +147,12 @@ def _dh_table(h: Tensor, steps: int, live: int) -> Tensor:
     return dh
 
 
-def _new_tables(h: Tensor, stats: Tensor, K: int, step: int, S: int, cols_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The late dh table, rows and cols of a stream over S sources (cols with `cols_rows` rows), for the first backward
-    to run (step `step`): the steps after it never run theirs, so their entries are zero (dh = 0, c = 0 and u = 0,
-    lse = 0, z = 0 keep p finite: their terms are exactly zero; their partial sums stay zero)."""
-    k_split = early_steps(K)
+def _new_tables(
+    h: Tensor, stats: Tensor, K: int, k_split: int, step: int, S: int, cols_rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The late dh table (steps k_split ..), rows and cols of a stream over S sources (cols with `cols_rows` rows),
+    for the first backward to run (step `step`): the steps after it never run theirs, so their entries are zero (dh =
+    0, c = 0 and u = 0, lse = 0, z = 0 keep p finite: their terms are exactly zero; their partial sums stay zero)."""
     dh_late = _dh_table(h, K - k_split, step + 1 - k_split)
     rows = torch.zeros(K, 2 + S, *h.shape[:-1], device=h.device, dtype=stats.dtype)
     cols = torch.zeros(cols_rows, K, h.shape[-1], device=h.device, dtype=stats.dtype)
@@ -194,7 +195,7 @@ class _StreamStep(torch.autograd.Function):
         if rows is None:
             if dx is None:  # neither this step nor a later one reaches the loss
                 return (None,) * (10 + n)
-            dh_late, rows, cols = _new_tables(h, stats, K, step, ctx.stream_sources, ctx.cols_rows)
+            dh_late, rows, cols = _new_tables(h, stats, K, k_split, step, ctx.stream_sources, ctx.cols_rows)
         # The early table is allocated only when the backward reaches its steps: by then the later layers' saved
         # tensors are freed, so the whole [K, ..., D] of dh never adds to the memory peak at the backward's start.
         if step < k_split and dh_early is None:
