@@ -4,15 +4,17 @@ Per case and shape: step time (median over --steps after --warmup steps), tokens
 (torch.cuda.max_memory_allocated, optimizer states included; in the graph modes from the capture on, since the
 graph allocates its memory once, there) and MFU (`metrics.flops_per_token`: 6 x non-embedding
 parameters plus the sequence mixing, against the GPU's dense bf16 peak). Every model keeps float32 parameters and runs
-under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW;
-random tokens. Every case's step is the one `train` runs, `train_step.TrainStep` (forward, backward, gradient clipping
-at --clip, optimizer step), in one of four modes: eager, compile (torch.compile of the model), graph (the whole step
+under bf16 autocast (the cases named in --bf16-params instead hold bf16 parameters, no autocast), with fused AdamW
+(or, with --optimizer muon, `train`'s Muon for the hidden matrices and fused AdamW for the rest); random tokens.
+Every case's step is the one `train` runs, `train_step.TrainStep` (forward, backward, gradient clipping at --clip,
+optimizer step), in one of four modes: eager, compile (torch.compile of the model), graph (the whole step
 replayed from a CUDA graph) and compile+graph. Each case runs in its own try block: a failure (a missing preset, an
 absent library, out of memory, a step that cannot be captured) is listed in the table and the next case runs.
 
     python benchmarks/bench_train.py                                   # every case, both shapes, eager and compiled
     python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager --steps 5
     python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager,graph
+    python benchmarks/bench_train.py --cases ours-full --shapes 8x2048 --modes eager,graph --optimizer muon
     python benchmarks/bench_train.py --quick                           # CPU, tiny sizes, seconds: a smoke check
 
 Two more columns say whether a step is bound by the host or the GPU: "host ms", the median time until a step's
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.model import PRESETS, HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.optim import build_optimizers  # noqa: E402
 from hybrid_attention.train_step import TrainStep  # noqa: E402
 
 # The --quick run: the presets' residuals and layer kinds at the tiny preset's widths, CPU-sized depth.
@@ -208,14 +211,17 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     model, loss_fn, flops = case.build()
     bf16_params = case.name in args.bf16_params
     model = model.to(device, dtype=torch.bfloat16 if bf16_params else None).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if args.optimizer == "muon":
+        optimizers = build_optimizers(model, optimizer="muon", lr=1e-4, weight_decay=0.1)
+    else:
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")]
     # dynamic=False: one graph per shape, not a dynamic-shape graph after the second shape.
     runner = torch.compile(model, dynamic=False) if mode.startswith("compile") else model
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, batch, seq_len), device=device)  # [grad_accum, B, T]
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params)  # noqa: E731
     graph = mode.endswith("graph")
-    train_step = TrainStep(lambda x: loss_fn(runner, x), model.parameters(), [opt], clip=args.clip or None,
+    train_step = TrainStep(lambda x: loss_fn(runner, x), model.parameters(), optimizers, clip=args.clip or None,
                            autocast=autocast, cuda_graph=graph)  # fmt: skip
 
     def step() -> torch.Tensor:
@@ -319,6 +325,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip as in train (default 1.0; 0: none)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw, or muon for the hidden matrices and adamw for the rest, as in train")  # fmt: skip
     p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
     p.add_argument(
@@ -371,6 +379,8 @@ def main(argv=None) -> dict:
                 rows.append(row)
 
     optimizer = "fused AdamW" if device.type == "cuda" else "AdamW"
+    if args.optimizer == "muon":
+        optimizer = f"Muon (hidden matrices) + {optimizer}"
     clip = f"clip {args.clip:g}" if args.clip else "no clip"
     print(f"## training step, {optimizer}, {clip}, random tokens, median of {args.steps} steps after {args.warmup}\n")
     print_table(rows)

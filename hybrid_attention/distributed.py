@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid_attention.muon import StackedMuon
+
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 600.0
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the parameter dtype: exp() / softplus() of them
@@ -278,8 +280,8 @@ def shard_for_training(model: nn.Module, par: Parallel, config, tokenizer, train
 
 
 # ----------------------------------------------------------------------------------------------------- optimizers
-class GatheredMuon(torch.optim.Muon):
-    """`torch.optim.Muon` for FSDP2-sharded matrices: the momentum stays sharded, each update is gathered whole.
+class GatheredMuon(StackedMuon):
+    """Muon for FSDP2-sharded matrices: the momentum stays sharded, each update is gathered whole.
 
     torch's Muon has no DTensor path of its own (on a sharded DTensor its Newton-Schulz matmuls would redistribute
     on every iteration). Here the momentum and Nesterov blend run on the local shards, the update is all-gathered
@@ -287,33 +289,20 @@ class GatheredMuon(torch.optim.Muon):
     arithmetic is torch's (the same functions), so a sharded step equals the single-process step.
     """
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _update(self, params, group) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr = float(group["lr"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                whole = update.full_tensor() if isinstance(update, DTensor) else update
-                ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                if isinstance(p, DTensor):
-                    ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
+        lr = float(group["lr"])
+        for p, buf in zip(params, self._momentum_buffers(params), strict=True):
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            whole = update.full_tensor() if isinstance(update, DTensor) else update
+            ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            if isinstance(p, DTensor):
+                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 def build_optimizers(model: nn.Module, **kw) -> list[torch.optim.Optimizer]:
@@ -321,7 +310,7 @@ def build_optimizers(model: nn.Module, **kw) -> list[torch.optim.Optimizer]:
     from hybrid_attention.optim import build_optimizers as build
 
     optimizers = build(model, **kw)
-    return [GatheredMuon(o.param_groups, **o.defaults) if type(o) is torch.optim.Muon else o for o in optimizers]
+    return [GatheredMuon(o.param_groups, **o.defaults) if isinstance(o, torch.optim.Muon) else o for o in optimizers]
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation

@@ -1,5 +1,6 @@
 """Optimizers and the learning-rate schedule: AdamW, or Muon for hidden matrices plus AdamW for the rest, with a
-linear warm-up and a cosine decay to `min_lr_ratio` of the peak."""
+linear warm-up and a cosine decay to `min_lr_ratio` of the peak. Muon is `muon.StackedMuon`, torch's update with the
+matrices of one shape orthogonalised together."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def param_groups(model: nn.Module, weight_decay: float, *, muon: bool) -> tuple[
 def build_optimizers(
     model: nn.Module, *, optimizer: str, lr: float, weight_decay: float
 ) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon, AdamW] for `optimizer` "adamw" or "muon". Muon uses AdamW-matched update RMS, so one
+    """[AdamW] or [StackedMuon, AdamW] for `optimizer` "adamw" or "muon". Muon uses AdamW-matched update RMS, so one
     learning rate serves both."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -53,7 +54,9 @@ def build_optimizers(
         return [adamw]
     if not hasattr(torch.optim, "Muon"):
         raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
-    muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    from hybrid_attention.muon import StackedMuon  # subclasses torch.optim.Muon: imported once it is known to exist
+
+    muon = StackedMuon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
     return [muon, adamw]
 
 

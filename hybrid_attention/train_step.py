@@ -8,9 +8,10 @@ take longer to issue a step than the GPU takes to run it. A replayed graph issue
   live in the graph's memory and are overwritten by each replay;
 - nothing syncs with the host: the models branch on shapes only, `clip_grad_norm_` (foreach) and fused AdamW work on
   device tensors, and the AttnRes pointer tables the graph reads stay alive with it (`ops.attnres.rows`);
-- the learning rate enters AdamW as a device tensor while the step is captured (`capturable=True`, so every replay
-  reads it); before each replay it is filled from the float that the scheduler keeps in `param_groups`. Outside
-  capture the groups hold their floats and flags as before, so schedulers and checkpoints are the same in both modes.
+- the learning rate enters the optimizers as a device tensor while the step is captured (AdamW with
+  `capturable=True`; `muon.StackedMuon` takes either), so every replay reads it; before each replay it is filled from
+  the float that the scheduler keeps in `param_groups`. Outside capture the groups hold their floats and flags as
+  before, so schedulers and checkpoints are the same in both modes.
 Warm-up (Triton compilation and autotuning, torch.compile, cuBLAS handles, the optimizer's lazily made state) runs
 eagerly on a side stream on the first batch; the parameters and the optimizer state are then put back, so a graphed
 run computes the steps an eager run computes. A step that draws random numbers (dropout; our models have none) would
@@ -26,9 +27,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hybrid_attention.distributed import full
+from hybrid_attention.muon import StackedMuon
 from hybrid_attention.ops.attnres.rows import captured_tables
 
-GRAPH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)  # capturable with a tensor learning rate
+GRAPH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, StackedMuon)  # they take a device tensor learning rate
 
 
 class TrainStep:
@@ -37,7 +39,8 @@ class TrainStep:
     Args:
         loss_of: ids [B, T] -> the scalar mean loss of one micro-batch (run under `autocast`).
         params: the parameters whose gradients are clipped (every parameter the optimizers update).
-        optimizers: stepped in order after the clipping; with `cuda_graph`, torch.optim.Adam or AdamW only.
+        optimizers: stepped in order after the clipping; with `cuda_graph`, torch.optim.Adam, AdamW or
+            `muon.StackedMuon` (`GRAPH_OPTIMIZERS`).
         grad_accum: micro-batches per step; each loss is divided by it, so the gradients are those of their mean.
         clip: the gradient-norm clip (math.inf: measure the norm, clip nothing); None: no norm at all.
         autocast: a context factory around each forward (e.g. `device.autocast_for(...)`).
@@ -140,12 +143,14 @@ class TrainStep:
         self.batches = torch.empty_like(batches, device=self.device).copy_(batches)
         saved = _Snapshot(self.params, self.optimizers)
         groups = [g for opt in self.optimizers for g in opt.param_groups]
-        before = [(g["lr"], g["capturable"]) for g in groups]
+        before = [(g["lr"], g.get("capturable")) for g in groups]
         self._lrs = [(torch.tensor(float(g["lr"]), device=self.device), g) for g in groups]
         current = torch.cuda.current_stream(self.device)
         try:
-            for lr, group in self._lrs:  # what capture records: AdamW reads the device tensor
-                group["lr"], group["capturable"] = lr, True
+            for lr, group in self._lrs:  # what capture records: the optimizers read the device tensor
+                group["lr"] = lr
+                if "capturable" in group:  # Adam's flag for a device learning rate (StackedMuon takes it as it is)
+                    group["capturable"] = True
             self._zero_grad()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(current)
@@ -169,13 +174,17 @@ class TrainStep:
             raise
         finally:
             for group, (lr, capturable) in zip(groups, before, strict=True):
-                group["lr"], group["capturable"] = lr, capturable
+                group["lr"] = lr
+                if "capturable" in group:
+                    group["capturable"] = capturable
 
 
 def _check_capturable(params: list[torch.Tensor], optimizers) -> None:
     wrong = [type(opt).__name__ for opt in optimizers if not isinstance(opt, GRAPH_OPTIMIZERS)]
     if wrong:
-        raise ValueError(f"TrainStep: cuda_graph=True supports torch.optim.Adam and AdamW only, got {', '.join(wrong)}")
+        raise ValueError(
+            f"TrainStep: cuda_graph=True supports torch.optim.Adam, AdamW and StackedMuon only, got {', '.join(wrong)}"
+        )
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without distributed: nothing is sharded

@@ -29,3 +29,18 @@ def test_quick_run_lists_results_and_failures():
     # A CUDA graph needs CUDA: on the CPU the graph mode of a case that runs eagerly is listed as failed, with why.
     graphed = next(r for r in results if r["mode"] == "graph" and r["case"] == "ours-standard")
     assert "cuda_graph=True needs parameters on a CUDA device, got cpu" in graphed["error"], graphed
+
+
+def test_quick_run_with_muon():
+    """`--optimizer muon` trains with train's Muon + AdamW; its graph mode is refused on the CPU for the device alone
+    (the optimizer can be captured)."""
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--quick", "--cases", "ours-full", "--optimizer", "muon"]
+    cmd += ["--shapes", "1x16", "--steps", "1", "--warmup", "1", "--modes", "eager,graph"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["optimizer"] == "Muon (hidden matrices) + AdamW", result["optimizer"]
+    eager, graphed = result["results"]
+    assert eager["error"] is None and eager["tokens_per_s"] > 0, eager
+    assert graphed["error"].endswith("cuda_graph=True needs parameters on a CUDA device, got cpu"), graphed

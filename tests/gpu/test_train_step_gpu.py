@@ -31,22 +31,23 @@ pytestmark = needs_cuda
 SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, kda_num_heads=2, kda_head_dim=64,
              mla_num_heads=2, mla_kv_lora_rank=64, mla_qk_nope_head_dim=48, mla_qk_shared_head_dim=16,
              mla_v_head_dim=64)  # fmt: skip
-CASES = {
-    "full": ("k3-scaled", {}),
-    "block": ("k3-scaled-block", {}),
-    "standard": ("k3-scaled", {"residual": "standard"}),
+CASES = {  # (preset, overrides, optimizer)
+    "full": ("k3-scaled", {}, "adamw"),
+    "block": ("k3-scaled-block", {}, "adamw"),
+    "standard": ("k3-scaled", {"residual": "standard"}, "adamw"),
+    "full-muon": ("k3-scaled", {}, "muon"),
 }
 LR = 2.0**-10
 FACTORS = (1.0, 0.5, 0.25, 1.0, 1.0)  # the schedule: the rate changes between replays
 B, T, ACCUM, STEPS = 2, 128, 2, 4
 
 
-def _train(preset: str, overrides: dict, *, cuda_graph: bool, compile: bool = False):
-    """STEPS steps of ACCUM micro-batches, bf16 autocast, clip 1.0, fused AdamW with a schedule: (losses, norms,
-    parameters, the TrainStep, the optimizers)."""
+def _train(preset: str, overrides: dict, optimizer: str = "adamw", *, cuda_graph: bool, compile: bool = False):
+    """STEPS steps of ACCUM micro-batches, bf16 autocast, clip 1.0, fused AdamW (or Muon for the hidden matrices)
+    with a schedule: (losses, norms, parameters, the TrainStep, the optimizers)."""
     torch.manual_seed(0)
     model = HybridLM(HybridConfig.from_preset(preset, **{**SIZES, **overrides})).cuda()
-    optimizers = build_optimizers(model, optimizer="adamw", lr=LR, weight_decay=0.1)
+    optimizers = build_optimizers(model, optimizer=optimizer, lr=LR, weight_decay=0.1)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: FACTORS[s]) for opt in optimizers]
     runner = torch.compile(model) if compile else model
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
@@ -86,19 +87,19 @@ def _assert_same_training(eager, again, graphed, *, floor_loss: float = 1e-5, fl
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_graphed_step_equals_eager(case):
-    preset, overrides = CASES[case]
-    eager = _train(preset, overrides, cuda_graph=False)
-    again = _train(preset, overrides, cuda_graph=False)
-    graphed = _train(preset, overrides, cuda_graph=True)
+    preset, overrides, optimizer = CASES[case]
+    eager = _train(preset, overrides, optimizer, cuda_graph=False)
+    again = _train(preset, overrides, optimizer, cuda_graph=False)
+    graphed = _train(preset, overrides, optimizer, cuda_graph=True)
     _assert_same_training(eager, again, graphed)
     step, optimizers = graphed[3], graphed[4]
     assert step.graph is not None
     # Outside capture the groups hold floats and their own flags again: schedulers and checkpoints see no tensors.
-    for opt in optimizers:
-        assert all(type(g["lr"]) is float and g["capturable"] is False for g in opt.param_groups)
-        fresh = build_optimizers(HybridLM(HybridConfig.from_preset(preset, **{**SIZES, **overrides})).cuda(),
-                                 optimizer="adamw", lr=LR, weight_decay=0.1)[0]  # fmt: skip
-        fresh.load_state_dict(opt.state_dict())  # a checkpoint of a graphed run loads into an eager one
+    fresh = build_optimizers(HybridLM(HybridConfig.from_preset(preset, **{**SIZES, **overrides})).cuda(),
+                             optimizer=optimizer, lr=LR, weight_decay=0.1)  # fmt: skip
+    for opt, eager_opt in zip(optimizers, fresh, strict=True):
+        assert all(type(g["lr"]) is float and g.get("capturable", False) is False for g in opt.param_groups)
+        eager_opt.load_state_dict(opt.state_dict())  # a checkpoint of a graphed run loads into an eager one
     # The AttnRes kernels read pointer tables built under capture: the graph keeps them, the eager cache never has them.
     if case == "standard":
         assert step._tables.tables == []

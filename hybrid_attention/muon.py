@@ -1,0 +1,107 @@
+"""Muon with its matrices orthogonalised in stacks: `torch.optim.Muon`'s update, a few launches per matrix shape.
+
+`torch.optim.Muon` updates one matrix at a time: about twenty kernels each (the momentum, the cast, the norm, five
+Newton-Schulz iterations of three products, the decay and the update), so a model with 150 hidden matrices issues
+some 3,000 small launches per step, and an eager step is bound by the host. It also reads the learning rate as a
+Python number, so a step cannot be captured in a CUDA graph.
+
+`StackedMuon` computes the same update with the same arithmetic, per group of matrices of one shape:
+- the momentum and the Nesterov blend as foreach ops over the group;
+- the group stacked into one [n, rows, cols] bfloat16 tensor, each matrix scaled by its own Frobenius norm, and the
+  Newton-Schulz iterations as batched products (`torch.baddbmm`), where torch runs `torch.addmm` per matrix;
+- the decay and the update as foreach ops.
+A group is stacked in slices of at most `STACK_ELEMENTS` elements, which bounds the step's temporary memory.
+
+The learning rate may be a Python number or a one-element device tensor (a CUDA graph reads the tensor at every
+replay: `train_step.TrainStep`). With a number, every parameter and momentum buffer is bitwise what
+`torch.optim.Muon` computes wherever the batched products round as the single ones do (they do on CPU; on a GPU the
+library may choose other product kernels for a stack, which round differently in the last bits of the bfloat16
+iterates). The state is torch's (`momentum_buffer` per matrix), so checkpoints move between the two.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+# The most elements stacked at once: 64M, 256 MB of float32 updates and their bfloat16 stack (plus the iterates).
+STACK_ELEMENTS = 1 << 26
+
+
+def newton_schulz(updates: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """The quintic Newton-Schulz orthogonalisation of each matrix of a stack, in bfloat16, as `torch.optim.Muon`
+    does it for one matrix (wide matrices iterate X X^T, tall ones their transpose).
+
+    updates: [n, rows, cols] -> [n, rows, cols] bfloat16, each matrix near U V^T of its SVD U S V^T.
+    """
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: torch.Size) -> float | Tensor:
+    """The learning rate of a [rows, cols] matrix's update, scaled as `torch.optim.Muon` scales it."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+class StackedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` (the same arguments, parameter groups and state) with the stacked step of the module
+    docstring; `group["lr"]` may be a float or a one-element tensor on the parameters' device."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_shape = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or p.grad.is_complex():
+                    raise ValueError(f"StackedMuon: expected a dense real gradient, got {p.grad.layout} {p.grad.dtype}")
+                by_shape[p.shape, p.dtype, p.device].append(p)
+            for (shape, _, _), params in by_shape.items():
+                per_slice = max(1, STACK_ELEMENTS // max(1, shape.numel()))
+                for start in range(0, len(params), per_slice):
+                    self._update(params[start : start + per_slice], group)
+        return loss
+
+    def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
+        """Each matrix's momentum, made (zeros) at its first step."""
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        return [self.state[p]["momentum_buffer"] for p in params]
+
+    def _update(self, params: list[Tensor], group: dict) -> None:
+        """One slice of matrices of one shape: momentum, orthogonalised update, decay, step."""
+        grads, bufs = [p.grad for p in params], self._momentum_buffers(params)
+        momentum, lr = group["momentum"], group["lr"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        blended = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        ortho = newton_schulz(torch.stack(blended), group["ns_coefficients"], group["ns_steps"], group["eps"])
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        step = adjusted_lr(lr, group["adjust_lr_fn"], params[0].shape)
+        ortho = ortho.to(params[0].dtype)  # the update in the parameters' dtype, as torch's mixed add computes it
+        if isinstance(step, Tensor):  # a device learning rate: no host read, so a CUDA graph can capture the step
+            torch._foreach_add_(params, list(ortho.mul_(-step).unbind(0)))
+        else:
+            torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-step)

@@ -1,0 +1,66 @@
+"""StackedMuon on a GPU at the k3-scaled matrices, against torch.optim.Muon and a float64 computation of the same
+update (skips without CUDA).
+
+Run on a GPU machine: python -m pytest -q tests/gpu/test_muon_gpu.py
+
+On a GPU the stacked products may round differently from the single ones (the library picks other kernels for a
+batch), so the check is the house rule for a low-precision kernel: StackedMuon's update is at most twice as far from
+the float64 update as torch's own bfloat16 update is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.muon import StackedMuon, adjusted_lr
+from hybrid_attention.optim import param_groups
+from tests.conftest import needs_cuda
+
+pytestmark = needs_cuda
+
+
+def _newton_schulz_float64(update: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's iteration for one matrix, every operation in float64."""
+    a, b, c = coefficients
+    x = update.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def test_step_at_model_shapes_is_as_accurate_as_torch_muon():
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("k3-scaled"))
+    _, matrices = param_groups(model, 0.1, muon=True)
+    ours = [torch.nn.Parameter(p.detach().cuda()) for p in matrices]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    options = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    stacked, single = StackedMuon(ours, **options), torch.optim.Muon(ref, **options)
+    grads = [torch.randn_like(p) * 1e-3 for p in ours]
+    for p, q, g in zip(ours, ref, grads, strict=True):
+        p.grad, q.grad = g, g.clone()
+    start = [p.detach().clone() for p in ours]
+    stacked.step()
+    single.step()
+    group = stacked.param_groups[0]
+    squares = {}  # shape -> squared distances to the float64 update (ours, torch's) and its squared size
+    for p0, p, q, g in zip(start, ours, ref, grads, strict=True):
+        # The first step's momentum buffer is (1 - momentum) g; the Nesterov blend lerps g toward it.
+        blend = g.double().lerp(g.double() * (1 - group["momentum"]), group["momentum"])
+        ortho = _newton_schulz_float64(blend, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        exact = p0.double() * (1 - 0.02 * 0.1) - adjusted_lr(0.02, group["adjust_lr_fn"], p.shape) * ortho
+        sums = squares.setdefault(tuple(p.shape), [0.0, 0.0, 0.0])
+        sums[0] += float((p.detach().double() - exact).square().sum())
+        sums[1] += float((q.detach().double() - exact).square().sum())
+        sums[2] += float((exact - p0.double()).square().sum())
+    # Per shape (every matrix of a stack together, so that a few small matrices do not decide): relative errors.
+    errors = {shape: ((o / m) ** 0.5, (t / m) ** 0.5) for shape, (o, t, m) in squares.items()}
+    print(errors)
+    assert all(ours_err <= 2 * torch_err for ours_err, torch_err in errors.values()), errors
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.equal(stacked.state[p]["momentum_buffer"], single.state[q]["momentum_buffer"])
