@@ -27,7 +27,8 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-# The most elements stacked at once: 64M, 256 MB of float32 updates and their bfloat16 stack (plus the iterates).
+# The most elements stacked at once: 64M. A slice's temporaries (float32 blend, stack and update, bfloat16 iterates)
+# then stay at about 1 GB at most, whatever the model's size.
 STACK_ELEMENTS = 1 << 26
 
 
