@@ -104,6 +104,39 @@ def test_device_learning_rate_takes_the_float_step():
         assert (p - q).abs().max() <= 4 * torch.finfo(torch.float32).eps * p.abs().max(), (p - q).abs().max()
 
 
+def test_device_learning_rate_is_never_read_by_the_host():
+    """What a CUDA graph needs: a step with a tensor learning rate reads no tensor back to the host (a read would
+    stall the capture, and a replay would keep the value read then)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    params, _ = _twins(7)
+    opt = StackedMuon(_groups(params), weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(group["lr"])
+    gen = torch.Generator().manual_seed(8)
+    _set_grads(params, _twins(7)[1], gen)
+    opt.step()  # the momentum buffers are made at the first step
+    with HostReads() as mode:
+        opt.step()
+    assert mode.reads == []
+    # The rate is read at each step: zero (filled in place, as before a replay) leaves the parameters where they are.
+    before = [p.detach().clone() for g in params for p in g]
+    for group in opt.param_groups:
+        group["lr"].fill_(0.0)
+    opt.step()
+    assert all(torch.equal(p, p0) for p, p0 in zip([p for g in params for p in g], before, strict=True))
+
+
 def test_state_moves_between_torch_muon_and_stacked():
     """A checkpoint of either optimizer continues in the other, bitwise (the state is torch's)."""
     a, b = _twins(5)
