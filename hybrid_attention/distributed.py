@@ -38,8 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid_attention.muon import StackedMuon
-
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 600.0
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the parameter dtype: exp() / softplus() of them
@@ -280,37 +278,17 @@ def shard_for_training(model: nn.Module, par: Parallel, config, tokenizer, train
 
 
 # ----------------------------------------------------------------------------------------------------- optimizers
-class GatheredMuon(StackedMuon):
-    """Muon for FSDP2-sharded matrices: the momentum stays sharded, each update is gathered whole.
-
-    torch's Muon has no DTensor path of its own (on a sharded DTensor its Newton-Schulz matmuls would redistribute
-    on every iteration). Here the momentum and Nesterov blend run on the local shards, the update is all-gathered
-    once per parameter, orthogonalised by torch's own Newton-Schulz on every rank, and each rank keeps its slice. The
-    arithmetic is torch's (the same functions), so a sharded step equals the single-process step.
-    """
-
-    def _update(self, params, group) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        lr = float(group["lr"])
-        for p, buf in zip(params, self._momentum_buffers(params), strict=True):
-            buf.lerp_(p.grad, 1 - group["momentum"])
-            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-            whole = update.full_tensor() if isinstance(update, DTensor) else update
-            ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            if isinstance(p, DTensor):
-                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
-
-
 def build_optimizers(model: nn.Module, **kw) -> list[torch.optim.Optimizer]:
-    """`optim.build_optimizers` for a sharded model: the same optimizers, Muon as `GatheredMuon`."""
+    """`optim.build_optimizers` for a sharded model: the same optimizers, Muon as `muon.GatheredMuon`."""
     from hybrid_attention.optim import build_optimizers as build
 
-    optimizers = build(model, **kw)
-    return [GatheredMuon(o.param_groups, **o.defaults) if isinstance(o, torch.optim.Muon) else o for o in optimizers]
+    optimizers = build(model, **kw)  # says so clearly when this torch has no Muon
+    if kw.get("optimizer") != "muon":
+        return optimizers
+    from hybrid_attention.muon import GatheredMuon  # subclasses torch.optim.Muon: imported once it is known to exist
+
+    muon, *others = optimizers  # [Muon, AdamW]
+    return [GatheredMuon(muon.param_groups, **muon.defaults), *others]
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation

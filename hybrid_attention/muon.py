@@ -57,13 +57,15 @@ def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: torch.Size)
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
+        return lr * (0.2 * math.sqrt(max(rows, cols)))  # the ratio first, as torch: one rounding of the product
     return lr
 
 
 class StackedMuon(torch.optim.Muon):
     """`torch.optim.Muon` (the same arguments, parameter groups and state) with the stacked step of the module
     docstring; `group["lr"]` may be a float or a one-element tensor on the parameters' device."""
+
+    device_lr = True  # takes the learning rate as a device tensor: a CUDA graph can capture the step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -99,10 +101,46 @@ class StackedMuon(torch.optim.Muon):
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         blended = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
         ortho = newton_schulz(torch.stack(blended), group["ns_coefficients"], group["ns_steps"], group["eps"])
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        decay = 1 - lr * group["weight_decay"]
+        if isinstance(decay, float) and params[0].dtype in (torch.float16, torch.bfloat16):
+            for p in params:  # a foreach product rounds a number to the half dtype first; torch's mul_ does not
+                p.mul_(decay)
+        else:
+            torch._foreach_mul_(params, decay)
         step = adjusted_lr(lr, group["adjust_lr_fn"], params[0].shape)
-        ortho = ortho.to(params[0].dtype)  # the update in the parameters' dtype, as torch's mixed add computes it
+        # The update in the dtype torch's mixed add computes in, contiguous like the parameters (a tall shape's
+        # iterate is a transposed view): matching layouts keep the foreach add one fused kernel on CUDA.
+        dtype = torch.promote_types(params[0].dtype, ortho.dtype)
+        ortho = ortho.to(dtype, memory_format=torch.contiguous_format)
         if isinstance(step, Tensor):  # a device learning rate: no host read, so a CUDA graph can capture the step
             torch._foreach_add_(params, list(ortho.mul_(-step).unbind(0)))
         else:
             torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-step)
+
+
+class GatheredMuon(StackedMuon):
+    """Muon for FSDP2-sharded matrices: the momentum stays sharded, each update is gathered whole.
+
+    torch's Muon has no DTensor path of its own (on a sharded DTensor its Newton-Schulz matmuls would redistribute
+    on every iteration). Here the momentum and Nesterov blend run on the local shards, the update is all-gathered
+    once per parameter, orthogonalised by torch's own Newton-Schulz on every rank, and each rank keeps its slice. The
+    arithmetic is torch.optim.Muon's (the same functions), one matrix at a time; the learning rate is read as a
+    number, so this step is never captured in a CUDA graph (a sharded step is not: `train_step`).
+    """
+
+    device_lr = False
+
+    def _update(self, params: list[Tensor], group: dict) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        lr = float(group["lr"])
+        for p, buf in zip(params, self._momentum_buffers(params), strict=True):
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            whole = update.full_tensor() if isinstance(update, DTensor) else update
+            ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            if isinstance(p, DTensor):
+                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))

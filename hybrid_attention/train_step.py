@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hybrid_attention.distributed import full
-from hybrid_attention.muon import StackedMuon
 from hybrid_attention.ops.attnres.rows import captured_tables
 
-GRAPH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, StackedMuon)  # they take a device tensor learning rate
+ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 class TrainStep:
@@ -40,7 +39,7 @@ class TrainStep:
         loss_of: ids [B, T] -> the scalar mean loss of one micro-batch (run under `autocast`).
         params: the parameters whose gradients are clipped (every parameter the optimizers update).
         optimizers: stepped in order after the clipping; with `cuda_graph`, torch.optim.Adam, AdamW or
-            `muon.StackedMuon` (`GRAPH_OPTIMIZERS`).
+            `muon.StackedMuon`.
         grad_accum: micro-batches per step; each loss is divided by it, so the gradients are those of their mean.
         clip: the gradient-norm clip (math.inf: measure the norm, clip nothing); None: no norm at all.
         autocast: a context factory around each forward (e.g. `device.autocast_for(...)`).
@@ -180,7 +179,8 @@ class TrainStep:
 
 
 def _check_capturable(params: list[torch.Tensor], optimizers) -> None:
-    wrong = [type(opt).__name__ for opt in optimizers if not isinstance(opt, GRAPH_OPTIMIZERS)]
+    # Adam and AdamW take a device learning rate with capturable=True; muon.StackedMuon says so with `device_lr`.
+    wrong = [type(o).__name__ for o in optimizers if not (isinstance(o, ADAM) or getattr(o, "device_lr", False))]
     if wrong:
         raise ValueError(
             f"TrainStep: cuda_graph=True supports torch.optim.Adam, AdamW and StackedMuon only, got {', '.join(wrong)}"

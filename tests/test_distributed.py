@@ -123,8 +123,9 @@ def _units(rank: int) -> int:
 def _check_units(rank: int) -> None:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from hybrid_attention.distributed import GatheredMuon, Parallel, shard_model
+    from hybrid_attention.distributed import Parallel, shard_model
     from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.muon import GatheredMuon
 
     par = Parallel.from_env("cpu", timeout_s=60)
     torch.manual_seed(0)

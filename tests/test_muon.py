@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.
 SHAPES = ([(24, 16), (16, 24), (24, 16), (32, 32), (37, 11)], [(16, 24), (32, 32), (8, 40)])
 
 
-def _twins(seed: int = 0):
+def _twins(seed: int = 0, dtype: torch.dtype = torch.float32):
     """Two identical parameter sets (a list per group) with fresh random values."""
     g = torch.Generator().manual_seed(seed)
-    first = [[torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes] for shapes in SHAPES]
+    first = [[torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes] for shapes in SHAPES]
     second = [[torch.nn.Parameter(p.detach().clone()) for p in group] for group in first]
     return first, second
 
@@ -29,11 +29,18 @@ def _groups(params, lrs=(0.02, 0.005)):
     return [{"params": group, "lr": lr} for group, lr in zip(params, lrs, strict=True)]
 
 
+def _step_both(opt_a, a, opt_b, b, gen, *, skip=None):
+    """The same fresh gradients on both twins, then a step of each optimizer."""
+    _set_grads(a, b, gen, skip=skip)
+    opt_a.step()
+    opt_b.step()
+
+
 def _set_grads(a, b, gen, *, skip=None):
     """The same fresh gradient on each twin; `skip` (an index into the flat list) gets none this step."""
     flat_a, flat_b = [p for g in a for p in g], [p for g in b for p in g]
     for i, (p, q) in enumerate(zip(flat_a, flat_b, strict=True)):
-        grad = torch.randn(p.shape, generator=gen)
+        grad = torch.randn(p.shape, generator=gen).to(p.dtype)
         p.grad, q.grad = (None, None) if i == skip else (grad, grad.clone())
 
 
@@ -61,11 +68,21 @@ def test_stacked_step_equals_torch_muon(options, stack_elements, monkeypatch):
     ref, ours = torch.optim.Muon(_groups(a), **options), StackedMuon(_groups(b), **options)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
-        _set_grads(a, b, gen, skip=2 if step < 2 else None)  # a matrix without gradient: untouched, no state yet
-        ref.step()
-        ours.step()
+        _step_both(ref, a, ours, b, gen, skip=2 if step < 2 else None)  # without gradient: untouched, no state yet
         _assert_bitwise(ref, a, ours, b)
     assert len(ours.state) == sum(len(s) for s in SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_parameter_dtypes_step_as_torch_muon(dtype):
+    """Half parameters take the decay as torch's mul_ makes it and the update in float32, as torch's mixed add does
+    (neither rounded to the half dtype first)."""
+    a, b = _twins(9, dtype)
+    ref, ours = torch.optim.Muon(_groups(a)), StackedMuon(_groups(b))
+    gen = torch.Generator().manual_seed(10)
+    for _ in range(2):
+        _step_both(ref, a, ours, b, gen)
+        _assert_bitwise(ref, a, ours, b)
 
 
 def test_stack_orthogonalises_each_matrix_as_torch_does():
@@ -95,9 +112,7 @@ def test_device_learning_rate_takes_the_float_step():
     start = [p.detach().clone() for g in a for p in g]
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
-        _set_grads(a, b, gen)
-        floats.step()
-        tensors.step()
+        _step_both(floats, a, tensors, b, gen)
     for p0, p, q in zip(start, [p for g in a for p in g], [q for g in b for q in g], strict=True):
         moved = (p - p0).abs().max()
         assert moved > 1e-3  # the steps did move the parameters
@@ -143,9 +158,7 @@ def test_state_moves_between_torch_muon_and_stacked():
     ref, ours = torch.optim.Muon(_groups(a)), StackedMuon(_groups(b))
     gen = torch.Generator().manual_seed(6)
     for step in range(4):
-        _set_grads(a, b, gen)
-        ref.step()
-        ours.step()
+        _step_both(ref, a, ours, b, gen)
         if step == 1:  # swap: each continues from the other's state
             ref_state, ours_state = ref.state_dict(), ours.state_dict()
             ref.load_state_dict(ours_state)
@@ -183,6 +196,10 @@ def test_bad_gradients_and_graph_support():
     assert type(muon_opt) is StackedMuon and isinstance(adamw, torch.optim.AdamW)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs parameters on a CUDA device, got cpu"):
         TrainStep(lambda ids: ids.sum(), model.parameters(), [muon_opt, adamw], cuda_graph=True)
+    # The sharded Muon reads its rate on the host: never captured.
+    gathered = muon.GatheredMuon(muon_opt.param_groups, **muon_opt.defaults)
+    with pytest.raises(ValueError, match=r"supports torch.optim.Adam, AdamW and StackedMuon only, got GatheredMuon"):
+        TrainStep(lambda ids: ids.sum(), model.parameters(), [gathered, adamw], cuda_graph=True)
 
 
 class _Model(torch.nn.Module):

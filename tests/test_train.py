@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,6 +70,28 @@ def test_muon_missing_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     with pytest.raises(ValueError, match=r"--optimizer muon needs torch.optim.Muon \(torch >= 2.9\)"):
         build_optimizers(_tiny_model(), optimizer="muon", lr=1e-3, weight_decay=0.1)
+
+
+def test_a_torch_without_muon_imports_everything_else():
+    """torch < 2.9 has no torch.optim.Muon: every module imports, AdamW trains, and only --optimizer muon is refused
+    (in a fresh interpreter where Muon is gone before the package is imported)."""
+    code = """
+import torch
+del torch.optim.Muon
+import hybrid_attention.cli, hybrid_attention.distributed, hybrid_attention.train, hybrid_attention.train_step
+import hybrid_attention.synth.run
+from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.optim import build_optimizers
+model = HybridLM(HybridConfig.from_preset("tiny"))
+assert len(build_optimizers(model, optimizer="adamw", lr=1e-3, weight_decay=0.1)) == 1
+try:
+    build_optimizers(model, optimizer="muon", lr=1e-3, weight_decay=0.1)
+except ValueError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--optimizer muon needs torch.optim.Muon (torch >= 2.9)" in out.stdout, out.stdout
 
 
 def test_unknown_optimizer_is_a_clear_error():

@@ -3,11 +3,13 @@
 Run on a GPU machine: python -m pytest -q tests/gpu/test_train_step_gpu.py
 
 How close is "equal": every AttnRes kernel sums in a fixed order, and the learning rates here are powers of two, so
-the float32 device copy the graph reads holds them exactly; with deterministic kernels a graphed run is bitwise the
-eager one. SDPA's flash backward may accumulate dq with atomics, so two eager runs can differ already: a graphed run
-may differ from an eager one by at most a few times what a second eager run does (plus a floor far below what a
-mistake would cause: an undone warm-up step or a stale learning rate moves every parameter by about the learning
-rate, 1e-3, and the losses by 1e-3 or more).
+the float32 device copy the graph reads holds them exactly; with deterministic kernels a graphed AdamW run is bitwise
+the eager one. Muon's graphed step multiplies its update by the device rate and then adds it, where the eager step's
+add scales and adds in one operation, so the two differ by last-bit roundings of each update, far below the floors.
+SDPA's flash backward may accumulate dq with atomics, so two eager runs can differ already: a graphed run may differ
+from an eager one by at most a few times what a second eager run does (plus a floor far below what a mistake would
+cause: an undone warm-up step or a stale learning rate moves every parameter by about the learning rate, 1e-3, and
+the losses by 1e-3 or more).
 """
 
 from __future__ import annotations
