@@ -87,7 +87,17 @@ def _assert_same_training(eager, again, graphed, *, floor_loss: float = 1e-5, fl
     assert eager[0][0] != eager[0][-1]  # the steps did change the model
 
 
-@pytest.mark.parametrize("case", list(CASES))
+MUON_GRAPH = (
+    "measured on an H200: the graphed Muon step equals the eager step with a device learning rate bitwise, but that "
+    "step differs from the eager step with a float rate by more than rounding (losses 5.9e-4 apart at step 3); not "
+    "yet explained, so train and synth refuse --cuda-graph with Muon"
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=MUON_GRAPH)) if "muon" in c else c for c in CASES],
+)
 def test_graphed_step_equals_eager(case):
     preset, overrides, optimizer = CASES[case]
     eager = _train(preset, overrides, optimizer, cuda_graph=False)
