@@ -21,11 +21,11 @@ iterates). The state is torch's (`momentum_buffer` per matrix), so checkpoints m
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
 from torch import Tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 # The most elements stacked at once: 64M. A slice's temporaries (float32 blend, stack and update, bfloat16 iterates)
 # then stay at about 1 GB at most, whatever the model's size.
@@ -49,16 +49,6 @@ def newton_schulz(updates: Tensor, coefficients: tuple[float, float, float], ste
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
     return x.mT if tall else x
-
-
-def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: torch.Size) -> float | Tensor:
-    """The learning rate of a [rows, cols] matrix's update, scaled as `torch.optim.Muon` scales it."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * (0.2 * math.sqrt(max(rows, cols)))  # the ratio first, as torch: one rounding of the product
-    return lr
 
 
 class StackedMuon(torch.optim.Muon):
@@ -107,7 +97,7 @@ class StackedMuon(torch.optim.Muon):
                 p.mul_(decay)
         else:
             torch._foreach_mul_(params, decay)
-        step = adjusted_lr(lr, group["adjust_lr_fn"], params[0].shape)
+        step = _adjust_lr(lr, group["adjust_lr_fn"], params[0].shape)  # torch's scaling; a tensor lr stays a tensor
         # The update in the dtype torch's mixed add computes in, contiguous like the parameters (a tall shape's
         # iterate is a transposed view): matching layouts keep the foreach add one fused kernel on CUDA.
         dtype = torch.promote_types(params[0].dtype, ortho.dtype)
@@ -132,7 +122,6 @@ class GatheredMuon(StackedMuon):
 
     def _update(self, params: list[Tensor], group: dict) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
         lr = float(group["lr"])
         for p, buf in zip(params, self._momentum_buffers(params), strict=True):

@@ -11,9 +11,10 @@ the float64 update as torch's own bfloat16 update is.
 from __future__ import annotations
 
 import torch
+from torch.optim._muon import _adjust_lr
 
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.muon import StackedMuon, adjusted_lr
+from hybrid_attention.muon import StackedMuon
 from hybrid_attention.optim import param_groups
 from tests.conftest import needs_cuda
 
@@ -53,7 +54,7 @@ def test_step_at_model_shapes_is_as_accurate_as_torch_muon():
         # The first step's momentum buffer is (1 - momentum) g; the Nesterov blend lerps g toward it.
         blend = g.double().lerp(g.double() * (1 - group["momentum"]), group["momentum"])
         ortho = _newton_schulz_float64(blend, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        exact = p0.double() * (1 - 0.02 * 0.1) - adjusted_lr(0.02, group["adjust_lr_fn"], p.shape) * ortho
+        exact = p0.double() * (1 - 0.02 * 0.1) - _adjust_lr(0.02, group["adjust_lr_fn"], p.shape) * ortho
         sums = squares.setdefault(tuple(p.shape), [0.0, 0.0, 0.0])
         sums[0] += float((p.detach().double() - exact).square().sum())
         sums[1] += float((q.detach().double() - exact).square().sum())
