@@ -13,7 +13,8 @@ Python number, so a step cannot be captured in a CUDA graph.
 A group is stacked in slices of at most `STACK_ELEMENTS` elements, which bounds the step's temporary memory.
 
 The learning rate may be a Python number or a one-element device tensor (a CUDA graph reads the tensor at every
-replay: `train_step.TrainStep`). With a number, every parameter and momentum buffer is bitwise what
+replay: `train_step.TrainStep`); a tensor rate steps bitwise as the same number does wherever float32 holds that
+number exactly. With a number, every parameter and momentum buffer is bitwise what
 `torch.optim.Muon` computes wherever the batched products round as the single ones do (they do on CPU; on a GPU the
 library may choose other product kernels for a stack, which round differently in the last bits of the bfloat16
 iterates). The state is torch's (`momentum_buffer` per matrix), so checkpoints move between the two.
@@ -91,21 +92,46 @@ class StackedMuon(torch.optim.Muon):
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         blended = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
         ortho = newton_schulz(torch.stack(blended), group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if isinstance(lr, Tensor):
+            self._apply_device_rate(params, ortho, lr, group)
+            return
         decay = 1 - lr * group["weight_decay"]
-        if isinstance(decay, float) and params[0].dtype in (torch.float16, torch.bfloat16):
+        if params[0].dtype in (torch.float16, torch.bfloat16):
             for p in params:  # a foreach product rounds a number to the half dtype first; torch's mul_ does not
                 p.mul_(decay)
         else:
             torch._foreach_mul_(params, decay)
-        step = _adjust_lr(lr, group["adjust_lr_fn"], params[0].shape)  # torch's scaling; a tensor lr stays a tensor
         # The update in the dtype torch's mixed add computes in, contiguous like the parameters (a tall shape's
         # iterate is a transposed view): matching layouts keep the foreach add one fused kernel on CUDA.
         dtype = torch.promote_types(params[0].dtype, ortho.dtype)
         ortho = ortho.to(dtype, memory_format=torch.contiguous_format)
-        if isinstance(step, Tensor):  # a device learning rate: no host read, so a CUDA graph can capture the step
-            torch._foreach_add_(params, list(ortho.mul_(-step).unbind(0)))
+        step = _adjust_lr(lr, group["adjust_lr_fn"], params[0].shape)
+        torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-step)
+
+    @staticmethod
+    def _apply_device_rate(params: list[Tensor], ortho: Tensor, lr: Tensor, group: dict) -> None:
+        """The decay and the update of `_update` with a one-element device rate, rounded as the float rate's are
+        wherever float32 holds that rate exactly (and within its float32 rounding otherwise), with no host read.
+
+        The float path computes the decay and the scaled rate in float64 on the host, and its kernels take them as
+        numbers in the computing type (float32, float64 for float64 parameters), never the half dtype. So:
+        - the decay and the scaled rate are computed in float64 here too, then cast to that computing type;
+        - half parameters are decayed in float32 (a device number is cast to the parameters' dtype otherwise, and a
+          decay of 1 - 1e-4 would round to 1);
+        - the update is one fused multiply-add, `addcmul`, as the float path's `add(alpha=)` is (a product and then
+          an add would round twice).
+        """
+        compute = torch.promote_types(params[0].dtype, torch.float32)
+        rate = lr.to(torch.float64)
+        decay = (1 - rate * group["weight_decay"]).to(compute)
+        if params[0].dtype in (torch.float16, torch.bfloat16):
+            for p in params:
+                p.copy_(p.float().mul_(decay))
         else:
-            torch._foreach_add_(params, list(ortho.unbind(0)), alpha=-step)
+            torch._foreach_mul_(params, decay)
+        step = -_adjust_lr(rate, group["adjust_lr_fn"], params[0].shape).to(compute)
+        ortho = ortho.to(compute, memory_format=torch.contiguous_format)
+        torch._foreach_addcmul_(params, list(ortho.unbind(0)), [step] * len(params))
 
 
 class GatheredMuon(StackedMuon):

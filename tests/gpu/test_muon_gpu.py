@@ -10,6 +10,7 @@ the float64 update as torch's own bfloat16 update is.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.optim._muon import _adjust_lr
 
@@ -65,3 +66,29 @@ def test_step_at_model_shapes_is_as_accurate_as_torch_muon():
     assert all(ours_err <= 2 * torch_err for ours_err, torch_err in errors.values()), errors
     for p, q in zip(ours, ref, strict=True):
         assert torch.equal(stacked.state[p]["momentum_buffer"], single.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_device_rate_steps_bitwise_as_the_float_rate(dtype):
+    """What a CUDA graph replays: a one-element device rate takes the float rate's step bitwise (a rate float32 holds
+    exactly, a changing schedule, decay, tall, wide and square matrices), so a graphed Muon run trains as an eager
+    one. Half parameters included: their decay must not be rounded to the half dtype."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shapes = [(512, 256), (256, 512), (256, 256), (8, 256), (768, 256)] * 2
+    start = [(torch.randn(s, device="cuda", generator=gen) * 0.02).to(dtype) for s in shapes]
+    floats, tensors = [[torch.nn.Parameter(p.clone()) for p in start] for _ in range(2)]
+    options = dict(weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    by_float, by_tensor = StackedMuon(floats, lr=2.0**-6, **options), StackedMuon(tensors, lr=2.0**-6, **options)
+    rate = torch.tensor(2.0**-6, device="cuda")
+    by_tensor.param_groups[0]["lr"] = rate
+    for lr in (2.0**-6, 2.0**-7, 3 * 2.0**-9, 2.0**-6):
+        by_float.param_groups[0]["lr"] = lr
+        rate.fill_(lr)
+        for p, q in zip(floats, tensors, strict=True):
+            p.grad = (torch.randn(p.shape, device="cuda", generator=gen) * 1e-3).to(dtype)
+            q.grad = p.grad.clone()
+        by_float.step()
+        by_tensor.step()
+        for p, q in zip(floats, tensors, strict=True):
+            assert torch.equal(p, q), (lr, p.shape, (p - q).abs().max())
+    assert all(not torch.equal(p, p0) for p, p0 in zip(floats, start, strict=True))
