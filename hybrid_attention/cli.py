@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     t.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the whole training step in a CUDA graph and replay it (less host time per step; CUDA "
-                   "only, AdamW only, one process; may change on --resume)")  # fmt: skip
+                   "only, one process; may change on --resume)")  # fmt: skip
     t.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), help="chunk_kda backend (default auto)")
     t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
                    "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip

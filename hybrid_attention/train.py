@@ -80,7 +80,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
-    cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, AdamW, one process
+    cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, one process
     kda_backend: str | None = None  # None: the model config's ("auto")
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
@@ -154,11 +154,6 @@ class TrainConfig:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
-        if self.cuda_graph and self.optimizer != "adamw":
-            raise ValueError(
-                f"--cuda-graph needs --optimizer adamw (a graphed Muon step does not yet train as the eager one), got "
-                f"{self.optimizer}"
-            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self

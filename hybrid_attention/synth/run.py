@@ -127,7 +127,7 @@ def evaluate(model, task: Task, s: Settings, device, autocast) -> float:
 def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_dir=None, cuda_graph=False) -> dict:
     """Train one model on one task; returns the final row (accuracy, loss, seconds per step, diverged).
 
-    `cuda_graph`: replay each step from a CUDA graph (`train_step.TrainStep`; CUDA and AdamW only). The models here
+    `cuda_graph`: replay each step from a CUDA graph (`train_step.TrainStep`; CUDA only). The models here
     are small enough that an eager step is bound by the host's launches, so a graph runs them several times faster;
     it computes the same steps."""
     task = s.task(spec.task, spec.seq_len)
