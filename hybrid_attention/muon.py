@@ -31,6 +31,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 # The most elements stacked at once: 64M. A slice's temporaries (float32 blend, stack and update, bfloat16 iterates)
 # then stay at about 1 GB at most, whatever the model's size.
 STACK_ELEMENTS = 1 << 26
+HALF = (torch.float16, torch.bfloat16)
 
 
 def newton_schulz(updates: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
@@ -92,11 +93,14 @@ class StackedMuon(torch.optim.Muon):
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         blended = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
         ortho = newton_schulz(torch.stack(blended), group["ns_coefficients"], group["ns_steps"], group["eps"])
-        if isinstance(lr, Tensor):
-            self._apply_device_rate(params, ortho, lr, group)
-            return
+        apply = self._apply_device_rate if isinstance(lr, Tensor) else self._apply_float_rate
+        apply(params, ortho, lr, group)
+
+    @staticmethod
+    def _apply_float_rate(params: list[Tensor], ortho: Tensor, lr: float, group: dict) -> None:
+        """The decay and the update with a float rate, as `torch.optim.Muon` applies them."""
         decay = 1 - lr * group["weight_decay"]
-        if params[0].dtype in (torch.float16, torch.bfloat16):
+        if params[0].dtype in HALF:
             for p in params:  # a foreach product rounds a number to the half dtype first; torch's mul_ does not
                 p.mul_(decay)
         else:
@@ -110,8 +114,8 @@ class StackedMuon(torch.optim.Muon):
 
     @staticmethod
     def _apply_device_rate(params: list[Tensor], ortho: Tensor, lr: Tensor, group: dict) -> None:
-        """The decay and the update of `_update` with a one-element device rate, rounded as the float rate's are
-        wherever float32 holds that rate exactly (and within its float32 rounding otherwise), with no host read.
+        """`_apply_float_rate` with a one-element device rate, rounded as the float rate's step is wherever float32
+        holds that rate exactly (and within its float32 rounding otherwise), with no host read.
 
         The float path computes the decay and the scaled rate in float64 on the host, and its kernels take them as
         numbers in the computing type (float32, float64 for float64 parameters), never the half dtype. So:
@@ -124,7 +128,7 @@ class StackedMuon(torch.optim.Muon):
         compute = torch.promote_types(params[0].dtype, torch.float32)
         rate = lr.to(torch.float64)
         decay = (1 - rate * group["weight_decay"]).to(compute)
-        if params[0].dtype in (torch.float16, torch.bfloat16):
+        if params[0].dtype in HALF:
             for p in params:
                 p.copy_(p.float().mul_(decay))
         else:

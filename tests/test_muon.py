@@ -117,9 +117,9 @@ def test_device_learning_rate_takes_the_float_step_bitwise(dtype, options):
     start = [p.detach().clone() for g in a for p in g]
     gen = torch.Generator().manual_seed(4)
     for factor in (1.0, 0.5, 1.0):  # the rate changes between steps, filled in place as before a replay
-        for f, t in zip(floats.param_groups, tensors.param_groups, strict=True):
-            f["lr"] = lr = lrs[tensors.param_groups.index(t)] * factor
-            t["lr"].fill_(lr)
+        for f, t, lr in zip(floats.param_groups, tensors.param_groups, lrs, strict=True):
+            f["lr"] = lr * factor
+            t["lr"].fill_(lr * factor)
         _step_both(floats, a, tensors, b, gen)
         _assert_bitwise(floats, a, tensors, b)
     assert all((p - p0).abs().max() > 1e-3 for p0, p in zip(start, [p for g in a for p in g], strict=True))
