@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import math
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
+
+from hybrid_attention.arg_types import (
+    non_negative_float,
+    non_negative_int,
+    number,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 
 # hybrid_attention.model.PRESETS, without importing torch
 PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
@@ -22,30 +30,6 @@ PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _number(kind, low, *, inclusive=True, high=None):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
-            ) from None
-        ok = math.isfinite(value) and (value >= low if inclusive else value > low) and (high is None or value <= high)
-        if not ok:
-            bound = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
-            raise argparse.ArgumentTypeError(f"expected a value {bound}, got {text}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, 1)
-non_negative_int = _number(int, 0)
-seed_int = _number(int, 0, high=2**63 - 1)  # what torch.manual_seed takes
-positive_float = _number(float, 0.0, inclusive=False)
-non_negative_float = _number(float, 0.0)
 
 
 def _data_spec(text: str) -> str:
@@ -112,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=non_negative_int, default=200, help="tokens to generate (default 200)")
     g.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
-    g.add_argument("--top-p", type=_number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
+    g.add_argument("--top-p", type=number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
     g.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA")
@@ -123,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", type=_data_spec, help="evaluate on this data's validation split (default: the run's)")
     e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
-    e.add_argument("--seq-len", type=_number(int, 2), help="default: the run's (at least 2: one prediction)")
+    e.add_argument("--seq-len", type=number(int, 2), help="default: the run's (at least 2: one prediction)")
     e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")

@@ -6,7 +6,7 @@ as UTF-8. Nothing is downloaded; on a machine with a deep-learning stack install
 
 - Deduplication: by the sha256 of the file's bytes, so a file reachable from two roots, or vendored by two packages,
   is read once.
-- Split: by that same hash (`data.in_validation` of its hex digest), so a document's split depends on its content
+- Split: by that same hash (`documents.in_validation` of its hex digest), so a document's split depends on its content
   alone, never on the cap, the root it was found under or the other files, and no text is in both splits.
 - Cap: files are visited in an order fixed by a hash of their path inside their root (a capped read spreads over all
   packages instead of the alphabetically first ones) and each split is filled up to its share of `max_bytes` with
@@ -24,7 +24,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from hybrid_attention.data import VAL_FRACTION, Corpus, in_validation, name_hash
+from hybrid_attention.documents import VAL_FRACTION, Corpus, in_validation, name_hash
 
 ENV_MAX_BYTES = 256_000_000  # the default cap: tokenizing it takes seconds on a GPU host's cores, and it is cached
 MAX_FILE_BYTES = 1_000_000

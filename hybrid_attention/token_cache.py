@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention.checkpoint import atomic_write
-from hybrid_attention.data import Corpus
+from hybrid_attention.documents import Corpus
 
 FORMAT = "hybrid-attention tokens v1"
 GROUP_BYTES = 16_000_000  # text per batch-encoding call: large enough to keep every core busy

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybrid_attention.arg_types import non_negative_float, positive_float, positive_int, seed_int
+
 # The lengths that separate the models (512, 1024) first, then the short and the long end.
 DEFAULT_GRID = "palindrome,mqar,stack/512,1024/kda,gdn,mla;palindrome,mqar,stack/256,2048/kda,gdn,mla"
 DEFAULT_LRS = "5e-4,1e-3,3e-3"
@@ -22,8 +24,6 @@ def _lrs(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybrid_attention.cli import non_negative_float, positive_float, positive_int, seed_int
-
     p.add_argument("--grid", default=DEFAULT_GRID, help="cells TASKS/LENGTHS/MODELS[/STEPS] separated by ';' "
                    "(tasks: palindrome, mqar, stack; models: kda, gdn, mla; default: all three tasks and models at "
                    "512 and 1024, then at 256 and 2048)")  # fmt: skip
