@@ -277,7 +277,7 @@ def test_chain_low_precision(dtype, gpu_rounding, zero_query, monkeypatch):
     accurate. bf16 both as the interpreter converts (truncating) and as the GPU does (to nearest even)."""
     if gpu_rounding:
         round_bfloat16_like_the_gpu(monkeypatch)
-    S, D, shape = 6, 64, (4, 16)
+    S, D, shape = 6, 64, (2, 16)
     independent = sources(S, D, seed=41, dtype=torch.float64, shape=shape)
     src64 = [independent[0].detach() + s.detach() for s in independent]
     params32 = [[t.detach().float() for t in vectors(D, 3, seed=41 + l, zero_query=zero_query)] for l in range(S)]
