@@ -20,8 +20,8 @@ the top) are still read, and a resumed one is moved to this layout by its next s
 The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`; a sharded
 (distributed) checkpoint calls its halves, `begin_checkpoint` and `commit_checkpoint`, on one process around the
 writes of all of them, and `latest_checkpoint` finds what to read. Other files are written atomically one by one
-(`atomic_write`: a temporary file, fsync, os.replace, fsync of the directory). Every file gets the permissions
-open() gives a new file (0666 less the umask).
+(`files.atomic_write`: a temporary file, fsync, os.replace, fsync of the directory); config.json is read and checked
+by `run_config.py`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ import os
 import random
 import re
 import shutil
-import types
-import typing
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,9 +38,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
-from hybrid_attention.checks import is_finite_number, is_int
+from hybrid_attention.files import atomic_write_text, default_permissions, fsync, read_json_lines
+from hybrid_attention.run_config import CONFIG, load_config
 
-CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
 LOG = "log.jsonl"
@@ -51,53 +48,7 @@ PLOT = "loss.png"
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-FORMAT = "hybrid-attention-run"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
-# Every model setting a run has stored since the format began; settings added later fall back to their defaults.
-MODEL_REQUIRED = (
-    "vocab_size", "hidden_size", "layer_types", "intermediate_size", "residual", "attnres_block_size", "norm_eps",
-    "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_lower_bound", "kda_backend", "mla_num_heads",
-    "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_shared_head_dim", "mla_v_head_dim", "mla_q_lora_rank",
-    "tie_embeddings", "init_std",
-)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------- plain files
-def _fsync(path: str | Path, *, directory: bool = False) -> None:
-    if directory and not hasattr(os, "O_DIRECTORY"):
-        return  # a directory cannot be opened for fsync outside POSIX
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _default_permissions(path: str | Path) -> None:
-    """0666 less the umask, as open() creates files (safetensors writes 0600, torch.save 0644 under umask 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` on a fresh temporary file beside `path`, then move it over `path` (and fsync the
-    directory, so that the rename itself survives a crash)."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        write(str(tmp))
-        _default_permissions(tmp)
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync(path.parent, directory=True)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoints
@@ -148,13 +99,13 @@ def commit_checkpoint(run_dir: str | Path, step: int) -> Path:
     final, tmp = root / name, root / f"{name}.tmp"
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
-            _default_permissions(path)
-            _fsync(path)
-    _fsync(tmp, directory=True)
+            default_permissions(path)
+            fsync(path)
+    fsync(tmp, directory=True)
     if final.exists():  # renamed into place but never committed: a stop came before the pointer moved
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync(root, directory=True)
+    fsync(root, directory=True)
     atomic_write_text(root / LATEST, name + "\n")
     remove_stale(run_dir)
     return final
@@ -206,83 +157,6 @@ def holds_run(run_dir: str | Path) -> bool:
         return True
     log = run_dir / LOG
     return log.is_file() and log.stat().st_size > 0
-
-
-# -------------------------------------------------------------------------------------------------- config.json
-def _type_error(value, hint) -> str | None:
-    """Why `value` (read from JSON) does not have the type `hint` (a dataclass annotation), or None when it has."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        reasons = [_type_error(value, h) for h in typing.get_args(hint)]
-        return None if None in reasons else " or ".join(r.removeprefix("expected ") for r in reasons if r)
-    if hint is type(None):
-        return None if value is None else "expected null"
-    if hint is bool:
-        return None if isinstance(value, bool) else "expected true or false"
-    if hint is int:
-        return None if is_int(value) else "expected an integer"
-    if hint is float:
-        return None if is_finite_number(value) else "expected a finite number"
-    if hint is str:
-        return None if isinstance(value, str) else "expected a string"
-    if typing.get_origin(hint) is tuple:  # tuple[str, ...], stored as a JSON list
-        item = typing.get_args(hint)[0]
-        ok = isinstance(value, list) and all(_type_error(v, item) is None for v in value)
-        return None if ok else "expected a list of strings"
-    return None  # a type without a JSON rule here: the dataclass's own checks apply
-
-
-def check_fields(values: dict, cls, where: str, *, required: tuple[str, ...] = ()) -> None:
-    """Check a JSON section against the init fields of dataclass `cls` as strictly as command-line input: unknown or
-    missing required keys, and values of the wrong type, raise ValueError naming `where` (e.g. "run/config.json
-    train section")."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in cls.__dataclass_fields__.values() if f.init}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown settings {unknown}")
-    missing = [name for name in required if name not in values]
-    if missing:
-        raise ValueError(f"{where}: missing settings {missing}")
-    for name in sorted(values):
-        reason = _type_error(values[name], hints[name])
-        if reason:
-            raise ValueError(f"{where}: {name} = {json.dumps(values[name])[:40]}; {reason}")
-
-
-def save_config(run_dir: str | Path, config: dict) -> None:
-    atomic_write_text(Path(run_dir) / CONFIG, json.dumps({"format": FORMAT, **config}, indent=2) + "\n")
-
-
-def load_config(run_dir: str | Path) -> dict:
-    """The run's config.json as a dict, its model and tokenizer sections checked; ValueError when the directory is
-    not a run or the file is damaged. (The train section is checked by `TrainConfig.create`.)"""
-    from hybrid_attention.model import HybridConfig
-
-    path = Path(run_dir) / CONFIG
-    if not Path(run_dir).is_dir():
-        raise ValueError(f"{run_dir}: no such run directory")
-    if not path.is_file():
-        raise ValueError(f"{run_dir} is not a run directory: {CONFIG} is missing")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise ValueError(f'{path} was not written by hybrid-attention (no "format": "{FORMAT}")')
-    for key in ("model", "tokenizer", "train"):
-        if not isinstance(config.get(key), dict):
-            raise ValueError(f"{path} has no {key!r} section")
-    model = {k: v for k, v in config["model"].items() if k != "num_layers"}  # derived; older runs stored it
-    check_fields(model, HybridConfig, f"{path} model section", required=MODEL_REQUIRED)
-    tokenizer = config["tokenizer"]
-    if tokenizer.get("kind") not in ("byte", "bpe"):
-        raise ValueError(f"{path} tokenizer section: kind = {tokenizer.get('kind')!r}; expected 'byte' or 'bpe'")
-    vocab = tokenizer.get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-        raise ValueError(f"{path} tokenizer section: vocab_size = {vocab!r}; expected a positive integer")
-    if "file" in tokenizer and not isinstance(tokenizer["file"], str):
-        raise ValueError(f"{path} tokenizer section: file = {tokenizer['file']!r}; expected a file name")
-    return config
 
 
 # ------------------------------------------------------------------------------------------ weights, train state
@@ -431,21 +305,6 @@ def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ log.jsonl
-def read_json_lines(path: str | Path) -> list:
-    """The values of the JSON lines of `path` ([] when it does not exist). A last line without its newline (an append
-    cut short) is dropped; any other line that is not JSON raises ValueError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    values = []
-    for number, line in enumerate(path.read_bytes().split(b"\n")[:-1], start=1):  # [-1]: after the last newline
-        try:
-            values.append(json.loads(line.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: line {number} is not JSON ({e}); remove the line to continue") from None
-    return values
-
-
 def read_log(run_dir: str | Path, *, up_to_step: int | None = None) -> list[dict]:
     """The rows of log.jsonl, keeping only steps <= `up_to_step` when given. A last line without its newline (an
     append cut short) is dropped; any other line that is not a JSON object with an integer step and finite numbers

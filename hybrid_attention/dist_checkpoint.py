@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import checkpoint as ckpt
+from hybrid_attention import run_config
 
 METADATA = ".metadata"  # written by DCP's coordinator last: its presence marks a sharded checkpoint
 
@@ -149,7 +150,7 @@ def export(run_dir: str | Path) -> Path:
     from hybrid_attention.model import HybridConfig, HybridLM
     from hybrid_attention.rundir import RunLock
 
-    config = ckpt.load_config(run_dir)
+    config = run_config.load_config(run_dir)
     with RunLock(run_dir):
         directory = ckpt.latest_checkpoint(run_dir)
         if directory is None:
@@ -162,7 +163,7 @@ def export(run_dir: str | Path) -> Path:
         try:
             _load(state, directory)
         except Exception as e:
-            raise ValueError(f"{directory} does not match the model in {ckpt.CONFIG} ({_one_line(e)})") from None
+            raise ValueError(f"{directory} does not match the model in {run_config.CONFIG} ({_one_line(e)})") from None
         model.load_state_dict(state["model"])
         step = pickle.loads(state["train"]["blob"].numpy().tobytes())["step"]
         ckpt.save_weights(directory, model, step)

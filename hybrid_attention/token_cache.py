@@ -8,7 +8,7 @@ with the same tokenizer would repeat it. So `encode_corpus` keeps one safetensor
   tokenizers JSON), so a changed corpus or tokenizer never reads another one's entry.
 - The file holds `train` and `val` (uint16 when the vocabulary fits, else int32) and, as metadata, the key and a
   sha256 of the token bytes. A file that does not load, names another key or fails its checksum is rebuilt, never
-  trusted. It is written atomically (`checkpoint.atomic_write`), so an interrupted write leaves no entry behind.
+  trusted. It is written atomically (`files.atomic_write`), so an interrupted write leaves no entry behind.
 - Byte-tokenized corpora are not cached: their encoding is a copy of the text.
 
 Encoding runs in groups of documents through the tokenizer's batch encoder (parallel over the machine's cores),
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention.checkpoint import atomic_write
 from hybrid_attention.documents import Corpus
+from hybrid_attention.files import atomic_write
 
 FORMAT = "hybrid-attention tokens v1"
 GROUP_BYTES = 16_000_000  # text per batch-encoding call: large enough to keep every core busy

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import dist_checkpoint, distributed
+from hybrid_attention import dist_checkpoint, distributed, files, run_config
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
 from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.interrupts import StopRequests
@@ -97,9 +97,9 @@ class TrainConfig:
         from config.json) and the given ones are type-checked like command-line input.
         """
         given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
-        ckpt.check_fields(given, cls, "TrainConfig")
+        run_config.check_fields(given, cls, "TrainConfig")
         if saved is not None:
-            ckpt.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
+            run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
                               required=SAVED_REQUIRED)  # fmt: skip
             changed = [
                 f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
@@ -183,7 +183,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     run_dir = Path(config.out)
     saved = None
     if resume:
-        saved = ckpt.load_config(run_dir)
+        saved = run_config.load_config(run_dir)
     elif run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a directory")
     elif ckpt.holds_run(run_dir):
@@ -201,7 +201,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
         try:
             model_config = HybridConfig.from_dict({**saved["model"], **backend})
         except ValueError as e:
-            raise ValueError(f"{run_dir / ckpt.CONFIG}: {e}") from None
+            raise ValueError(f"{run_dir / run_config.CONFIG}: {e}") from None
     else:
         if config.tokenizer == "bpe":
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
@@ -223,7 +223,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             )
     fingerprint = data_fingerprint(train_tokens, val_tokens)
     if saved is not None:
-        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / ckpt.CONFIG))
+        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / run_config.CONFIG))
     torch.manual_seed(config.seed)
     model = HybridLM(model_config).to(device)
     build = build_optimizers
@@ -302,8 +302,8 @@ def _train(
         ckpt.write_log(run_dir, rows)
     elif main:
         if tokenizer.kind == "bpe":
-            ckpt.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
-        ckpt.save_config(
+            files.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
+        run_config.save_config(
             run_dir,
             {
                 "model": model.config.to_dict(),
@@ -460,5 +460,5 @@ def _train(
         "world_size": par.world_size,
     }
     if main:
-        ckpt.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
+        files.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import cli
+from hybrid_attention import cli, run_config
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.rundir import RunLock
 from hybrid_attention.train import TrainConfig, TrainingDiverged, train
@@ -79,9 +79,9 @@ def test_resume_refuses_changed_data(finished, run, capsys):
 
 
 def _edit_config(run, edit):
-    config = json.loads((run / ckpt.CONFIG).read_text())
+    config = json.loads((run / run_config.CONFIG).read_text())
     edit(config)
-    (run / ckpt.CONFIG).write_text(json.dumps(config))
+    (run / run_config.CONFIG).write_text(json.dumps(config))
 
 
 HAND_EDITS = [

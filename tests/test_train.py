@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
+from hybrid_attention import files, run_config
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers, lr_factor, param_groups
@@ -148,7 +149,7 @@ def test_resume_is_exact(tmp_path, options):
     full = _run(tmp_path, "full", **options)
     first = _run(tmp_path, "split", stop_after=3, **options)
     assert first["step"] == 3 and full["step"] == 6
-    saved = ckpt.load_config(tmp_path / "split")["train"]
+    saved = run_config.load_config(tmp_path / "split")["train"]
     second = train(TrainConfig.create(saved, out=str(tmp_path / "split")), resume=True, echo=lambda *a: None)
     assert second["step"] == 6
     a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
@@ -172,7 +173,7 @@ def test_run_directory_contents(tmp_path):
     rows = ckpt.read_log(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # evaluations (step 1 always), log_every and the final step
     assert all({"step", "loss", "tokens_per_s"} <= r.keys() for r in rows) and "val_loss" in rows[-1]
-    config = ckpt.load_config(run)
+    config = run_config.load_config(run)
     assert HybridConfig.from_dict(config["model"]) == HybridConfig.from_preset("tiny")
     assert config["train"]["steps"] == 4 and config["tokenizer"] == {"kind": "byte", "vocab_size": 256}
     latest = ckpt.latest_checkpoint(run)
@@ -211,7 +212,7 @@ def test_resume_refuses_weights_and_state_from_different_steps(tmp_path):
     latest = ckpt.latest_checkpoint(run)
     ckpt.save_train_state(latest, {**ckpt.load_train_state(latest), "step": 2})
     with pytest.raises(ValueError, match=r"weights \(step 3\) and train_state.pt \(step 2\) disagree; the checkpoint"):
-        train(TrainConfig.create(ckpt.load_config(run)["train"]), resume=True)
+        train(TrainConfig.create(run_config.load_config(run)["train"]), resume=True)
 
 
 def test_resume_drops_log_lines_after_the_checkpoint(tmp_path):
@@ -219,7 +220,7 @@ def test_resume_drops_log_lines_after_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     with open(run / ckpt.LOG, "a") as f:
         f.write(json.dumps({"step": 4, "loss": 123.0, "tokens_per_s": 1.0}) + "\n" + '{"step": 5, "lo')
-    train(TrainConfig.create(ckpt.load_config(run)["train"], out=str(run)), resume=True, echo=lambda *a: None)
+    train(TrainConfig.create(run_config.load_config(run)["train"], out=str(run)), resume=True, echo=lambda *a: None)
     rows = ckpt.read_log(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[3]["loss"] != 123.0
 
@@ -236,11 +237,11 @@ def test_atomic_write_replaces_with_default_permissions_and_leaves_no_temporary(
     umask = os.umask(0o022)
     os.umask(umask)
     target = tmp_path / "f.txt"
-    ckpt.atomic_write_text(target, "old")
-    ckpt.atomic_write_text(target, "new")
+    files.atomic_write_text(target, "old")
+    files.atomic_write_text(target, "new")
     assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o666 & ~umask
     with pytest.raises(RuntimeError, match="boom"):
-        ckpt.atomic_write(target, lambda tmp: (_ for _ in ()).throw(RuntimeError("boom")))
+        files.atomic_write(target, lambda tmp: (_ for _ in ()).throw(RuntimeError("boom")))
     assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import cli
+from hybrid_attention import cli, run_config
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.train import TrainConfig, train
@@ -145,10 +145,10 @@ def test_cuda_graph_may_change_on_resume(tmp_path, capsys):
     out = tmp_path / "run"
     first = train(TrainConfig.create(out=str(out), device="cpu", stop_after=2, **SMALL), echo=lambda *a: None)
     assert first["step"] == 2
-    config = json.loads((out / ckpt.CONFIG).read_text())
+    config = json.loads((out / run_config.CONFIG).read_text())
     assert config["train"]["cuda_graph"] is False
     config["train"]["cuda_graph"] = True  # as a run started with --cuda-graph on a GPU
-    (out / ckpt.CONFIG).write_text(json.dumps(config))
+    (out / run_config.CONFIG).write_text(json.dumps(config))
     assert cli.main(["train", "--resume", "--out", str(out)]) == 1  # it keeps the setting: no CUDA here
     assert "--cuda-graph needs a CUDA device" in capsys.readouterr().err
     assert cli.main(["train", "--resume", "--out", str(out), "--no-cuda-graph", "--stop-after", "3"]) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from hybrid_attention.checkpoint import atomic_write
+from hybrid_attention.files import atomic_write
 from hybrid_attention.synth.run import best_by_lr, row_key
 
 PLOT = "accuracy.png"
