@@ -42,8 +42,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
+from hybrid_attention.config import PRESETS  # noqa: E402
 from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
-from hybrid_attention.model import PRESETS, HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
 from hybrid_attention.optim import build_optimizers  # noqa: E402
 from hybrid_attention.train_step import TrainStep  # noqa: E402
 

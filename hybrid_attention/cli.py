@@ -23,7 +23,7 @@ from hybrid_attention.arg_types import (
     seed_int,
 )
 
-# hybrid_attention.model.PRESETS, without importing torch
+# hybrid_attention.config.PRESETS, without importing torch
 PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
 
 

@@ -17,8 +17,9 @@ import torch
 
 from hybrid_attention import checkpoint, cli
 from hybrid_attention.checkpoint import load_run
+from hybrid_attention.config import PRESETS
 from hybrid_attention.generate import generate
-from hybrid_attention.model import PRESETS, HybridConfig, HybridLM
+from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.train import TrainConfig
 from tests.helpers import run_cli
 

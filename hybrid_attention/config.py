@@ -1,0 +1,166 @@
+"""The model's settings: `HybridConfig`, one flat dataclass, and its named presets (`PRESETS`).
+
+`HybridConfig.from_preset("k3-scaled", **overrides)` builds a preset with any field overridden; `to_dict` and
+`from_dict` are what a run's config.json stores. Every field is checked when the config is built, with an error that
+names the field and what it expected. The residual options and the AttnRes backends are described in `model.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_attention.backends import BACKENDS
+from hybrid_attention.ops.kda.gate import GATE_FORMS, check_lower_bound
+
+LAYER_TYPES = ("kda", "mla")
+RESIDUALS = ("standard", "attnres", "block_attnres")
+KDA_BACKENDS = (*BACKENDS, "fla")
+ATTNRES_BACKENDS = BACKENDS
+
+
+def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
+    # KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based): 3 KDA per MLA.
+    pattern = ("kda", "kda", "kda", "mla") * 3 + ("mla",)
+    return tuple("mla" for _ in pattern) if all_mla else pattern
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU-sized: tests and the quick start.
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        layer_types=("kda", "kda", "kda", "mla"),
+        intermediate_size=192,
+        kda_num_heads=2,
+        kda_head_dim=32,
+        mla_num_heads=2,
+        mla_kv_lora_rank=32,
+        mla_qk_nope_head_dim=16,
+        mla_qk_shared_head_dim=16,
+        mla_v_head_dim=32,
+        residual="attnres",
+    ),
+    # The 13-layer scaled configuration (hidden 1024, 8 heads of 128 for both mixers).
+    "k3-scaled": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        layer_types=_k3_layer_types(),
+        intermediate_size=2816,
+        kda_num_heads=8,
+        kda_head_dim=128,
+        mla_num_heads=8,
+        mla_kv_lora_rank=256,
+        mla_qk_nope_head_dim=96,
+        mla_qk_shared_head_dim=32,
+        mla_v_head_dim=128,
+        residual="attnres",
+    ),
+}
+# The full-attention baseline of the Kimi Linear report: every layer Gated MLA, same sizes.
+PRESETS["k3-scaled-all-mla"] = dict(PRESETS["k3-scaled"], layer_types=_k3_layer_types(all_mla=True))
+# Block AttnRes at about 8 blocks over the depth, the granularity the AttnRes paper recommends: blocks of two
+# decoder layers (4 sublayers), so 7 blocks over the 26 sublayers and, with the embedding, 8 block sums at the end.
+PRESETS["k3-scaled-block"] = dict(PRESETS["k3-scaled"], residual="block_attnres", attnres_block_size=4)
+
+
+@dataclass
+class HybridConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    layer_types: tuple[str, ...] = ("kda", "kda", "kda", "mla")
+    intermediate_size: int = 192
+    residual: str = "attnres"
+    attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
+    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the references)
+    norm_eps: float = 1e-6
+    # KDA mixer
+    kda_num_heads: int = 2
+    kda_head_dim: int = 32
+    kda_conv_size: int = 4
+    kda_lower_bound: float = -5.0  # the "bounded" gate's
+    kda_backend: str = "auto"
+    kda_gate: str = "bounded"  # the decay gate: "bounded", "softplus" or "head" (see ops/kda/gate.py)
+    # Gated MLA mixer (NoPE)
+    mla_num_heads: int = 2
+    mla_kv_lora_rank: int = 32
+    mla_qk_nope_head_dim: int = 16
+    mla_qk_shared_head_dim: int = 16
+    mla_v_head_dim: int = 32
+    mla_q_lora_rank: int | None = None
+    mla_output_gate: bool = True  # the sigmoid gate on the heads (False: plain MLA with NoPE, as in Kimi Linear)
+    # Embeddings and init
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    num_layers: int = field(init=False)
+
+    def __post_init__(self):
+        self.layer_types = tuple(self.layer_types)
+        self.num_layers = len(self.layer_types)
+        if self.num_layers == 0:
+            raise ValueError("HybridConfig: layer_types is empty; expected at least one of 'kda' or 'mla'")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"HybridConfig: layer_types[{i}] = {kind!r}; expected one of {LAYER_TYPES}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"HybridConfig: residual={self.residual!r}; expected one of {RESIDUALS}")
+        if self.attnres_backend not in ATTNRES_BACKENDS:
+            raise ValueError(
+                f"HybridConfig: attnres_backend={self.attnres_backend!r}; expected one of {ATTNRES_BACKENDS}"
+            )
+        if self.kda_backend not in KDA_BACKENDS:
+            raise ValueError(f"HybridConfig: kda_backend={self.kda_backend!r}; expected one of {KDA_BACKENDS}")
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "attnres_block_size",
+            "kda_num_heads",
+            "kda_head_dim",
+            "kda_conv_size",
+            "mla_num_heads",
+            "mla_kv_lora_rank",
+            "mla_qk_nope_head_dim",
+            "mla_v_head_dim",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HybridConfig: {name}={value!r}; expected a positive integer")
+        if not isinstance(self.mla_qk_shared_head_dim, int) or self.mla_qk_shared_head_dim < 0:
+            raise ValueError(f"HybridConfig: mla_qk_shared_head_dim={self.mla_qk_shared_head_dim!r}; expected >= 0")
+        if self.mla_q_lora_rank is not None and (not isinstance(self.mla_q_lora_rank, int) or self.mla_q_lora_rank < 1):
+            raise ValueError(f"HybridConfig: mla_q_lora_rank={self.mla_q_lora_rank!r}; expected None or >= 1")
+        if self.kda_gate not in GATE_FORMS:
+            raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
+        if not isinstance(self.mla_output_gate, bool):
+            raise ValueError(f"HybridConfig: mla_output_gate={self.mla_output_gate!r}; expected True or False")
+        check_lower_bound(self.kda_lower_bound, name="HybridConfig: kda_lower_bound")
+        if not self.norm_eps > 0:
+            raise ValueError(f"HybridConfig: norm_eps={self.norm_eps}; expected > 0")
+        if not self.init_std > 0:
+            raise ValueError(f"HybridConfig: init_std={self.init_std}; expected > 0")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> HybridConfig:
+        """A named preset (see `PRESETS`: "tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block") with keyword
+        overrides of any field."""
+        if name not in PRESETS:
+            raise ValueError(f"HybridConfig: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields (derived ones left out)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
+        """Inverse of `to_dict`; unknown keys raise ValueError."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known - {"num_layers"})
+        if unknown:
+            raise ValueError(f"HybridConfig: unknown fields {unknown}; expected a subset of {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
