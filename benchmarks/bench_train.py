@@ -21,6 +21,10 @@ Two more columns say whether a step is bound by the host or the GPU: "host ms", 
 last launch returns (the host's share; the step ms adds the wait for the GPU), and with --profile "kernel ms", the
 summed durations of the kernels of one more step under torch.profiler (the GPU's share).
 
+The JSON also gives each case's `tables_per_step`: the pointer tables the AttnRes kernels built per timed step
+(`ops.attnres.rows.tables_built`), 0 when every step's activations land at the addresses of the step before (a
+table built is a host tensor and a copy to the GPU, host time an eager step pays).
+
 Markdown table on stdout, JSON as the last line (also written to --out).
 """
 
@@ -45,6 +49,7 @@ from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.config import PRESETS  # noqa: E402
 from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.ops.attnres.rows import tables_built  # noqa: E402
 from hybrid_attention.optim import build_optimizers  # noqa: E402
 from hybrid_attention.train_step import TrainStep  # noqa: E402
 
@@ -237,6 +242,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
     if device.type == "cuda" and not graph:  # eager: the steady steps only, not the autotuning of the first
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
+    built = tables_built()
     for _ in range(args.steps):
         start = time.perf_counter()
         loss = step()
@@ -244,6 +250,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         _sync(device)
         times.append(time.perf_counter() - start)
     loss = float(loss)  # before another step overwrites a graph's output
+    tables_per_step = (tables_built() - built) / max(args.steps, 1)
     step_s = statistics.median(times)
     kernel_ms, top_kernels = _kernel_profile(step, device, args.profile_top) if args.profile else (None, None)
     tokens_per_s = batch * seq_len / step_s
@@ -261,6 +268,7 @@ def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torc
         mfu=fpt * tokens_per_s / peak if peak else None,
         loss=loss,
         parameters=sum(p.numel() for p in model.parameters()),
+        tables_per_step=tables_per_step,
     )
 
 

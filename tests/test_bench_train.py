@@ -24,6 +24,7 @@ def test_quick_run_lists_results_and_failures():
     ok = rows["ours-standard"]
     assert ok["error"] is None and ok["tokens_per_s"] > 0 and ok["flops_per_token"] > 0, ok
     assert 0 < ok["host_ms"] <= ok["step_ms"] and ok["kernel_ms"] is None, ok  # no kernel time off CUDA
+    assert ok["tables_per_step"] == 0, ok  # no AttnRes kernels in a standard residual
     # FLA's kernels need CUDA (and FLA may be absent): on the CPU this case fails, and is listed as failed.
     assert rows["fla-kda"]["error"], rows["fla-kda"]
     # A CUDA graph needs CUDA: on the CPU the graph mode of a case that runs eagerly is listed as failed, with why.

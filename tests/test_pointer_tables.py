@@ -9,11 +9,13 @@ from hybrid_attention.ops.attnres import rows
 
 def test_tables_hold_the_pointers_and_are_cached_by_contents():
     tensors = [torch.randn(3, 5) for _ in range(4)]
+    before = rows.tables_built()
     table = rows.pointer_table(tensors)
     assert table.dtype == torch.int64 and table.tolist() == [t.data_ptr() for t in tensors]
     assert rows.pointer_table(list(tensors)) is table  # the same addresses: the cached table
     other = rows.pointer_table(tensors[::-1])
     assert other is not table and other.tolist() == table.tolist()[::-1]
+    assert rows.tables_built() == before + 2  # built for the two orders, found the second time
 
 
 def test_capture_arena_hands_out_consecutive_slices_and_refuses_overflow():

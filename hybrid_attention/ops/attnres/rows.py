@@ -84,6 +84,7 @@ def compute_tl_dtype(dtype: torch.dtype):
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_built = [0]  # tables built outside a capture since the process started (`tables_built`)
 
 
 class CapturedTables:
@@ -170,12 +171,20 @@ def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         _tables.move_to_end(key)
         return table
     table = torch.tensor(key[1:], dtype=torch.int64)
+    _built[0] += 1
     if tensors[0].is_cuda:
         table = table.pin_memory().to(tensors[0].device, non_blocking=True)
     _tables[key] = table
     if len(_tables) > TABLE_CACHE:
         _tables.popitem(last=False)
     return table
+
+
+def tables_built() -> int:
+    """How many pointer tables `pointer_table` has built outside a CUDA graph capture (each one a host tensor and,
+    on CUDA, a copy to the device). An eager training step whose activations land at the same addresses every step
+    builds none after its first: a count that keeps growing means the addresses change from step to step."""
+    return _built[0]
 
 
 def row_programs(M: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
