@@ -1,5 +1,5 @@
-"""Training: the run's settings (`TrainConfig`), its preparation, and the loop (optimizers live in `optim.py`,
-FLOPs and evaluation in `metrics.py`, plots in `plots.py`).
+"""Training: a run's preparation and its loop (the settings, `TrainConfig`, live in `train_config.py`, optimizers in
+`optim.py`, FLOPs and evaluation in `metrics.py`, plots in `plots.py`).
 
 `train(config, resume=...)` runs one job end to end and returns a summary dict. Everything that can fail on user
 input (flags, data, tokenizer, model config, an occupied run directory, a checkpoint that does not match) is
@@ -20,10 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,142 +30,18 @@ import torch
 from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import dist_checkpoint, distributed, files, run_config
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
-from hybrid_attention.device import DTYPES, autocast_for, flush_denormals, resolve_device, resolve_dtype
+from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.interrupts import StopRequests
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import OPTIMIZERS, build_optimizers, build_schedulers
+from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.plots import plot_losses
 from hybrid_attention.run_report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
 from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
 from hybrid_attention.token_cache import encode_corpus
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
+from hybrid_attention.train_config import TrainConfig
 from hybrid_attention.train_step import TrainStep
-
-# Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
-# ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
-# step as two micro-batches of 8, which leaves headroom on an 80 GB card. eval_every None: a tenth of the run; tiny
-# evaluates 4 batches of each split, which keeps its eleven validations cheap on a CPU.
-_TINY = dict(steps=250, batch_size=8, seq_len=128, grad_accum=1, lr=3e-3, warmup=25, eval_every=None, eval_batches=4,
-             log_every=10)  # fmt: skip
-_SCALED = dict(steps=300, batch_size=8, seq_len=2048, grad_accum=2, lr=1e-3, warmup=50, eval_every=None,
-               eval_batches=8, log_every=10, data="python-env")  # fmt: skip
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a training run. Fields in RUN_ONLY may change on --resume; the others are the run's own."""
-
-    preset: str = "tiny"
-    steps: int = _TINY["steps"]
-    batch_size: int = _TINY["batch_size"]
-    seq_len: int = _TINY["seq_len"]
-    grad_accum: int = 1
-    lr: float = _TINY["lr"]
-    min_lr_ratio: float = 0.1
-    warmup: int = _TINY["warmup"]
-    optimizer: str = "adamw"
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    data: str | None = None
-    data_max_bytes: int | None = None
-    tokenizer: str = "byte"
-    vocab_size: int | None = None
-    seed: int = 0
-    out: str = "runs/tiny"
-    eval_every: int | None = _TINY["eval_every"]  # None: a tenth of the run (run_report.validation_interval)
-    eval_batches: int = _TINY["eval_batches"]
-    log_every: int = _TINY["log_every"]
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
-    cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, one process
-    kda_backend: str | None = None  # None: the model config's ("auto")
-    stop_after: int | None = None
-    time_limit: float | None = None  # minutes
-    # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
-    fsdp_reshard_after_forward: bool = False
-    activation_checkpointing: bool = False
-    dist_timeout: float = 600.0  # seconds
-
-    @classmethod
-    def create(cls, saved: dict | None = None, **given) -> TrainConfig:
-        """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
-
-        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError. The saved settings (read
-        from config.json) and the given ones are type-checked like command-line input.
-        """
-        given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
-        run_config.check_fields(given, cls, "TrainConfig")
-        if saved is not None:
-            run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
-                              required=SAVED_REQUIRED)  # fmt: skip
-            changed = [
-                f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
-                for k in sorted(given)
-                if k not in RUN_ONLY and given[k] != saved.get(k)
-            ]
-            if changed:
-                free = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RUN_ONLY - {"out"}))
-                raise ValueError(f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change")
-            once = {"stop_after", "time_limit"}  # they describe one invocation, not the run
-            values = {k: v for k, v in saved.items() if k in {f.name for f in fields(cls)} and k not in once}
-            return cls(**{**values, **given}).validate()
-        preset = given.get("preset", "tiny")
-        defaults = _TINY if preset == "tiny" else _SCALED
-        merged = {"out": f"runs/{preset}", **defaults, **given}
-        if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
-            merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
-        return cls(**merged).validate()
-
-    def validate(self) -> TrainConfig:
-        if not self.out.strip():
-            raise ValueError("--out must name a run directory, got an empty string")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
-            value = getattr(self, name)
-            if name == "eval_every" and value is None:
-                continue
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2 (one prediction per window), got {self.seq_len}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.weight_decay >= 0 or not self.clip >= 0:
-            raise ValueError(f"--weight-decay and --clip must be >= 0, got {self.weight_decay} and {self.clip}")
-        checks = (("optimizer", OPTIMIZERS), ("tokenizer", ("byte", "bpe")), ("device", ("auto", "cpu", "cuda")))
-        for name, choices in (*checks, ("dtype", tuple(DTYPES))):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
-            raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
-        if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
-            raise ValueError(f"--vocab-size must be at most {MAX_VOCAB:,}, got {self.vocab_size:,}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
-        if self.data_max_bytes is not None and self.data_max_bytes < 1:
-            raise ValueError(f"--data-max-bytes must be a positive number of bytes, got {self.data_max_bytes}")
-        if self.time_limit is not None and not self.time_limit > 0:
-            raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
-        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
-            raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
-        return self
-
-
-_WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend"}  # where and how the run executes
-_WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
-_WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
-RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
-# Settings every run has stored since the format began (a config.json without one is damaged, not old).
-SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",
-                  "weight_decay", "clip", "data", "data_max_bytes", "tokenizer", "vocab_size", "seed")  # fmt: skip
-MAX_VOCAB = 1 << 20  # ample for BPE; a huge request (1e9) makes the tokenizers trainer abort the process
 
 
 class TrainingDiverged(ValueError):
