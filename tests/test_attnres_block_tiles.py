@@ -1,5 +1,6 @@
-"""The Block AttnRes backward kernels (`ops.attnres.triton_block`) under each of their tuned configs alone, against
-the readable references in `ops.attnres.naive`: outputs and every gradient, in float64 under the interpreter.
+"""The Block AttnRes backward kernels (`ops.attnres.triton_block`, `triton_merge`) under each of their tuned configs
+alone, against the readable references in `ops.attnres.naive`: outputs and every gradient, in float64 under the
+interpreter.
 
 Phase 1's backward holds all of a row's blocks in one tile up to PARTIAL_BWD_BLOCKS of them and reads more one
 block row at a time (its second kernel); phase 2's backward takes BLOCK_M rows at a time. The rows here (37) leave a
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres import triton_block
+from hybrid_attention.ops.attnres import triton_block, triton_merge
 from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
@@ -43,7 +44,7 @@ def distinct_configs(tuner):
 
 
 PARTIAL_CONFIGS = distinct_configs(triton_block._partial_bwd_kernel)
-MERGE_CONFIGS = distinct_configs(triton_block._merge_norm_bwd_kernel)
+MERGE_CONFIGS = distinct_configs(triton_merge._merge_norm_bwd_kernel)
 
 
 def only(monkeypatch, tuner, config):
@@ -91,7 +92,7 @@ def test_partial_backward_every_config(config, N, Q, zero_query, monkeypatch, po
 def test_merge_backward_every_config(config, with_partial, zero_query, monkeypatch, poisoned):
     """Phase 2 + RMSNorm on a phase-1 result (so lse is consistent with out): the output and every gradient (out,
     lse, partial, query, key and norm weights) against the reference, with the phase-2 backward's config alone."""
-    only(monkeypatch, triton_block._merge_norm_bwd_kernel, config)
+    only(monkeypatch, triton_merge._merge_norm_bwd_kernel, config)
     blocks = sources(3, D, seed=3, shape=(ROWS,))
     (partial,) = sources(1, D, seed=4, shape=(ROWS,))
     query, key_w, norm_w = parameters(3, seed=5, zero_query=zero_query)

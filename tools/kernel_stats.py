@@ -146,7 +146,7 @@ def compile_kda(args, dtype) -> str:
 
 def compile_attnres(D: int, dtype) -> str:
     """Runs the host functions of the AttnRes training kernels at width D; -> the heading line of the report."""
-    from hybrid_attention.ops.attnres import triton_block, triton_full, triton_stream
+    from hybrid_attention.ops.attnres import triton_block, triton_full, triton_merge, triton_stream
 
     M, S, K, Q = 8, 3, 4, 4
     cdt = torch.float32  # the parameters' and statistics' dtype under every source dtype
@@ -166,8 +166,8 @@ def compile_attnres(D: int, dtype) -> str:
     triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
     many = src * 3  # past one tile of blocks: the row-at-a-time phase-1 backward
     triton_block.partial_bwd(out, lse, many, w(Q, D), w(Q, D), lse, 1e-6)
-    xm, rho = triton_block.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
-    triton_block.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
+    xm, rho = triton_merge.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
+    triton_merge.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
     return f"sm_{ARCH}, triton {triton.__version__}, AttnRes training kernels, D {D}, {dtype}"
 
 

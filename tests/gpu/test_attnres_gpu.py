@@ -11,12 +11,9 @@ import pytest
 import torch
 
 from hybrid_attention.ops.attnres.fused import attn_res_norm
-from hybrid_attention.ops.attnres.triton_block import (
-    MERGE_BWD_CONFIGS,
-    PARTIAL_BWD_BLOCKS,
-    PARTIAL_BWD_WARPS,
-)
+from hybrid_attention.ops.attnres.triton_block import PARTIAL_BWD_BLOCKS, PARTIAL_BWD_WARPS
 from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
+from hybrid_attention.ops.attnres.triton_merge import MERGE_BWD_CONFIGS
 from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS, STREAM_LOCAL_CONFIGS
 from tests.helpers import assert_as_accurate
 
@@ -113,13 +110,13 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient; with the
     tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the row-at-a-time phase-1 backward) and with each config
     alone."""
-    from hybrid_attention.ops.attnres import triton_block
+    from hybrid_attention.ops.attnres import triton_block, triton_merge
     from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
     from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
     from hybrid_attention.ops.numerics import rms_norm
 
     if config is not None:
-        tuner = getattr(triton_block, config[0])
+        tuner = getattr(triton_merge if config[0] == "_merge_norm_bwd_kernel" else triton_block, config[0])
         monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config[1]]])
     B, T, D, Q = 8, 2048, 1024, 4
     g = torch.Generator("cuda").manual_seed(N)

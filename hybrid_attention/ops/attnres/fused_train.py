@@ -6,7 +6,7 @@ them in `stream_train.py`.)
 
 - `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
 - `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
-  RMSNorm; kernels for both phases in `triton_block.py`.
+  RMSNorm; kernels in `triton_block.py` (phase 1) and `triton_merge.py` (phase 2).
 
 Sources are a list of separate tensors, each stored once by whoever produced it: the kernels read them through a
 pointer table and autograd saves the same tensors (references, no copies), so nothing grows with depth per call.
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
-from hybrid_attention.ops.attnres.triton_block import merge_norm_bwd, merge_norm_fwd, partial_bwd, partial_fwd
+from hybrid_attention.ops.attnres.triton_block import partial_bwd, partial_fwd
+from hybrid_attention.ops.attnres.triton_merge import merge_norm_bwd, merge_norm_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import eager_or_traced
 

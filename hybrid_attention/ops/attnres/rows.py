@@ -187,6 +187,11 @@ def tables_built() -> int:
     return _built[0]
 
 
+def tile_warps(elements: int) -> int:
+    """4 warps up to [4, 1024] tiles (Q = 4 queries at D = 1024): more warps lower how many programs stay resident."""
+    return 4 if elements <= 4096 else 8
+
+
 def row_programs(M: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
     """Programs for a backward kernel over M rows: enough to fill the GPU, few enough that the per-program partial
     parameter gradients [programs, D] stay small."""

@@ -1,12 +1,12 @@
-"""Block AttnRes for training, two-phase: Triton kernels for both phases, forward and backward.
+"""Block AttnRes for training, two-phase: the Triton kernels of phase 1, forward and backward.
 
 Phase 1, once per block for all its Q sublayers (docs/math.md, "Attention Residuals"): over the completed block
 sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never stacked), per query q
 
     z_qk = r_k (u_q . b_k),  out_q = sum_k softmax_k(z_q) b_k,  lse_q = logsumexp_k(z_q)      (u_q = w_q * gamma_q)
 
-out_q stored in the blocks' dtype, like every other activation kept for the backward (the merge below is exact in
-real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
+out_q stored in the blocks' dtype, like every other activation kept for the backward (the merge of phase 2 is exact
+in real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
 own [M, D] tensor (written, and its gradient read, through pointer tables), so that each sublayer's phase 2 takes
 one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: per
 row it gathers all N blocks through the pointer table into one [BLOCK_N, BLOCK_D] tile, read once, and for each
@@ -18,15 +18,7 @@ than one tile holds (PARTIAL_BWD_BLOCKS, or fewer for wide rows) it reads one bl
 the first sums c_q and keeps each block's dot products, the second re-reads the rows (from the cache) for the
 gradients.
 
-Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
-online-softmax update, then normalise,
-
-    s = r_P (u . P),  alpha = sigmoid(s - lse),  h = out + alpha (P - out),  x = norm_weight * h * rho
-
-(a sublayer that opens its block has no P: h = out). The backward recomputes z, p and alpha from the inputs and
-the two saved per-row numbers (docs/math.md, "AttnRes backward"). One program per row forward; in the backward
-each program loops over blocks of BLOCK_M rows ([BLOCK_M, BLOCK_D] tiles, a tuned height) and sums the parameter
-gradients per row in registers, adding the rows up once at the end: one partial row per program.
+Phase 2, the merge of a sublayer's own block, is in `triton_merge.py`.
 """
 
 from __future__ import annotations
@@ -42,8 +34,8 @@ from hybrid_attention.ops.attnres.rows import (
     row_programs,
     split_scalar,
     table_alignment,
+    tile_warps,
     tuned_over_configs,
-    tuned_over_row_blocks,
 )
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -55,13 +47,9 @@ except ImportError:  # the reference path still works
 
 PARTIAL_BWD_BLOCKS = 8  # most blocks the phase-1 backward holds in one tile; past it, one block row at a time
 PARTIAL_BWD_WARPS = [4, 8]  # num_warps of the phase-1 backward
-# (BLOCK_M, num_warps) of the phase-2 backward; one-warp rows reduce without shared memory and fit more per SM
-MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (1, 1), (2, 1), (2, 2), (2, 8), (2, 4), (4, 8)]
 
 
 if triton is not None:
-    from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block
-    from hybrid_attention.ops.attnres.triton_full import folded_query
 
     @triton.jit
     def _block_row(table, k, at, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr, ALIGN: tl.constexpr):
@@ -288,117 +276,6 @@ if triton is not None:
                 du_acc += (dz * r)[:, None] * b[None, :]
         tl.store(du_part + pid * Q * D + qd, du_acc, mask=qd_ok)
 
-    @triton.jit
-    def _merge_norm_fwd_kernel(
-        out,  # [M, D] phase-1 output for this sublayer
-        lse_ptr,  # [M] compute dtype
-        partial,  # [M, D] the block's partial sum (HAS_PARTIAL only)
-        query,  # [D]
-        key_w,  # [D]
-        norm_w,  # [D]
-        x_ptr,  # [M, D] the result, in its own dtype
-        rho_ptr,  # [M] compute dtype
-        D,
-        eps,
-        eps_lo,
-        norm_eps,
-        norm_eps_lo,
-        HAS_PARTIAL: tl.constexpr,
-        CDT: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
-        norm_eps = tl.cast(norm_eps, CDT) + tl.cast(norm_eps_lo, CDT)
-        row = tl.program_id(0).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        h = tl.load(out + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
-        if HAS_PARTIAL:
-            P = tl.load(partial + row * D + offs_d, mask=d_ok, other=0.0).to(CDT)
-            u = folded_query(query, key_w, offs_d, d_ok, CDT)
-            s = tl.sum(u * P, axis=0) * tl.rsqrt(tl.sum(P * P, axis=0) / D + eps)
-            alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + row).to(CDT) - s))
-            h = h + alpha * (P - h)
-        hr = h.to(x_ptr.dtype.element_ty).to(CDT)  # rounded before the norm, as the unfused composition does
-        rho = tl.rsqrt(tl.sum(hr * hr, axis=0) / D + norm_eps)
-        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
-        tl.store(x_ptr + row * D + offs_d, (hr * rho * nw).to(x_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(rho_ptr + row, rho)
-
-    # (BLOCK_M, num_warps); the first is the one the interpreter runs.
-    @tuned_over_row_blocks(
-        [{"BLOCK_M": m, "num_warps": w} for m, w in MERGE_BWD_CONFIGS],
-        key=["D", "HAS_PARTIAL"],
-    )
-    @triton.jit
-    def _merge_norm_bwd_kernel(
-        out,  # [M, D] phase-1 output
-        lse_ptr,  # [M] compute dtype
-        partial,  # [M, D] (HAS_PARTIAL only)
-        query,
-        key_w,
-        norm_w,
-        rho_ptr,  # [M]
-        dx_ptr,  # [M, D] gradient of the result
-        dout,  # [M, D] gradient of `out`, in out's dtype
-        dlse,  # [M] (HAS_PARTIAL only)
-        dpartial,  # [M, D] (HAS_PARTIAL only), the partial sum's dtype
-        du_part,  # [programs, D] (HAS_PARTIAL only)
-        dnw_part,  # [programs, D]
-        M,
-        D,
-        eps,
-        eps_lo,
-        HAS_PARTIAL: tl.constexpr,
-        CDT: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        eps = tl.cast(eps, CDT) + tl.cast(eps_lo, CDT)
-        pid = tl.program_id(0)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        u = folded_query(query, key_w, offs_d, d_ok, CDT)
-        nw = tl.load(norm_w + offs_d, mask=d_ok, other=0.0).to(CDT)
-        # Per-row partial sums, added over the rows once at the end (no reduction per block of rows).
-        du_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
-        dnw_acc = tl.zeros([BLOCK_M, BLOCK_D], CDT)
-        for m0 in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
-            rm, m_ok, at, mask = row_block(m0, offs_m, offs_d, d_ok, M, D)  # rows past M add nothing to the sums
-            o = tl.load(out + at, mask=mask, other=0.0).to(CDT)
-            h = o
-            if HAS_PARTIAL:
-                P = tl.load(partial + at, mask=mask, other=0.0).to(CDT)
-                r = tl.rsqrt(tl.sum(P * P, axis=1) / D + eps)
-                dot_u = tl.sum(P * u[None, :], axis=1)
-                alpha = 1.0 / (1.0 + tl.exp(tl.load(lse_ptr + rm, mask=m_ok, other=0.0).to(CDT) - dot_u * r))
-                h = o + alpha[:, None] * (P - o)
-            hr = h.to(dx_ptr.dtype.element_ty).to(CDT)
-            rho = tl.load(rho_ptr + rm, mask=m_ok, other=0.0).to(CDT)
-            dx = tl.load(dx_ptr + at, mask=mask, other=0.0).to(CDT)
-            dh, dnw_rows = rms_norm_bwd_rows(dx, hr, rho, nw, D)
-            dnw_acc += dnw_rows
-            if HAS_PARTIAL:
-                # d out = (1 - alpha) dh, dt = (dh . (P - out)) alpha (1 - alpha) with t = s - lse.
-                tl.store(dout + at, ((1.0 - alpha)[:, None] * dh).to(dout.dtype.element_ty), mask=mask)
-                dt = tl.sum(dh * (P - o), axis=1) * alpha * (1.0 - alpha)
-                tl.store(dlse + rm, -dt, mask=m_ok)
-                dtr = dt * r
-                dp = alpha[:, None] * dh + dtr[:, None] * u[None, :] - (dtr * r * r * dot_u / D)[:, None] * P
-                tl.store(dpartial + at, dp.to(dpartial.dtype.element_ty), mask=mask)
-                du_acc += dtr[:, None] * P
-            else:
-                tl.store(dout + at, dh.to(dout.dtype.element_ty), mask=mask)
-        if HAS_PARTIAL:
-            tl.store(du_part + pid * D + offs_d, tl.sum(du_acc, axis=0), mask=d_ok)
-        tl.store(dnw_part + pid * D + offs_d, tl.sum(dnw_acc, axis=0), mask=d_ok)
-
-
-def _warps(elements: int) -> int:
-    """4 warps up to [4, 1024] tiles (Q = 4 queries at D = 1024): more warps lower how many programs stay resident."""
-    return 4 if elements <= 4096 else 8
-
 
 def partial_fwd(blocks, queries, key_weights, eps):
     """blocks: N x [M, D] contiguous, one dtype; queries, key_weights [Q, D] -> (out: Q x [M, D] in the blocks'
@@ -412,7 +289,7 @@ def partial_fwd(blocks, queries, key_weights, eps):
         _partial_fwd_kernel[(M,)](
             pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, N, Q, M, D,
             *split_scalar(eps), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment([*blocks, *out]), BLOCK_Q=bq,
-            BLOCK_D=bd, num_warps=_warps(bq * bd),
+            BLOCK_D=bd, num_warps=tile_warps(bq * bd),
         )  # fmt: skip
     return out, lse
 
@@ -436,40 +313,5 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
     if bn <= min(PARTIAL_BWD_BLOCKS, MAX_TILE // bd):
         _partial_bwd_kernel[(programs,)](*args, **common)
     else:
-        _partial_bwd_rows_kernel[(programs,)](*args, **common, num_warps=_warps(bq * bd))
+        _partial_bwd_rows_kernel[(programs,)](*args, **common, num_warps=tile_warps(bq * bd))
     return dblk, du.sum(0)
-
-
-def merge_norm_fwd(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
-    """out [M, D], lse [M] (compute dtype), partial [M, D] or None -> (x [M, D] in `dtype`, rho [M] in lse's
-    dtype)."""
-    M, D = out.shape
-    x = torch.empty(M, D, device=out.device, dtype=dtype)
-    rho = torch.empty(M, device=out.device, dtype=lse.dtype)
-    if M > 0:
-        bd = block_d(D)
-        _merge_norm_fwd_kernel[(M,)](
-            out, lse, partial if partial is not None else out, query, key_weight, norm_weight, x, rho, D,
-            *split_scalar(eps), *split_scalar(norm_eps), HAS_PARTIAL=partial is not None,
-            CDT=compute_tl_dtype(lse.dtype), BLOCK_D=bd, num_warps=_warps(bd),
-        )  # fmt: skip
-    return x, rho
-
-
-def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps):
-    """-> (d out [M, D], d lse [M], d partial [M, D] or None, du [D] or None, d norm_weight [D])."""
-    M, D = out.shape
-    has_partial = partial is not None
-    dout = torch.empty_like(out)
-    dlse = torch.empty_like(lse) if has_partial else None
-    dpartial = torch.empty_like(partial) if has_partial else None
-    programs = row_programs(M, out.device)
-    du = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
-    dnw = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
-    if M > 0:
-        _merge_norm_bwd_kernel[(programs,)](
-            out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
-            dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
-            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(lse.dtype), BLOCK_D=block_d(D),
-        )  # fmt: skip
-    return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)
