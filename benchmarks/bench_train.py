@@ -393,6 +393,14 @@ def main(argv=None) -> dict:
     clip = f"clip {args.clip:g}" if args.clip else "no clip"
     print(f"## training step, {optimizer}, {clip}, random tokens, median of {args.steps} steps after {args.warmup}\n")
     print_table(rows)
+    rebuilt = [r for r in rows if r.get("tables_per_step")]
+    if rebuilt:  # eager steps whose activations moved: each table is host work in every step
+        print(
+            "\nPointer tables built per timed step: "
+            + ", ".join(
+                f"{r['case']} {r['batch']} x {r['seq_len']} {r['mode']} {r['tables_per_step']:g}" for r in rebuilt
+            )
+        )
     for r in rows:
         if r.get("top_kernels"):
             print(f"\n### {r['case']}, {r['batch']} x {r['seq_len']}, {r['mode']}: slowest kernels of one step\n")
