@@ -15,6 +15,8 @@ from pathlib import Path
 
 
 def fsync(path: str | Path, *, directory: bool = False) -> None:
+    """Flush a file's data to the disk, or a directory's entries (POSIX only), so that a rename in it survives a
+    crash."""
     if directory and not hasattr(os, "O_DIRECTORY"):
         return  # a directory cannot be opened for fsync outside POSIX
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
