@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from hybrid_attention.ops.numerics import HALF_DTYPES, compute_dtype
+
 # The most elements stacked at once: 64M. A slice's temporaries (float32 blend, stack and update, bfloat16 iterates)
 # then stay at about 1 GB at most, whatever the model's size.
 STACK_ELEMENTS = 1 << 26
-HALF = (torch.float16, torch.bfloat16)
 
 
 def newton_schulz(updates: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
@@ -100,7 +101,7 @@ class StackedMuon(torch.optim.Muon):
     def _apply_float_rate(params: list[Tensor], ortho: Tensor, lr: float, group: dict) -> None:
         """The decay and the update with a float rate, as `torch.optim.Muon` applies them."""
         decay = 1 - lr * group["weight_decay"]
-        if params[0].dtype in HALF:
+        if params[0].dtype in HALF_DTYPES:
             for p in params:  # a foreach product rounds a number to the half dtype first; torch's mul_ does not
                 p.mul_(decay)
         else:
@@ -125,10 +126,10 @@ class StackedMuon(torch.optim.Muon):
         - the update is one fused multiply-add, `addcmul`, as the float path's `add(alpha=)` is (a product and then
           an add would round twice).
         """
-        compute = torch.promote_types(params[0].dtype, torch.float32)
+        compute = compute_dtype(params[0])
         rate = lr.to(torch.float64)
         decay = (1 - rate * group["weight_decay"]).to(compute)
-        if params[0].dtype in HALF:
+        if params[0].dtype in HALF_DTYPES:
             for p in params:
                 p.copy_(p.float().mul_(decay))
         else:

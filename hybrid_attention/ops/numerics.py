@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def compute_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
     """float64 for float64 tensors (or dtypes), float32 for everything else."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybrid_attention.ops.numerics import HALF_DTYPES
 from hybrid_attention.ops.triton_support import interpreting, sm_count, triton_available, triton_runs_on
 
 try:
@@ -75,7 +76,7 @@ def residual_scale(dtype: torch.dtype) -> float:
     nearest, but Triton's interpreter truncates to bf16), so the fraction (h - h_r) / h_r times 127 / eps lies in
     [-127, 127]: an int8 that gives h back to about 2^-7 of its rounding. The backward needs the unrounded h in
     dh . h, a sum that cancels against the sources' dh . v_i (docs/math.md, "AttnRes backward")."""
-    return 127.0 / torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 0.0
+    return 127.0 / torch.finfo(dtype).eps if dtype in HALF_DTYPES else 0.0
 
 
 def compute_tl_dtype(dtype: torch.dtype):

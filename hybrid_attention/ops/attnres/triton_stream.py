@@ -47,6 +47,7 @@ from hybrid_attention.ops.attnres.rows import (
     table_alignment,
     tuned_over_row_blocks,
 )
+from hybrid_attention.ops.numerics import HALF_DTYPES
 from hybrid_attention.ops.triton_support import interpreting
 
 try:
@@ -58,7 +59,6 @@ except ImportError:  # the reference path still works
 # Programs per SM: each loops over blocks of rows; more than fit at once, so that a config with fewer registers per
 # program keeps more in flight.
 STREAM_BWD_PROGRAMS_PER_SM = 8
-HALF = (torch.bfloat16, torch.float16)
 STREAM_BWD_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
     (2, 2, 3),
     (2, 1, 3),
@@ -342,7 +342,7 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None):
     split_rows = -(-rows_per_split // DU_ROWS) * DU_ROWS
     # Half sources under the interpreter take the float32 product (exact products, float32 sums, as on tensor
     # cores): its half-precision product is wrong.
-    dot = 0 if cdt == torch.float64 else 1 if s0.dtype in HALF and not interpreting() else 2
+    dot = 0 if cdt == torch.float64 else 1 if s0.dtype in HALF_DTYPES and not interpreting() else 2
     width = max(16, min(DU_COLUMNS, block_d(D)))
     _du_kernel[(du_part.shape[0], -(-D // width), -(-(K - step) // DU_STEPS))](
         table, dzr, du_part, M, D, K, step, n, split_rows, H=dzr.shape[1], DIRECT=n == 1, DOT=dot,
@@ -376,7 +376,7 @@ def stream_bwd_(
     n, D, K = len(sources), s0.shape[-1], queries.shape[0]
     M = s0.numel() // D if D else 0
     cdt = stats.dtype
-    split_dzr = s0.dtype in HALF  # dz r as hi and lo parts in the sources' half dtype
+    split_dzr = s0.dtype in HALF_DTYPES  # dz r as hi and lo parts in the sources' half dtype
     dv = torch.empty(n, *s0.shape, device=s0.device, dtype=s0.dtype)
     read, R = logits.shape[0], rows.shape[1]
     if M == 0:
