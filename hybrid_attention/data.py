@@ -9,11 +9,9 @@ Sources (the `spec` of `load_corpus`):
 - `hf:NAME` or `hf:NAME:CONFIG`: a dataset read through the optional `datasets` package (local files and
   caches work offline); the text column is `text`, or the only string column.
 
-Documents go to the validation split when a hash of their name (the path relative to the root, through hashlib,
-so the split does not depend on PYTHONHASHSEED) falls in the first `val_fraction` of the hash range
-(`documents.py`). A single
-document, or a collection where the hash leaves one split empty, is split by text instead: the last
-`val_fraction` of it, at a line boundary, is validation.
+Documents go to the validation split when a hash of their name (the path relative to the root) falls in the first
+`val_fraction` of the hash range (`documents.py`). A single document, or a collection where the hash leaves one split
+empty, is split by text instead: the last `val_fraction` of it, at a line boundary, is validation.
 
 Batches are contiguous windows of `seq_len` tokens whose starts are drawn from a generator seeded by
 (seed, step, micro-batch), so any step's batch can be rebuilt without replaying the ones before it: a resumed run
