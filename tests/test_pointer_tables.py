@@ -1,13 +1,16 @@
 """The AttnRes kernels' pointer tables (`ops/attnres/rows.py`): cached by contents outside a CUDA graph capture, and
 carved from a pinned arena set aside before a capture (the arena logic runs here on an ordinary host tensor)."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
 from hybrid_attention.ops.attnres import rows
 
 
-def test_tables_hold_the_pointers_and_are_cached_by_contents():
+def test_tables_hold_the_pointers_and_are_cached_by_contents(monkeypatch):
+    monkeypatch.setattr(rows, "_tables", OrderedDict())  # earlier tests' tables may hold these recycled addresses
     tensors = [torch.randn(3, 5) for _ in range(4)]
     before = rows.tables_built()
     table = rows.pointer_table(tensors)
