@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_attention.ops.attnres import triton_block, triton_full, triton_merge, triton_stream
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.triton_block import PARTIAL_BWD_BLOCKS, PARTIAL_BWD_WARPS
 from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
@@ -19,6 +20,14 @@ from tests.helpers import assert_as_accurate
 
 # Tuned: the stream test compares the autotuned launch shapes with each config alone (tests/gpu/conftest.py).
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.tuned]
+
+
+def only_config(monkeypatch, config: tuple[str, int]) -> None:
+    """Tune the AttnRes kernel named config[0] over its config number config[1] alone."""
+    name, index = config
+    module = next(m for m in (triton_full, triton_stream, triton_block, triton_merge) if hasattr(m, name))
+    tuner = getattr(module, name)
+    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
 
 
 @pytest.mark.parametrize("rows", [1, 4096])
@@ -110,14 +119,12 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient; with the
     tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the row-at-a-time phase-1 backward) and with each config
     alone."""
-    from hybrid_attention.ops.attnres import triton_block, triton_merge
     from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
     from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
     from hybrid_attention.ops.numerics import rms_norm
 
     if config is not None:
-        tuner = getattr(triton_merge if config[0] == "_merge_norm_bwd_kernel" else triton_block, config[0])
-        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config[1]]])
+        only_config(monkeypatch, config)
     B, T, D, Q = 8, 2048, 1024, 4
     g = torch.Generator("cuda").manual_seed(N)
     blk = _sources(N + 1, B, T, D, g)  # the last one is the partial sum
@@ -205,11 +212,8 @@ def test_fused_training_stream_at_model_sizes(config, monkeypatch):
     """A Full AttnRes stream of 27 sources (the k3-scaled depth), whose backwards assemble each source's gradient
     once, at T=2048, D=1024, bf16 sources: every output and every gradient as accurate against float64 as the bf16
     PyTorch composition; with the tuned launch shapes and with each forward and backward config alone."""
-    from hybrid_attention.ops.attnres import triton_full, triton_stream
-
     if config is not None:
-        tuner = getattr(triton_full if config[0] == "_full_fwd_kernel" else triton_stream, config[0])
-        monkeypatch.setattr(tuner, "configs", [tuner.all_configs[config[1]]])
+        only_config(monkeypatch, config)
     S, B, T, D = 27, 1, 2048, 1024
     g = torch.Generator("cuda").manual_seed(27)
     src = _sources(S, B, T, D, g)
