@@ -8,14 +8,16 @@
       lock                    flock-ed by the one process writing the run (rundir.py)
       checkpoints/
         latest                the name of the newest complete checkpoint, e.g. "step_00000400"
-        step_00000400/        model.safetensors (the step in its metadata) + train_state.pt
+        step_00000400/        model.safetensors (the step in its metadata) + train_state.pt + checkpoint.json
 
 A checkpoint is one unit. Its files are written into `checkpoints/step_N.tmp/`, fsynced, and the directory is renamed
 to `step_N`; then `latest` is replaced (a fsynced file moved with os.replace). That replacement is the commit point:
 a stop at any moment before it leaves `latest` naming the previous checkpoint, whole, and a stop after it the new
 one. Only after the commit are older step directories and leftovers of interrupted saves removed. Readers (resume,
-generate, eval) follow `latest`. Run directories of the older flat layout (model.safetensors and train_state.pt at
-the top) are still read, and a resumed one is moved to this layout by its next save.
+generate, eval) follow `latest`; without it they take the newest complete step directory. Every checkpoint carries a
+manifest (checkpoint.json, manifest.py): its kind, step and the checksum of each file, verified before a file is
+read. Run directories of the older flat layout (model.safetensors and train_state.pt at the top) are still read, and
+a resumed one is moved to this layout by its next save.
 
 The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`; a sharded
 (distributed) checkpoint calls its halves, `begin_checkpoint` and `commit_checkpoint`, on one process around the
@@ -31,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +41,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
-from hybrid_attention.files import atomic_write_text, default_permissions, fsync, read_json_lines
+from hybrid_attention import manifest
+from hybrid_attention.files import atomic_write, atomic_write_text, default_permissions, fsync, read_json_lines
 from hybrid_attention.run_config import CONFIG, load_config
 
 WEIGHTS = "model.safetensors"
@@ -74,7 +78,45 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return directory
     if (run_dir / WEIGHTS).is_file() or (run_dir / TRAIN_STATE).is_file():
         return run_dir
+    return _newest_complete(run_dir / CHECKPOINTS)
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """Without a `latest` pointer (removed by hand), the newest step directory that is whole: its manifest declares
+    the step its name says (a directory gets its final name only once its files are written and fsynced)."""
+    if not root.is_dir():
+        return None
+    steps = sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))),
+        reverse=True,
+    )
+    for step, directory in steps:
+        try:
+            body = manifest.read_manifest(directory)
+        except ValueError:
+            continue
+        if body is not None and body["step"] == step:
+            return directory
+        if body is None and (directory / WEIGHTS).is_file() and (directory / TRAIN_STATE).is_file():
+            return directory  # written before manifests
     return None
+
+
+def step_directories(run_dir: str | Path) -> list[str]:
+    """Names of the step directories under checkpoints/, whole or not."""
+    root = Path(run_dir) / CHECKPOINTS
+    return sorted(p.name for p in root.iterdir() if _STEP_DIR.fullmatch(p.name)) if root.is_dir() else []
+
+
+def no_checkpoint_error(run_dir: str | Path) -> ValueError:
+    """The error for a run without a usable checkpoint, saying what its checkpoints/ folder holds."""
+    found = step_directories(run_dir)
+    if not found:
+        return ValueError(f"{run_dir}: the run has not saved a checkpoint yet")
+    return ValueError(
+        f"{run_dir}: checkpoints/ holds {', '.join(found[-3:])} but none is whole (its checkpoint.json or a file is "
+        "missing); nothing can be loaded from it: move it away to start the run again"
+    )
 
 
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
@@ -107,7 +149,11 @@ def commit_checkpoint(run_dir: str | Path, step: int) -> Path:
     os.rename(tmp, final)
     fsync(root, directory=True)
     atomic_write_text(root / LATEST, name + "\n")
-    remove_stale(run_dir)
+    try:
+        remove_stale(run_dir)
+    except OSError as e:  # the new checkpoint is committed: a leftover costs disk space, not the run
+        print(f"warning: saved {final}, but could not remove an older checkpoint ({e}); remove it by hand",
+              file=sys.stderr)  # fmt: skip
     return final
 
 
@@ -162,8 +208,27 @@ def holds_run(run_dir: str | Path) -> bool:
 # ------------------------------------------------------------------------------------------ weights, train state
 def save_weights(directory: str | Path, model: torch.nn.Module, step: int) -> None:
     """directory/model.safetensors with the step in its metadata (shared tensors, e.g. tied embeddings, stored
-    once). Written in place: inside a checkpoint the directory's rename makes it atomic."""
-    save_model(model, str(Path(directory) / WEIGHTS), metadata={"step": str(step)})
+    once), written whole or not at all."""
+    atomic_write(Path(directory) / WEIGHTS, lambda tmp: save_model(model, tmp, metadata={"step": str(step)}))
+
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (this process's shards of sharded ones); one sync."""
+    named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters()]
+    if not named:
+        return []
+    flags = torch.stack([p.detach().isfinite().all() for _, p in named]).tolist()
+    return [n for (n, _), ok in zip(named, flags, strict=True) if not ok]
+
+
+def check_finite(model: torch.nn.Module, where: str) -> None:
+    """ValueError naming the first parameters that hold NaN or infinite values."""
+    bad = nonfinite_parameters(model)
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} parameter tensors hold NaN or infinite values ({', '.join(bad[:3])}); the weights "
+            "are unusable (a run that diverged, or a damaged file)"
+        )
 
 
 def weights_step(directory: str | Path) -> int | None:
@@ -186,6 +251,7 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise ValueError(f"{directory}: {WEIGHTS} is missing")
+    manifest.verify(directory, [WEIGHTS])
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -208,6 +274,7 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
         load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as e:
         raise ValueError(f"{path} does not match the model in {CONFIG}: {' '.join(str(e).split())[:400]}") from None
+    check_finite(model, str(path))
     return weights_step(directory)
 
 
@@ -220,6 +287,7 @@ def load_train_state(directory: str | Path) -> dict | None:
     path = Path(directory) / TRAIN_STATE
     if not path.is_file():
         return None
+    manifest.verify(directory, [TRAIN_STATE])
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types
@@ -258,6 +326,7 @@ def save_training(run_dir: str | Path, model, optimizers, schedulers, step: int)
     def write(directory: Path) -> None:
         save_weights(directory, model, step)
         save_train_state(directory, state)
+        manifest.write_manifest(directory, kind="single", step=step)
 
     return save_checkpoint(run_dir, step, write)
 
@@ -271,6 +340,8 @@ def checkpoint_step(run_dir: str | Path) -> int:
 def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
     """Load the newest complete checkpoint into freshly built objects; returns its step (0 if none was saved yet)."""
     directory = latest_checkpoint(run_dir)
+    if directory is None and step_directories(run_dir):
+        raise no_checkpoint_error(run_dir)  # never start over on top of step directories nothing supersedes yet
     if directory is None:
         return 0  # the run stopped before its first checkpoint: it starts again from its saved settings
     state, step = load_train_state(directory), weights_step(directory)
@@ -352,8 +423,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
             return HybridLM(model_config), config, tokenizer
     directory = latest_checkpoint(run_dir)
     if directory is None:
-        raise ValueError(f"{run_dir}: the run has not saved a checkpoint yet")
-    if not (directory / WEIGHTS).is_file() and (directory / ".metadata").is_file():  # dist_checkpoint's DCP shards
+        raise no_checkpoint_error(run_dir)
+    body = manifest.read_manifest(directory)
+    if body is not None and body["kind"] == "sharded" and WEIGHTS not in body["files"]:
         raise ValueError(
             f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
         )

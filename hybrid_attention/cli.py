@@ -398,10 +398,16 @@ def _info(args) -> int:
 
 
 def _export(args) -> int:
-    from hybrid_attention import dist_checkpoint
+    from hybrid_attention import checkpoint, dist_checkpoint
 
-    if args.hf is None or dist_checkpoint.needs_export(args.ckpt):  # a torchrun run's DCP shards, gathered
+    if dist_checkpoint.needs_export(args.ckpt):  # a torchrun run's DCP shards, gathered
         print(f"wrote {dist_checkpoint.export(args.ckpt)}; `generate`, `eval` and `info` read it on one device")
+    elif args.hf is None:
+        directory = checkpoint.latest_checkpoint(args.ckpt)
+        if directory is None:
+            raise checkpoint.no_checkpoint_error(args.ckpt)
+        print(f"{directory / checkpoint.WEIGHTS} is already one file, which `generate`, `eval` and `info` read: "
+              "nothing to gather (pass --hf OUT_DIR for a transformers model directory)")  # fmt: skip
     if args.hf is None:
         return 0
     try:

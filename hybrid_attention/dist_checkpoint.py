@@ -4,7 +4,8 @@ They use the run directory's checkpoint layout (checkpoint.py): a step directory
 
     run_dir/checkpoints/
       latest              the name of the newest complete checkpoint, e.g. "step_00000400"
-      step_00000400/      .metadata + one __R_0.distcp file per rank (model, optimizers, schedulers, RNG, step)
+      step_00000400/      checkpoint.json (kind "sharded", the checksum of every file; manifest.py),
+                          .metadata + one __R_0.distcp file per rank (model, optimizers, schedulers, RNG, step)
                           (+ model.safetensors once `hybrid-attention export` has run)
 
 Rank 0 runs `checkpoint.save_checkpoint`, whose `write(directory)` is the collective DCP save: every rank writes its
@@ -14,12 +15,13 @@ on every rank at once: there is one pointer.
 
 The state is saved with FQN keys (`get_state_dict`), so it loads on any number of ranks, a single process
 included: DCP reads each rank's slices out of whatever shards were written. `export` gathers the model into
-`model.safetensors` in the step directory, the file `generate`, `eval` and `info` read.
+`model.safetensors` in the step directory, the file `generate`, `eval` and `info` read. Nothing read runs code: the
+train state is JSON and tensors, and DCP's own pickles go through `dcp_reader`.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import random
 import warnings
 from pathlib import Path
@@ -27,9 +29,9 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import run_config
+from hybrid_attention import manifest, run_config
 
-METADATA = ".metadata"  # written by DCP's coordinator last: its presence marks a sharded checkpoint
+DCP_METADATA = ".metadata"  # DCP's own index of the shards
 
 
 def _one_line(err: Exception) -> str:
@@ -37,8 +39,17 @@ def _one_line(err: Exception) -> str:
 
 
 def is_sharded(directory: str | Path | None) -> bool:
-    """Whether a checkpoint directory holds a DCP checkpoint."""
-    return directory is not None and (Path(directory) / METADATA).is_file()
+    """Whether a checkpoint directory holds a DCP checkpoint: as its manifest declares, never by the files present.
+    A DCP folder without our manifest (written before manifests, or by another program) is refused."""
+    if directory is None:
+        return False
+    kind = manifest.checkpoint_kind(directory)
+    if kind is None and (Path(directory) / DCP_METADATA).exists() and not (Path(directory) / ckpt.WEIGHTS).exists():
+        raise ValueError(
+            f"{directory} holds torch.distributed.checkpoint files but no {manifest.MANIFEST}: it was written by an "
+            "older hybrid-attention, whose sharded train state is a pickle, or by another program; it is not read"
+        )
+    return kind == "sharded"
 
 
 def save_training(run_dir: str | Path, par, model, optimizers, schedulers, step: int) -> Path:
@@ -55,6 +66,8 @@ def save_training(run_dir: str | Path, par, model, optimizers, schedulers, step:
         par.barrier()  # rank 0 has made the fresh directory
         dcp.save(state, checkpoint_id=directory)
         par.barrier()  # every rank's files are complete
+        if par.is_main:
+            manifest.write_manifest(directory, kind="sharded", step=step)
 
     final = Path(run_dir) / ckpt.CHECKPOINTS / ckpt.step_dir_name(step)
     if par.is_main:
@@ -79,10 +92,27 @@ def restore_training(run_dir: str | Path, par, model, optimizers, schedulers) ->
 
 
 def _train_state(schedulers, step: int) -> dict:
-    """The small, replicated part of the state: pickled once into a byte tensor (DCP saves it from rank 0)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    blob = pickle.dumps({"step": step, "schedulers": [s.state_dict() for s in schedulers], "rng": rng})
-    return {"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+    """The small, replicated part of the state (DCP saves it from rank 0): JSON in a byte tensor, and torch's RNG."""
+    version, internal, gauss = random.getstate()
+    body = {"step": step, "schedulers": [s.state_dict() for s in schedulers], "python_rng": [version, internal, gauss]}
+    text = json.dumps(body).encode("utf-8")
+    return {"state": torch.frombuffer(bytearray(text), dtype=torch.uint8), "rng": torch.get_rng_state()}
+
+
+def _read_train_state(path: Path, tensors: dict) -> dict:
+    """The JSON train state loaded by DCP, checked for its parts."""
+    try:
+        body = json.loads(tensors["state"].numpy().tobytes().decode("utf-8"))
+        ok = isinstance(body, dict) and isinstance(body.get("step"), int) and body["step"] >= 0
+        ok = ok and isinstance(body.get("schedulers"), list) and all(isinstance(d, dict) for d in body["schedulers"])
+        version, internal, gauss = body["python_rng"]
+        python_rng = (version, tuple(internal), gauss)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the train state is not readable ({type(e).__name__}: {e})") from None
+    if not ok:
+        raise ValueError(f"{path}: the train state lacks its step or scheduler states")
+    body["python_rng"] = python_rng
+    return body
 
 
 def _state(model, optimizers) -> dict:
@@ -97,50 +127,68 @@ def restore(path: str | Path, model, optimizers, schedulers) -> int:
     Works on any number of ranks, or in a single process. Returns the step."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    path = Path(path)
+    manifest.verify(path)  # every rank checks the files it may read
     state = _state(model, optimizers)
-    state["train"] = {"blob": torch.empty(0, dtype=torch.uint8)}
-    _size_blob(path, state)
+    state["train"] = _train_template(path)
     try:
         _load(state, path)
     except Exception as e:  # DCP raises CheckpointException carrying every rank's error
         raise ValueError(f"{path}: the sharded checkpoint does not load into this model ({_one_line(e)})") from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train = pickle.loads(state["train"]["blob"].numpy().tobytes())
+    train = _read_train_state(path, state["train"])
     if len(train["schedulers"]) != len(schedulers):
         raise ValueError(f"{path} holds {len(train['schedulers'])} schedulers, expected {len(schedulers)}")
-    for sched, sd in zip(schedulers, train["schedulers"], strict=True):
-        sched.load_state_dict(sd)
-    torch.set_rng_state(train["rng"]["torch"])
-    random.setstate(train["rng"]["python"])
+    try:
+        for sched, sd in zip(schedulers, train["schedulers"], strict=True):
+            sched.load_state_dict(sd)
+        torch.set_rng_state(state["train"]["rng"])
+        random.setstate(train["python_rng"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{path}: the train state does not fit this run ({type(e).__name__}: {e})") from None
     return int(train["step"])
 
 
 def _load(state: dict, path: Path) -> None:
-    """dcp.load, which reads in this process alone when there is no process group (it warns that it assumes so)."""
+    """dcp.load through the code-free reader and planner (dcp_reader.py); it reads in this process alone when there is
+    no process group (and warns that it assumes so)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hybrid_attention.dcp_reader import SafeFileSystemReader, SafeLoadPlanner
 
     with warnings.catch_warnings():
         if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+        except CheckpointException as e:  # a BaseException carrying each rank's error: the first one says why
+            first = next(iter(e.failures.values()), None)
+            raise ValueError(_one_line(first[0]) if first else _one_line(e)) from None
 
 
-def _size_blob(path, state) -> None:
-    """Size the template of the pickled train state from the checkpoint's metadata (DCP loads into given shapes)."""
-    import torch.distributed.checkpoint as dcp
+def _train_template(path: Path) -> dict:
+    """Tensors shaped as the checkpoint's train state (DCP loads into given shapes), sized from its metadata."""
+    from hybrid_attention.dcp_reader import SafeFileSystemReader
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    entry = metadata.state_dict_metadata.get("train.blob")
-    if entry is None:
-        raise ValueError(f"{path} is not a hybrid-attention sharded checkpoint (no train state)")
-    state["train"]["blob"] = torch.empty(entry.size, dtype=torch.uint8)
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path / DCP_METADATA}: {_one_line(e)}") from None
+    template = {}
+    for name, dtype in (("state", torch.uint8), ("rng", torch.uint8)):
+        entry = metadata.state_dict_metadata.get(f"train.{name}")
+        if entry is None or not hasattr(entry, "size") or len(entry.size) != 1:
+            raise ValueError(f"{path} is not a hybrid-attention sharded checkpoint (no train.{name})")
+        template[name] = torch.empty(entry.size, dtype=dtype)
+    return template
 
 
 def needs_export(run_dir: str | Path) -> bool:
     """Whether the run's newest checkpoint is sharded and not yet gathered into model.safetensors."""
     directory = ckpt.latest_checkpoint(run_dir)
-    return is_sharded(directory) and not (directory / ckpt.WEIGHTS).is_file()
+    return is_sharded(directory) and ckpt.WEIGHTS not in manifest.read_manifest(directory)["files"]
 
 
 def export(run_dir: str | Path) -> Path:
@@ -154,17 +202,19 @@ def export(run_dir: str | Path) -> Path:
     with RunLock(run_dir):
         directory = ckpt.latest_checkpoint(run_dir)
         if directory is None:
-            raise ValueError(f"{run_dir} has no checkpoint yet")
+            raise ckpt.no_checkpoint_error(run_dir)
         if not is_sharded(directory):
             raise ValueError(f"{directory} is a single-process checkpoint: its {ckpt.WEIGHTS} is read as it is")
+        manifest.verify(directory)
         model = HybridLM(HybridConfig.from_dict(config["model"]))
-        state = {"model": model.state_dict(), "train": {"blob": torch.empty(0, dtype=torch.uint8)}}
-        _size_blob(directory, state)
+        state = {"model": model.state_dict(), "train": _train_template(directory)}
         try:
             _load(state, directory)
         except Exception as e:
             raise ValueError(f"{directory} does not match the model in {run_config.CONFIG} ({_one_line(e)})") from None
         model.load_state_dict(state["model"])
-        step = pickle.loads(state["train"]["blob"].numpy().tobytes())["step"]
-        ckpt.save_weights(directory, model, step)
+        step = _read_train_state(directory, state["train"])["step"]
+        ckpt.check_finite(model, f"{directory}")
+        ckpt.save_weights(directory, model, step)  # in place, then listed: a stop between leaves it unlisted
+        manifest.add_file(directory, ckpt.WEIGHTS)
     return directory / ckpt.WEIGHTS

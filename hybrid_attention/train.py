@@ -233,7 +233,26 @@ def _train(
                disable=not main)  # fmt: skip
     job.callback(bar.close)
     eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
-    save = lambda step: dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)  # noqa: E731
+
+    def save(step: int) -> None:
+        """Commit a checkpoint of `step`, unless its weights or its validation loss are no longer finite."""
+        bad = ckpt.nonfinite_parameters(model)
+        val_bad = do_eval and last_val is not None and not math.isfinite(last_val[0])
+        if par.maxima(float(bool(bad) or val_bad))[0]:
+            what = (
+                f"the weights hold NaN or infinite values ({', '.join(bad[:3])})"
+                if bad
+                else "the validation loss is not finite"
+            )
+            raise TrainingDiverged(
+                f"training diverged: after step {step} {what}; nothing from it was "
+                f"saved, {run_dir} keeps "
+                + (f"its checkpoint of step {saved_step}" if saved_step else "no checkpoint")
+                + f"; start a new run with a lower --lr or --weight-decay (this one has {config.lr:g}, "
+                f"{config.weight_decay:g})"
+            )
+        dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)
+
     model.train()
     loss_of = lambda ids: step_fn(ids, labels=ids, return_logits=False).loss  # noqa: E731
     train_step = TrainStep(loss_of, params, optimizers, grad_accum=config.grad_accum, clip=clip, autocast=autocast,

@@ -52,7 +52,7 @@ def test_train_output_and_files(run_dir):
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.json", "checkpoints", "log.jsonl", "loss.png", "summary.json"} <= names
     step = run_dir / "checkpoints" / "step_00000003"
-    assert {p.name for p in step.iterdir()} == {"model.safetensors", "train_state.pt"}
+    assert {p.name for p in step.iterdir()} == {"checkpoint.json", "model.safetensors", "train_state.pt"}
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 3 and "val_loss" in rows[-1]
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import cli, run_config
+from hybrid_attention import cli, manifest, run_config
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.rundir import RunLock
 from hybrid_attention.train import TrainConfig, TrainingDiverged, train
@@ -116,10 +116,12 @@ def test_hand_edited_config_is_refused_in_one_line(run, capsys, edit, commands, 
 
 
 def _rewrite_state(run, edit):
-    path = ckpt.latest_checkpoint(run) / ckpt.TRAIN_STATE
-    state = torch.load(path, weights_only=True)
+    """A well-formed file with wrong content, recorded in the manifest: the content checks must refuse it."""
+    directory = ckpt.latest_checkpoint(run)
+    state = torch.load(directory / ckpt.TRAIN_STATE, weights_only=True)
     edit(state)
-    torch.save(state, path)
+    torch.save(state, directory / ckpt.TRAIN_STATE)
+    manifest.write_manifest(directory, kind="single", step=manifest.read_manifest(directory)["step"])
 
 
 DAMAGE = [
@@ -213,3 +215,48 @@ def test_a_huge_learning_rate_is_one_line_and_exit_1(finished, tmp_path, capsys)
     assert code == 1 and error.startswith("hybrid-attention train: error: training diverged: the loss or the gradient")
     assert "Traceback" not in err
     assert "keeps no checkpoint" in err and ckpt.latest_checkpoint(out) is None
+
+
+def test_weights_made_nonfinite_by_an_update_are_never_committed(finished, tmp_path, capsys):
+    """A decay of 1e30 makes the weights NaN in the update after a finite loss and gradient: the check before the
+    commit catches it, and the run keeps no checkpoint of that step."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", out, "--data", finished[0], *ARGS, "--weight-decay", "1e30", "--lr", "1"]
+    code, _, err = run_cli(argv, capsys)
+    error = err.split("\n")[-2]
+    assert code == 1 and "training diverged: after step 2 the weights hold NaN or infinite values" in error, err
+    assert ckpt.latest_checkpoint(out) is None and "keeps no checkpoint" in error
+
+
+def test_a_removed_latest_pointer_is_recovered_from_the_newest_whole_checkpoint(run, capsys):
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step_00000009").mkdir()  # a directory without a manifest is not a checkpoint
+    assert ckpt.latest_checkpoint(run) == run / "checkpoints" / "step_00000004"
+    code, out, err = run_cli(["train", "--resume", "--out", run], capsys)
+    assert code == 0 and "the run is complete (step 4 of 4)" in out, err
+    _edit_config(run, lambda c: c["train"].update(steps=6))
+    code, _, err = run_cli(["train", "--resume", "--out", run], capsys)
+    assert code == 0, err
+    assert ckpt.checkpoint_step(run) == 6 and [r["step"] for r in ckpt.read_log(run)][-2:] == [5, 6]
+
+
+def test_a_failed_removal_of_an_older_checkpoint_warns_and_keeps_training(run, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "step_00000004")
+
+    _edit_config(run, lambda c: c["train"].update(steps=6))
+    monkeypatch.setattr(ckpt, "remove_stale", refuse)
+    code, _, err = run_cli(["train", "--resume", "--out", run], capsys)
+    assert code == 0 and "could not remove an older checkpoint" in err, err
+    assert ckpt.checkpoint_step(run) == 6
+
+
+def test_step_directories_that_are_not_whole_are_refused_not_overwritten(run, capsys):
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step_00000004" / manifest.MANIFEST).unlink()
+    (run / "checkpoints" / "step_00000004" / ckpt.TRAIN_STATE).unlink()
+    before = snapshot(run)
+    for argv in (["train", "--resume", "--out", run], ["generate", "--ckpt", run, "--prompt", "x"]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 1 and one_line(err, "checkpoints/ holds step_00000004 but none is whole"), err
+    assert snapshot(run) == before

@@ -27,7 +27,8 @@ from tests.helpers import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, flock and forkserver: Linux")
 
-ARGS = ["--steps", 6, "--batch-size", 2, "--seq-len", 32, "--eval-every", 2, "--eval-batches", 1, "--log-every", 1]
+STEPS = 10
+ARGS = ["--steps", STEPS, "--batch-size", 2, "--seq-len", 32, "--eval-every", 2, "--eval-batches", 1, "--log-every", 1]
 TIMEOUT = 120  # seconds a child may take to reach its point (a loaded CI machine imports torch slowly)
 
 
@@ -135,23 +136,24 @@ def assert_same_as_reference(run_dir, reference_dir):
     assert _losses(run_dir) == _losses(reference_dir)  # bitwise: same batches, optimizer and RNG states
     a, b = _weights(run_dir), _weights(reference_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(os.listdir(run_dir / ckpt.CHECKPOINTS)) == [ckpt.LATEST, "step_00000006"]
+    assert sorted(os.listdir(run_dir / ckpt.CHECKPOINTS)) == [ckpt.LATEST, ckpt.step_dir_name(STEPS)]
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
 
 
 # Each kill is followed by a `--resume` job, killed at the next point; the comment says what the run holds then.
+# Checkpoints come every 2 steps. Until the first pointer exists, a resume takes the newest whole step directory.
 CHAIN = [
     ("weights", "written", 1),  # a torn weights file in the first checkpoint's temporary directory
     ("state", "before", 1),  # the weights written, the training state not yet
-    ("rename", "after", 1),  # step_2 renamed into place, latest not yet written
-    ("replace:latest", "before", 1),  # the new pointer written to a temporary file, not moved
-    ("replace:latest", "after", 1),  # step 2 committed
-    ("state", "written", 1),  # resumed from 2: a torn training state in step 4's temporary directory
-    ("rename", "after", 1),  # step_4 in place, not committed
-    ("rmtree:checkpoint", "before", 2),  # step 4 committed (over the uncommitted step_4), step_2 not yet removed
-    ("replace:log.jsonl", "before", 1),  # resumed from 4: the log rewrite, interrupted
-    ("log", "written", 1),  # a torn log line at step 5
-    ("replace:latest", "before", 1),  # step 6 written and renamed, not committed
+    ("rename", "after", 1),  # step_2 renamed into place, no pointer yet: the resume recovers step 2
+    ("replace:latest", "before", 1),  # step_4 in place, its pointer written to a temporary file: recovered too
+    ("replace:latest", "after", 1),  # resumed from 4: step 6 committed, step_4 not yet removed
+    ("state", "written", 1),  # resumed from 6: a torn training state in step 8's temporary directory
+    ("rename", "after", 1),  # step_8 in place, not committed: the pointer (step 6) wins
+    ("rmtree:checkpoint", "before", 2),  # step 8 committed (over the uncommitted step_8), step_6 not yet removed
+    ("replace:log.jsonl", "before", 1),  # resumed from 8: the log rewrite, interrupted
+    ("log", "written", 1),  # a torn log line at step 9
+    ("replace:latest", "before", 1),  # step 10 written and renamed, not committed
 ]
 
 

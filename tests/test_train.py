@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import files, run_config
+from hybrid_attention import files, manifest, run_config
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers, lr_factor, param_groups
@@ -168,7 +168,11 @@ def test_run_directory_contents(tmp_path):
         assert (run / name).is_file(), name
     assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000004"]  # the step-2 one is removed
     assert (run / "checkpoints" / "latest").read_text() == "step_00000004\n"
-    assert sorted(os.listdir(run / "checkpoints" / "step_00000004")) == ["model.safetensors", "train_state.pt"]
+    assert sorted(os.listdir(run / "checkpoints" / "step_00000004")) == [
+        "checkpoint.json",
+        "model.safetensors",
+        "train_state.pt",
+    ]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = ckpt.read_log(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # evaluations (step 1 always), log_every and the final step
@@ -211,6 +215,7 @@ def test_resume_refuses_weights_and_state_from_different_steps(tmp_path):
     run = tmp_path / "run"
     latest = ckpt.latest_checkpoint(run)
     ckpt.save_train_state(latest, {**ckpt.load_train_state(latest), "step": 2})
+    manifest.write_manifest(latest, kind="single", step=3)  # recorded as written: the step check must refuse it
     with pytest.raises(ValueError, match=r"weights \(step 3\) and train_state.pt \(step 2\) disagree; the checkpoint"):
         train(TrainConfig.create(run_config.load_config(run)["train"]), resume=True)
 

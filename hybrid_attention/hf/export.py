@@ -36,7 +36,7 @@ def hf_tokenizer(tokenizer: ByteTokenizer | BPETokenizer) -> PreTrainedTokenizer
     elif isinstance(tokenizer, BPETokenizer):
         tok = Tokenizer.from_str(tokenizer.to_json())
     else:
-        raise ValueError(f"export: unknown tokenizer {type(tokenizer).__name__}; expected the byte or BPE tokenizer")
+        raise ValueError(f"unknown tokenizer {type(tokenizer).__name__}; expected the byte or BPE tokenizer")
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, padding_side="left")
 
 
@@ -45,7 +45,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     not exist or be empty. Returns `out_dir`."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"export: {out} already exists and is not an empty directory; choose a new one")
+        raise ValueError(f"{out} already exists and is not an empty directory; choose a new one")
     model, _, tokenizer = load_run(run_dir)
     wrapper = HybridAttentionForCausalLM.from_hybrid_lm(model)
     out.mkdir(parents=True, exist_ok=True)
