@@ -93,7 +93,7 @@ def parse_args(argv):
 
 def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
     """Train (or read back) one variant at one seed; returns its summary plus the validation curve."""
-    from hybrid_attention import checkpoint
+    from hybrid_attention.runs import checkpoint
     from hybrid_attention.train import TrainConfig, train
 
     out = Path(args.out) / f"{name}-seed{seed}"

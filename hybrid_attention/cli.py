@@ -182,7 +182,7 @@ def _out_of_memory(err: BaseException) -> bool:
 def _train(args) -> int:
     from dataclasses import fields
 
-    from hybrid_attention import checkpoint
+    from hybrid_attention.runs import checkpoint
     from hybrid_attention.train import TrainConfig, train
 
     given = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
@@ -262,9 +262,9 @@ def _say_when_compiling(device) -> None:
 def _generate(args) -> int:
     import torch
 
-    from hybrid_attention.checkpoint import load_run
     from hybrid_attention.generate import generate_stream
     from hybrid_attention.ops.warm_start import warm_start
+    from hybrid_attention.runs.checkpoint import load_run
 
     prompt = args.prompt
     if prompt is None:
@@ -317,10 +317,10 @@ def _generate(args) -> int:
 
 
 def _eval(args) -> int:
-    from hybrid_attention.checkpoint import load_run
     from hybrid_attention.data import load_corpus
     from hybrid_attention.device import autocast_for
     from hybrid_attention.metrics import evaluate
+    from hybrid_attention.runs.checkpoint import load_run
     from hybrid_attention.train import TrainConfig
 
     device, _ = _device_and_dtype(args)
@@ -358,7 +358,7 @@ def _eval(args) -> int:
 def _info(args) -> int:
     import torch
 
-    from hybrid_attention.checkpoint import load_run
+    from hybrid_attention.runs.checkpoint import load_run
 
     if args.ckpt:
         model, _, _ = load_run(args.ckpt, weights=False)
@@ -398,7 +398,7 @@ def _info(args) -> int:
 
 
 def _export(args) -> int:
-    from hybrid_attention import checkpoint, dist_checkpoint
+    from hybrid_attention.runs import checkpoint, dist_checkpoint
 
     if dist_checkpoint.needs_export(args.ckpt):  # a torchrun run's DCP shards, gathered
         print(f"wrote {dist_checkpoint.export(args.ckpt)}; `generate`, `eval` and `info` read it on one device")

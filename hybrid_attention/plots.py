@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybrid_attention.checkpoint import PLOT
 from hybrid_attention.files import atomic_write
+from hybrid_attention.runs.checkpoint import PLOT
 
 
 def plot_losses(run_dir: str | Path, rows: list[dict]) -> None:

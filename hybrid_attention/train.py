@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import dist_checkpoint, distributed, files, run_config
+from hybrid_attention import distributed, files
 from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.interrupts import StopRequests
@@ -37,7 +36,9 @@ from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.plots import plot_losses
 from hybrid_attention.run_report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
-from hybrid_attention.rundir import RunLock, check_fingerprint, data_fingerprint
+from hybrid_attention.runs import checkpoint as ckpt
+from hybrid_attention.runs import dist_checkpoint, run_config
+from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
 from hybrid_attention.token_cache import encode_corpus
 from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
 from hybrid_attention.train_config import TrainConfig

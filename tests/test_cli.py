@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_attention import checkpoint, cli
-from hybrid_attention.checkpoint import load_run
+from hybrid_attention import cli
 from hybrid_attention.config import PRESETS
 from hybrid_attention.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.runs import checkpoint
+from hybrid_attention.runs.checkpoint import load_run
 from hybrid_attention.train import TrainConfig
 from tests.helpers import run_cli
 

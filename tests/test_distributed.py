@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from hybrid_attention.checkpoint import WEIGHTS, latest_checkpoint
 from hybrid_attention.cli import main as cli_main
+from hybrid_attention.runs.checkpoint import WEIGHTS, latest_checkpoint
 from tests.helpers import FORKSERVER_PRELOAD
 
 pytestmark = [

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import cli, manifest, run_config
+from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.rundir import RunLock
+from hybrid_attention.runs import checkpoint as ckpt
+from hybrid_attention.runs import manifest, run_config
+from hybrid_attention.runs.rundir import RunLock
 from hybrid_attention.train import TrainConfig, TrainingDiverged, train
 from tests.helpers import run_cli
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import cli
+from hybrid_attention.runs import checkpoint as ckpt
 from tests.helpers import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, flock and forkserver: Linux")
@@ -41,7 +41,7 @@ def _corpus(path: Path) -> Path:
 def _hooked_main(argv: list[str], kill_at: tuple | None, conn) -> None:
     """`hybrid-attention *argv` with every run-directory write wrapped. At the event `kill_at` = (name, phase, n),
     the n-th time it happens, report it on `conn` and wait for the test; "written" events tear the file first."""
-    from hybrid_attention import checkpoint as ckpt  # the child's own modules
+    from hybrid_attention.runs import checkpoint as ckpt  # the child's own modules
 
     counts = collections.Counter()
 

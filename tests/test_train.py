@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import files, manifest, run_config
+from hybrid_attention import files
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers, lr_factor, param_groups
+from hybrid_attention.runs import checkpoint as ckpt
+from hybrid_attention.runs import manifest, run_config
 from hybrid_attention.train import TrainConfig, train
 
 needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")

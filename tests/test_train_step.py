@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 
-from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import cli, run_config
+from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.optim import build_optimizers, build_schedulers
+from hybrid_attention.runs import checkpoint as ckpt
+from hybrid_attention.runs import run_config
 from hybrid_attention.train import TrainConfig, train
 from hybrid_attention.train_step import TrainStep, _Snapshot
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hybrid_attention.checkpoint import load_run
 from hybrid_attention.hf.modeling import HybridAttentionForCausalLM
+from hybrid_attention.runs.checkpoint import load_run
 from hybrid_attention.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention import checkpoint as ckpt
 from hybrid_attention import cli
 from hybrid_attention.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.runs import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,7 +10,7 @@ import math
 import re
 
 from hybrid_attention import cli
-from hybrid_attention.checkpoint import read_log
+from hybrid_attention.runs.checkpoint import read_log
 from tests.conftest import needs_cuda
 
 pytestmark = needs_cuda

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.checkpoint import read_log
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.attnres import rows
 from hybrid_attention.optim import build_optimizers
+from hybrid_attention.runs.checkpoint import read_log
 from hybrid_attention.train_step import TrainStep
 from tests.conftest import needs_cuda
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention import checkpoint as ckpt
-from hybrid_attention import manifest, run_config
+from hybrid_attention.runs import checkpoint as ckpt
+from hybrid_attention.runs import manifest, run_config
 
 DCP_METADATA = ".metadata"  # DCP's own index of the shards
 
@@ -156,7 +156,7 @@ def _load(state: dict, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hybrid_attention.dcp_reader import SafeFileSystemReader, SafeLoadPlanner
+    from hybrid_attention.runs.dcp_reader import SafeFileSystemReader, SafeLoadPlanner
 
     with warnings.catch_warnings():
         if not (dist.is_available() and dist.is_initialized()):
@@ -170,7 +170,7 @@ def _load(state: dict, path: Path) -> None:
 
 def _train_template(path: Path) -> dict:
     """Tensors shaped as the checkpoint's train state (DCP loads into given shapes), sized from its metadata."""
-    from hybrid_attention.dcp_reader import SafeFileSystemReader
+    from hybrid_attention.runs.dcp_reader import SafeFileSystemReader
 
     try:
         metadata = SafeFileSystemReader(str(path)).read_metadata()
@@ -196,7 +196,7 @@ def export(run_dir: str | Path) -> Path:
     step in its metadata, readable on one device. Needs no process group; holds the run's lock while it writes.
     Returns the file written."""
     from hybrid_attention.model import HybridConfig, HybridLM
-    from hybrid_attention.rundir import RunLock
+    from hybrid_attention.runs.rundir import RunLock
 
     config = run_config.load_config(run_dir)
     with RunLock(run_dir):

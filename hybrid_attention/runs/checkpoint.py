@@ -41,9 +41,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
-from hybrid_attention import manifest
 from hybrid_attention.files import atomic_write, atomic_write_text, default_permissions, fsync, read_json_lines
-from hybrid_attention.run_config import CONFIG, load_config
+from hybrid_attention.runs import manifest
+from hybrid_attention.runs.run_config import CONFIG, load_config
 
 WEIGHTS = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
