@@ -317,7 +317,7 @@ def _generate(args) -> int:
 
 
 def _eval(args) -> int:
-    from hybrid_attention.data import load_corpus
+    from hybrid_attention.data.sources import load_corpus
     from hybrid_attention.device import autocast_for
     from hybrid_attention.metrics import evaluate
     from hybrid_attention.runs.checkpoint import load_run

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from hybrid_attention.data import eval_batches
+from hybrid_attention.data.batches import eval_batches
 
 KDA_CHUNK = 64  # the chunk length the FLOPs count assumes for the chunkwise KDA form
 

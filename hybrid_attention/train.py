@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import distributed, files
-from hybrid_attention.data import load_corpus, sample_batch, unigram_loss
+from hybrid_attention.data.batches import sample_batch, unigram_loss
+from hybrid_attention.data.sources import load_corpus
+from hybrid_attention.data.token_cache import encode_corpus
+from hybrid_attention.data.tokenizer import (
+    BPE_FILE,
+    DEFAULT_BPE_VOCAB,
+    BPETokenizer,
+    ByteTokenizer,
+    tokenizer_from_dict,
+)
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.interrupts import StopRequests
 from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
@@ -39,8 +48,6 @@ from hybrid_attention.run_report import epoch_report, is_validation_step, memory
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
-from hybrid_attention.token_cache import encode_corpus
-from hybrid_attention.tokenizer import BPE_FILE, DEFAULT_BPE_VOCAB, BPETokenizer, ByteTokenizer, tokenizer_from_dict
 from hybrid_attention.train_config import TrainConfig
 from hybrid_attention.train_step import TrainStep
 

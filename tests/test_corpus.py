@@ -1,4 +1,4 @@
-"""The python-env corpus builder (hybrid_attention/corpus.py), on temporary folders standing in for the environment."""
+"""The python-env corpus builder (hybrid_attention/data/python_env.py), on folders standing in for the environment."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_attention import corpus as env
-from hybrid_attention.data import VAL_FRACTION, load_corpus
+from hybrid_attention.data import python_env as env
+from hybrid_attention.data.documents import VAL_FRACTION
+from hybrid_attention.data.sources import load_corpus
 
 
 def _source(i: int) -> str:

@@ -1,4 +1,4 @@
-"""Data sources, splits, batches, baselines and tokenizers (hybrid_attention/data.py, tokenizer.py)."""
+"""Data sources, splits, batches, baselines and tokenizers (hybrid_attention/data/sources.py, tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_attention import data
-from hybrid_attention.data import eval_batches, in_validation, load_corpus, sample_batch, unigram_loss
-from hybrid_attention.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet, tokenizer_from_dict
+from hybrid_attention.data import sources
+from hybrid_attention.data.batches import eval_batches, sample_batch, unigram_loss
+from hybrid_attention.data.documents import in_validation
+from hybrid_attention.data.sources import load_corpus
+from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet, tokenizer_from_dict
 
 SAMPLE = "héllo wörld 🙂\n\tdef f(x):\n        return x ** 2  # naïve\n"
 
@@ -35,18 +37,18 @@ def test_builtin_corpus_split_by_hashlib_of_relative_path_and_capped():
         assert name.endswith(".py") and not Path(name).is_absolute()
         assert "site-packages" not in name and "dist-packages" not in name
         assert (root / name).is_file()
-    assert all(_sha_fraction(n) < data.VAL_FRACTION for n in corpus.val_names)
-    assert all(_sha_fraction(n) >= data.VAL_FRACTION for n in corpus.train_names)
+    assert all(_sha_fraction(n) < sources.VAL_FRACTION for n in corpus.val_names)
+    assert all(_sha_fraction(n) >= sources.VAL_FRACTION for n in corpus.train_names)
     assert not set(corpus.train_names) & set(corpus.val_names)
     # Whole files, read exactly as they are on disk.
     assert corpus.train[0] == (root / corpus.train_names[0]).read_text(encoding="utf-8")
     n_train, n_val = corpus.num_bytes
-    assert 0 < n_train <= (1 - data.VAL_FRACTION) * cap and 0 < n_val
+    assert 0 < n_train <= (1 - sources.VAL_FRACTION) * cap and 0 < n_val
     assert load_corpus(None, max_bytes=cap).val_names == corpus.val_names  # deterministic
 
 
 def test_builtin_split_does_not_depend_on_python_hash_seed():
-    code = "from hybrid_attention.data import load_corpus; print(load_corpus(None, max_bytes=60000).val_names)"
+    code = "from hybrid_attention.data.sources import load_corpus; print(load_corpus(None, max_bytes=60000).val_names)"
     outs = []
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
@@ -56,7 +58,7 @@ def test_builtin_split_does_not_depend_on_python_hash_seed():
 
 def test_default_cap_applies_to_builtin_only():
     corpus = load_corpus(None)
-    assert sum(corpus.num_bytes) <= data.BUILTIN_MAX_BYTES
+    assert sum(corpus.num_bytes) <= sources.BUILTIN_MAX_BYTES
 
 
 # ------------------------------------------------------------------------------------------------------ local data
@@ -286,13 +288,13 @@ def test_bpe_trains_on_the_first_documents_up_to_its_byte_cap():
 
 
 def test_corpus_digest_covers_text_order_and_split():
-    a = data.Corpus(train=["ab", "c"], val=["d"], source="x")
-    assert a.digest() == data.Corpus(train=["ab", "c"], val=["d"], source="another name").digest()
+    a = sources.Corpus(train=["ab", "c"], val=["d"], source="x")
+    assert a.digest() == sources.Corpus(train=["ab", "c"], val=["d"], source="another name").digest()
     for other in (
-        data.Corpus(train=["a", "bc"], val=["d"], source="x"),  # same bytes, other documents
-        data.Corpus(train=["c", "ab"], val=["d"], source="x"),
-        data.Corpus(train=["ab"], val=["c", "d"], source="x"),
-        data.Corpus(train=["ab", "c"], val=["e"], source="x"),
+        sources.Corpus(train=["a", "bc"], val=["d"], source="x"),  # same bytes, other documents
+        sources.Corpus(train=["c", "ab"], val=["d"], source="x"),
+        sources.Corpus(train=["ab"], val=["c", "d"], source="x"),
+        sources.Corpus(train=["ab", "c"], val=["e"], source="x"),
     ):
         assert other.digest() != a.digest()
     assert load_corpus(None, max_bytes=30_000).digest() == load_corpus(None, max_bytes=30_000).digest()

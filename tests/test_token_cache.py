@@ -1,14 +1,14 @@
-"""The tokenized-corpus cache (hybrid_attention/token_cache.py): hits, keys, damaged files, progress groups."""
+"""The tokenized-corpus cache (hybrid_attention/data/token_cache.py): hits, keys, damaged files, progress groups."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid_attention import token_cache
-from hybrid_attention.data import Corpus
-from hybrid_attention.token_cache import cache_key, encode_corpus, encode_with_progress
-from hybrid_attention.tokenizer import BPETokenizer, ByteTokenizer
+from hybrid_attention.data import token_cache
+from hybrid_attention.data.documents import Corpus
+from hybrid_attention.data.token_cache import cache_key, encode_corpus, encode_with_progress
+from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 5)}\n" for i in range(60)]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet
 from hybrid_attention.hf.modeling import HybridAttentionForCausalLM
 from hybrid_attention.runs.checkpoint import load_run
-from hybrid_attention.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet
 
 
 def byte_level_tokenizer() -> Tokenizer:

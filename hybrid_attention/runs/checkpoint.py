@@ -405,8 +405,8 @@ def append_log(run_dir: str | Path, row: dict) -> None:
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights: bool = True):
     """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32), with the
     weights of its newest complete checkpoint."""
+    from hybrid_attention.data.tokenizer import tokenizer_from_dict
     from hybrid_attention.model import HybridConfig, HybridLM
-    from hybrid_attention.tokenizer import tokenizer_from_dict
 
     config = load_config(run_dir)
     try:

@@ -24,7 +24,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from hybrid_attention.documents import VAL_FRACTION, Corpus, in_validation, name_hash
+from hybrid_attention.data.documents import VAL_FRACTION, Corpus, in_validation, name_hash
 
 ENV_MAX_BYTES = 256_000_000  # the default cap: tokenizing it takes seconds on a GPU host's cores, and it is cached
 MAX_FILE_BYTES = 1_000_000

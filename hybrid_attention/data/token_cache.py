@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention.documents import Corpus
+from hybrid_attention.data.documents import Corpus
 from hybrid_attention.files import atomic_write
 
 FORMAT = "hybrid-attention tokens v1"
