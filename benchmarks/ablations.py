@@ -1,4 +1,4 @@
-"""Language-model ablations of the hybrid's design choices at a fixed token budget, trained by `hybrid_attention.train`.
+"""Language-model ablations of the hybrid's design choices at a fixed token budget, trained by `training.loop`.
 
 Every variant is the base preset (k3-scaled) with HybridConfig overrides, trained with the same data, tokenizer,
 schedule and token budget, once per seed:
@@ -94,7 +94,8 @@ def parse_args(argv):
 def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
     """Train (or read back) one variant at one seed; returns its summary plus the validation curve."""
     from hybrid_attention.runs import checkpoint
-    from hybrid_attention.train import TrainConfig, train
+    from hybrid_attention.training.config import TrainConfig
+    from hybrid_attention.training.loop import train
 
     out = Path(args.out) / f"{name}-seed{seed}"
     summary_path = out / checkpoint.SUMMARY

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.config import PRESETS  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
-from hybrid_attention.muon import StackedMuon  # noqa: E402
-from hybrid_attention.optim import param_groups  # noqa: E402
+from hybrid_attention.training.muon import StackedMuon  # noqa: E402
+from hybrid_attention.training.optim import param_groups  # noqa: E402
 
 OPTIONS = dict(lr=1e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")  # as optim.build_optimizers
 

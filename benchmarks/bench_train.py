@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from hybrid_attention.config import PRESETS  # noqa: E402
-from hybrid_attention.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
 from hybrid_attention.ops.attnres.rows import tables_built  # noqa: E402
-from hybrid_attention.optim import build_optimizers  # noqa: E402
-from hybrid_attention.train_step import TrainStep  # noqa: E402
+from hybrid_attention.training.metrics import flops_per_token, peak_flops  # noqa: E402
+from hybrid_attention.training.optim import build_optimizers  # noqa: E402
+from hybrid_attention.training.step import TrainStep  # noqa: E402
 
 # The --quick run: the presets' residuals and layer kinds at the tiny preset's widths, CPU-sized depth.
 QUICK_LAYERS = 4

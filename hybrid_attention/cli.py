@@ -183,7 +183,8 @@ def _train(args) -> int:
     from dataclasses import fields
 
     from hybrid_attention.runs import checkpoint
-    from hybrid_attention.train import TrainConfig, train
+    from hybrid_attention.training.config import TrainConfig
+    from hybrid_attention.training.loop import train
 
     given = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
     saved = None
@@ -215,7 +216,7 @@ def _train(args) -> int:
             f"continue with `{resume_command}`",
             file=sys.stderr,
         )
-        from hybrid_attention.interrupts import exit_code
+        from hybrid_attention.training.interrupts import exit_code
 
         return exit_code(s["stopped_by"])
     minutes, seconds = divmod(time.perf_counter() - start, 60)
@@ -229,7 +230,7 @@ def _train(args) -> int:
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
     if s["memory"] is not None:
-        from hybrid_attention.run_report import memory_line
+        from hybrid_attention.training.report import memory_line
 
         mfu = "unknown (the device is not in the peak-FLOPs table)" if s["mfu"] is None else f"{s['mfu']:.1%}"
         print(f"{memory_line(s['device'], s['memory'])}; model FLOPs utilisation {mfu} of the datasheet bf16 peak")
@@ -319,9 +320,9 @@ def _generate(args) -> int:
 def _eval(args) -> int:
     from hybrid_attention.data.sources import load_corpus
     from hybrid_attention.device import autocast_for
-    from hybrid_attention.metrics import evaluate
     from hybrid_attention.runs.checkpoint import load_run
-    from hybrid_attention.train import TrainConfig
+    from hybrid_attention.training.config import TrainConfig
+    from hybrid_attention.training.metrics import evaluate
 
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device)

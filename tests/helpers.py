@@ -23,8 +23,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # that forks: its list is the one every later test's children inherit, so those tests name this same one.
 # torch._dynamo: the first optimizer's construction imports it, over a second in each child otherwise; matplotlib:
 # the loss plot; tqdm: the progress bar.
-FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "matplotlib.pyplot", "tqdm", "hybrid_attention.train",
-                      "hybrid_attention.cli", "hybrid_attention.distributed")  # fmt: skip
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "matplotlib.pyplot", "tqdm", "hybrid_attention.training.loop",
+                      "hybrid_attention.cli", "hybrid_attention.training.distributed")  # fmt: skip
 
 
 # FLA's tests pass a half-precision comparison whose largest absolute error is at most 1e-6 whatever its relative

@@ -21,7 +21,7 @@ from hybrid_attention.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.runs import checkpoint
 from hybrid_attention.runs.checkpoint import load_run
-from hybrid_attention.train import TrainConfig
+from hybrid_attention.training.config import TrainConfig
 from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]

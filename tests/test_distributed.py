@@ -93,7 +93,7 @@ def _cli(rank: int, argv: list[str]) -> int:
 def _cli_with(rank: int, argv: list[str], fault: str) -> int:
     """The CLI, with something happening to rank 1 alone while it draws the batch of step 2: `fault` "error" (say,
     its copy of the data is unreadable) or "sigint" (a Ctrl-C that reached this one process)."""
-    import hybrid_attention.train as train_module
+    import hybrid_attention.training.loop as train_module
 
     real = train_module.sample_batch
 
@@ -123,9 +123,9 @@ def _units(rank: int) -> int:
 def _check_units(rank: int) -> None:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from hybrid_attention.distributed import Parallel, shard_model
     from hybrid_attention.model import HybridConfig, HybridLM
-    from hybrid_attention.muon import GatheredMuon
+    from hybrid_attention.training.distributed import Parallel, shard_model
+    from hybrid_attention.training.muon import GatheredMuon
 
     par = Parallel.from_env("cpu", timeout_s=60)
     torch.manual_seed(0)

@@ -200,7 +200,7 @@ def test_unsupported_uses_raise_clear_errors(tiny):
 def test_core_package_does_not_import_transformers():
     code = (
         "import sys, hybrid_attention, hybrid_attention.model, hybrid_attention.generate, hybrid_attention.cli, "
-        "hybrid_attention.train, hybrid_attention.runs.checkpoint; "
+        "hybrid_attention.training.loop, hybrid_attention.runs.checkpoint; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

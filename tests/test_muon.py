@@ -1,4 +1,4 @@
-"""StackedMuon (hybrid_attention/muon.py) against torch.optim.Muon: the same update, bitwise on CPU, with the
+"""StackedMuon (hybrid_attention/training/muon.py) against torch.optim.Muon: the same update, bitwise on CPU, with the
 matrices of one shape orthogonalised in one stack; a device learning rate; state that moves between the two."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention import muon
-from hybrid_attention.muon import StackedMuon, newton_schulz
-from hybrid_attention.optim import build_optimizers
-from hybrid_attention.train_step import TrainStep
+from hybrid_attention.training import muon
+from hybrid_attention.training.muon import StackedMuon, newton_schulz
+from hybrid_attention.training.optim import build_optimizers
+from hybrid_attention.training.step import TrainStep
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 

@@ -1,8 +1,10 @@
-"""What a training run reports and when (hybrid_attention/run_report.py): validation schedule, epochs, memory."""
+"""What a training run reports and when (hybrid_attention/training/report.py): validation schedule, epochs, memory."""
 
 from __future__ import annotations
 
-from hybrid_attention.run_report import (
+from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.loop import train
+from hybrid_attention.training.report import (
     epoch_report,
     epochs,
     is_validation_step,
@@ -10,7 +12,6 @@ from hybrid_attention.run_report import (
     validation_interval,
     validation_line,
 )
-from hybrid_attention.train import TrainConfig, train
 
 
 def _schedule(steps, every):

@@ -1,4 +1,4 @@
-"""Training: schedule, optimizer split, FLOPs, evaluation, checkpoints and exact resume (hybrid_attention/train.py)."""
+"""Training: schedule, optimizer split, FLOPs, evaluation, checkpoints and exact resume (training/loop.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import files
-from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import build_optimizers, build_schedulers, lr_factor, param_groups
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import manifest, run_config
-from hybrid_attention.train import TrainConfig, train
+from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.loop import train
+from hybrid_attention.training.metrics import evaluate, flops_per_token, peak_flops
+from hybrid_attention.training.optim import build_optimizers, build_schedulers, lr_factor, param_groups
 
 needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 SMALL = dict(steps=6, batch_size=2, seq_len=32, eval_every=3, eval_batches=2, log_every=1, data_max_bytes=40_000)
@@ -80,10 +81,11 @@ def test_a_torch_without_muon_imports_everything_else():
     code = """
 import torch
 del torch.optim.Muon
-import hybrid_attention.cli, hybrid_attention.distributed, hybrid_attention.train, hybrid_attention.train_step
+import hybrid_attention.cli, hybrid_attention.training.distributed
+import hybrid_attention.training.loop, hybrid_attention.training.step
 import hybrid_attention.synth.run
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import build_optimizers
+from hybrid_attention.training.optim import build_optimizers
 model = HybridLM(HybridConfig.from_preset("tiny"))
 assert len(build_optimizers(model, optimizer="adamw", lr=1e-3, weight_decay=0.1)) == 1
 try:

@@ -1,4 +1,4 @@
-"""The training step (hybrid_attention/train_step.py) on the CPU: the eager step is the plain loop, bitwise; the
+"""The training step (hybrid_attention/training/step.py) on the CPU: the eager step is the plain loop, bitwise; the
 CUDA-graph option is refused clearly where it cannot run; --cuda-graph may change on --resume.
 
 The graphed step itself needs CUDA: tests/gpu/test_train_step_gpu.py compares it with the eager step.
@@ -14,11 +14,12 @@ import torch
 
 from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import run_config
-from hybrid_attention.train import TrainConfig, train
-from hybrid_attention.train_step import TrainStep, _Snapshot
+from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.loop import train
+from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.step import TrainStep, _Snapshot
 
 SMALL = dict(steps=4, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, log_every=1, data_max_bytes=20_000)
 

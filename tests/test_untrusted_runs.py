@@ -15,10 +15,10 @@ import torch
 
 from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, manifest, run_config
 from hybrid_attention.runs.dcp_reader import read_metadata_safely
+from hybrid_attention.training.optim import build_optimizers, build_schedulers
 from tests.helpers import run_cli
 
 # The sharded copies are written by DCP in this one process, which warns that it assumes so.

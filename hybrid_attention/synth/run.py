@@ -24,11 +24,11 @@ import torch
 from hybrid_attention.device import autocast_for, flush_denormals
 from hybrid_attention.files import read_json_lines
 from hybrid_attention.model import HybridLM
-from hybrid_attention.optim import build_optimizers, build_schedulers
 from hybrid_attention.runs.checkpoint import append_log, write_log
 from hybrid_attention.synth.models import MODELS, model_config
 from hybrid_attention.synth.tasks import TASKS, Task, answer_accuracy
-from hybrid_attention.train_step import TrainStep
+from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.step import TrainStep
 
 LOG = "log.jsonl"
 

@@ -15,8 +15,8 @@ import torch
 from torch.optim._muon import _adjust_lr
 
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.muon import StackedMuon
-from hybrid_attention.optim import param_groups
+from hybrid_attention.training.muon import StackedMuon
+from hybrid_attention.training.optim import param_groups
 from tests.conftest import needs_cuda
 
 pytestmark = needs_cuda

@@ -22,9 +22,9 @@ import torch
 from hybrid_attention import cli
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.attnres import rows
-from hybrid_attention.optim import build_optimizers
 from hybrid_attention.runs.checkpoint import read_log
-from hybrid_attention.train_step import TrainStep
+from hybrid_attention.training.optim import build_optimizers
+from hybrid_attention.training.step import TrainStep
 from tests.conftest import needs_cuda
 
 pytestmark = needs_cuda

@@ -54,7 +54,9 @@ def build_optimizers(
         return [adamw]
     if not hasattr(torch.optim, "Muon"):
         raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
-    from hybrid_attention.muon import StackedMuon  # subclasses torch.optim.Muon: imported once it is known to exist
+    from hybrid_attention.training.muon import (
+        StackedMuon,  # subclasses torch.optim.Muon: imported once it is known to exist
+    )
 
     muon = StackedMuon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
     return [muon, adamw]

@@ -280,12 +280,14 @@ def shard_for_training(model: nn.Module, par: Parallel, config, tokenizer, train
 # ----------------------------------------------------------------------------------------------------- optimizers
 def build_optimizers(model: nn.Module, **kw) -> list[torch.optim.Optimizer]:
     """`optim.build_optimizers` for a sharded model: the same optimizers, Muon as `muon.GatheredMuon`."""
-    from hybrid_attention.optim import build_optimizers as build
+    from hybrid_attention.training.optim import build_optimizers as build
 
     optimizers = build(model, **kw)  # says so clearly when this torch has no Muon
     if kw.get("optimizer") != "muon":
         return optimizers
-    from hybrid_attention.muon import GatheredMuon  # subclasses torch.optim.Muon: imported once it is known to exist
+    from hybrid_attention.training.muon import (
+        GatheredMuon,  # subclasses torch.optim.Muon: imported once it is known to exist
+    )
 
     muon, *others = optimizers  # [Muon, AdamW]
     return [GatheredMuon(muon.param_groups, **muon.defaults), *others]

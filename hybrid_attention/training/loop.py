@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention import distributed, files
+from hybrid_attention import files
 from hybrid_attention.data.batches import sample_batch, unigram_loss
 from hybrid_attention.data.sources import load_corpus
 from hybrid_attention.data.token_cache import encode_corpus
@@ -39,17 +39,18 @@ from hybrid_attention.data.tokenizer import (
     tokenizer_from_dict,
 )
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
-from hybrid_attention.interrupts import StopRequests
-from hybrid_attention.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.model import HybridConfig, HybridLM
-from hybrid_attention.optim import build_optimizers, build_schedulers
-from hybrid_attention.plots import plot_losses
-from hybrid_attention.run_report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
-from hybrid_attention.train_config import TrainConfig
-from hybrid_attention.train_step import TrainStep
+from hybrid_attention.training import distributed
+from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.interrupts import StopRequests
+from hybrid_attention.training.metrics import evaluate, flops_per_token, peak_flops
+from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.plots import plot_losses
+from hybrid_attention.training.report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
+from hybrid_attention.training.step import TrainStep
 
 
 class TrainingDiverged(ValueError):

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from hybrid_attention.distributed import full
 from hybrid_attention.ops.attnres.rows import captured_tables
+from hybrid_attention.training.distributed import full
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
 

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, fields
 
 from hybrid_attention.device import DTYPES
-from hybrid_attention.optim import OPTIMIZERS
 from hybrid_attention.runs import run_config
+from hybrid_attention.training.optim import OPTIMIZERS
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
 # ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
