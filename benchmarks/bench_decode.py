@@ -101,7 +101,7 @@ def free_memory() -> None:
 
 
 def decode_case(model, name: str, B: int, context: int, reps: int, with_eager: bool, pack: bool = True) -> dict:
-    from hybrid_attention.graphs import DecodeStep
+    from hybrid_attention.inference.decode_graph import DecodeStep
 
     row = dict(model=name, B=B, context=context)
     per_token = model.cache_bytes_per_token(torch.bfloat16)
@@ -155,7 +155,7 @@ def prefill_case(model, name: str, context: int, chunk: int, repeat: bool = Fals
     """Seconds for one chunked prefill of `context` random tokens at batch 1. With `repeat` the same prefill runs
     once untimed first, so that one-off costs of new shapes (Triton autotuning, cuDNN attention plans for each new
     query / key length) stay out of the timing."""
-    from hybrid_attention.generate import prefill
+    from hybrid_attention.inference.generate import prefill
 
     ids = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
     if repeat:

@@ -30,7 +30,7 @@ CHILD = r"""
 import cProfile, io, json, pstats, sys, time
 spawned = float(sys.argv[5])
 import torch
-from hybrid_attention.generate import generate_stream
+from hybrid_attention.inference.generate import generate_stream
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.warm_start import warm_start
 

@@ -263,7 +263,7 @@ def _say_when_compiling(device) -> None:
 def _generate(args) -> int:
     import torch
 
-    from hybrid_attention.generate import generate_stream
+    from hybrid_attention.inference.generate import generate_stream
     from hybrid_attention.ops.warm_start import warm_start
     from hybrid_attention.runs.checkpoint import load_run
 

@@ -38,7 +38,7 @@ def test_decode_step_with_act_mul(monkeypatch):
     runs it, and the step must give the logits of a step without packing (which never takes it)."""
     import hybrid_attention.layers.packed as packed_mod
     import hybrid_attention.ops.act_mul as act_mod
-    from hybrid_attention.graphs import DecodeStep
+    from hybrid_attention.inference.decode_graph import DecodeStep
     from hybrid_attention.model import HybridConfig, HybridLM
 
     monkeypatch.setattr(packed_mod, "_act_mul_ok", lambda a, b: True)

@@ -12,8 +12,8 @@ import torch
 
 import hybrid_attention.backends as backends
 from hybrid_attention.backends import resolve, use_reference, use_triton
-from hybrid_attention.generate import generate
-from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.inference.decode_graph import DecodeStep
+from hybrid_attention.inference.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
 
 triton = pytest.importorskip("triton")

@@ -17,7 +17,7 @@ import torch
 
 from hybrid_attention import cli
 from hybrid_attention.config import PRESETS
-from hybrid_attention.generate import generate
+from hybrid_attention.inference.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.runs import checkpoint
 from hybrid_attention.runs.checkpoint import load_run
@@ -357,7 +357,7 @@ def test_bad_generate_arguments_are_clear_errors(kwargs, message):
 
 
 def test_a_tiny_temperature_is_the_argmax():
-    from hybrid_attention.generate import sample_next_token
+    from hybrid_attention.inference.generate import sample_next_token
 
     logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)) * 5
     for temperature in (1e-45, 1e-300):

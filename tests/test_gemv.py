@@ -68,7 +68,7 @@ def test_gemv_rejects_what_it_cannot_take():
 
 def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
     """Every product of every step goes to the kernel with gemv="triton", none with gemv="torch"; same logits."""
-    from hybrid_attention.graphs import DecodeStep
+    from hybrid_attention.inference.decode_graph import DecodeStep
     from hybrid_attention.model import HybridConfig, HybridLM
 
     torch.manual_seed(0)

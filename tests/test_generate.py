@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from hybrid_attention.generate import generate, generate_stream, prefill, sample_next_token
-from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.inference.decode_graph import DecodeStep
+from hybrid_attention.inference.generate import generate, generate_stream, prefill, sample_next_token
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.helpers import assert_close
 

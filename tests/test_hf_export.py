@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from hybrid_attention.generate import generate  # noqa: E402
 from hybrid_attention.hf import HybridAttentionForCausalLM  # noqa: E402
+from hybrid_attention.inference.generate import generate  # noqa: E402
 from hybrid_attention.runs.checkpoint import load_run  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
 

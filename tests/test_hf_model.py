@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
-from hybrid_attention.generate import generate  # noqa: E402
 from hybrid_attention.hf import HybridAttentionCache, HybridAttentionConfig, HybridAttentionForCausalLM  # noqa: E402
 from hybrid_attention.hf.modeling import CACHE_KWARG  # noqa: E402
+from hybrid_attention.inference.generate import generate  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
@@ -199,8 +199,8 @@ def test_unsupported_uses_raise_clear_errors(tiny):
 
 def test_core_package_does_not_import_transformers():
     code = (
-        "import sys, hybrid_attention, hybrid_attention.model, hybrid_attention.generate, hybrid_attention.cli, "
-        "hybrid_attention.training.loop, hybrid_attention.runs.checkpoint; "
+        "import sys, hybrid_attention, hybrid_attention.model, hybrid_attention.inference.generate, "
+        "hybrid_attention.cli, hybrid_attention.training.loop, hybrid_attention.runs.checkpoint; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

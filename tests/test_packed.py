@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid_attention.generate import generate
-from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.inference.decode_graph import DecodeStep
+from hybrid_attention.inference.generate import generate
 from hybrid_attention.layers import GatedMLA, KimiDeltaAttention, SwiGLU
 from hybrid_attention.layers.packed import PackedLinear, PackedProjections
 from hybrid_attention.model import HybridConfig, HybridLM

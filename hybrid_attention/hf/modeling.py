@@ -10,7 +10,7 @@ columns the cache has not seen. Greedy decoding and sampling (temperature, top-k
 search, assisted decoding and static or quantized caches are not (KDA keeps one recurrent state per sequence).
 
 Padding: there are no positions in the model (NoPE), so a padded row only has to be kept apart from its padding. A
-first call with a padded `attention_mask` runs each row alone on its tokens, as `hybrid_attention.generate` does, and
+first call with a padded `attention_mask` runs each row alone on its tokens, as `inference/generate.py` does, and
 the batch then decodes together with per-sequence lengths. Padding must be on the left (zeros, then ones): new
 tokens are appended after the last column, so a right-padded row would have padding between its prompt and its
 continuation. Later calls must not add padding.

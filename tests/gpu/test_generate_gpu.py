@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hybrid_attention.backends import use_reference
-from hybrid_attention.generate import generate, prefill
-from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.inference.decode_graph import DecodeStep
+from hybrid_attention.inference.generate import generate, prefill
 from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.model import HybridConfig, HybridLM
 from tests.conftest import needs_cuda

@@ -18,9 +18,9 @@ pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 from transformers import DynamicCache  # noqa: E402
 
-from hybrid_attention.generate import generate  # noqa: E402
 from hybrid_attention.hf import HybridAttentionForCausalLM  # noqa: E402
 from hybrid_attention.hf.convert import convert_kda, convert_mla  # noqa: E402
+from hybrid_attention.inference.generate import generate  # noqa: E402
 from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
 from tests.conftest import needs_cuda  # noqa: E402
 from tests.helpers import assert_as_accurate  # noqa: E402

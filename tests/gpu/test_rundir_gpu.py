@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.generate import generate
+from hybrid_attention.inference.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hybrid_attention.checks import is_finite_number, is_int
-from hybrid_attention.graphs import DecodeStep
+from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.ops.warm_start import wait_warm_start
 
 Prompts = torch.Tensor | Sequence[torch.Tensor]
