@@ -292,7 +292,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--autocast", choices=("bf16", "none"), default="bf16")
     p.add_argument("--tiny-widths", action="store_true", help="the tiny preset's widths, the preset's layer pattern")
-    kernels_help = "auto: the rule of hybrid_attention.backends; triton: the CUDA path on CPU, interpreted"
+    kernels_help = "auto: the rule of hybrid_attention.ops.backends; triton: the CUDA path on CPU, interpreted"
     p.add_argument("--kernels", choices=("auto", "triton"), default="auto", help=kernels_help)
     p.add_argument("--top", type=int, default=25, help="list the ops launched most often")
     args = p.parse_args(argv)
@@ -301,7 +301,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    import hybrid_attention.backends as backends
+    import hybrid_attention.ops.backends as backends
     from benchmarks.bench_common import emit_json
     from hybrid_attention.config import PRESETS
     from hybrid_attention.model import HybridConfig, HybridLM

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_attention.backends import BACKENDS
+from hybrid_attention.ops.backends import BACKENDS
 from hybrid_attention.ops.kda.gate import GATE_FORMS, check_lower_bound
 
 LAYER_TYPES = ("kda", "mla")

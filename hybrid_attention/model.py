@@ -12,7 +12,7 @@ wired by `config.residual`:
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
 
-`config.attnres_backend` picks how AttnRes runs (the vocabulary of `hybrid_attention.backends`): "auto" takes the
+`config.attnres_backend` picks how AttnRes runs (the vocabulary of `hybrid_attention.ops.backends`): "auto" takes the
 fused differentiable Triton ops on CUDA (each AttnRes fused with the RMSNorm that reads it, sources never stacked,
 Block AttnRes in its two-phase form; see `layers.attnres.attn_res_stream`) and the readable list path elsewhere or
 inside `backends.use_reference()`; "triton" forces the fused ops (CPU under the Triton interpreter); "torch" forces
@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import use_triton
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.checks import is_int
 from hybrid_attention.config import HybridConfig
@@ -46,6 +45,7 @@ from hybrid_attention.layers.packed import PackedProjections, linear
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.attnres.fused import attn_res_norm
 from hybrid_attention.ops.attnres.rows import fused_train_supported
+from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
 
 

@@ -1,4 +1,4 @@
-"""One dispatch rule (`hybrid_attention.backends`): "auto" means the same thing for every op, every layer's fast path
+"""One dispatch rule (`ops.backends`): "auto" means the same thing for every op, every layer's fast path
 follows it, and `use_reference()` sends all of them to the PyTorch references.
 
 On a CPU the rule already picks the references, so these tests lift its CUDA check (the rule then sends CPU tensors
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hybrid_attention.backends as backends
-from hybrid_attention.backends import resolve, use_reference, use_triton
+import hybrid_attention.ops.backends as backends
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.generate import generate
 from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.ops.backends import resolve, use_reference, use_triton
 
 triton = pytest.importorskip("triton")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hybrid_attention.layers.kda as kda
-from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.kda import KimiDeltaAttention
+from hybrid_attention.ops.backends import use_reference
 from tests.conftest import DEV
 from tests.helpers import assert_close
 

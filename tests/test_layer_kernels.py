@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.backends import use_reference
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
+from hybrid_attention.ops.backends import use_reference
 from hybrid_attention.ops.gated_norm import gated_rms_norm
 from hybrid_attention.ops.short_conv import short_conv, short_conv_reference
 from tests.conftest import DEV, needs_triton

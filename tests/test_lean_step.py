@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-import hybrid_attention.backends as backends
+import hybrid_attention.ops.backends as backends
 from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.ops.triton_support import triton_runs_on
 from tests.conftest import DEV, needs_triton

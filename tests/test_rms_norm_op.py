@@ -1,6 +1,6 @@
 """The fused RMSNorm op (`ops.rms_norm`, Triton interpreter on CPU) against the eager reference `rms_norm`: the output
 and both gradients in float64 at odd shapes, float32 / bf16 against the eager roundings, the custom ops through
-`opcheck`, a fullgraph compile, and `RMSNorm` taking the op where the rule of `hybrid_attention.backends` says so."""
+`opcheck`, a fullgraph compile, and `RMSNorm` taking the op where the rule of `ops.backends` says so."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fused SwiGLU product and down projection (`ops.swiglu`, Triton interpreter on CPU) against the eager
 `F.linear(F.silu(a) * b, W)`: output and gradients in float64 at odd shapes, float32 / float16 against the eager
 roundings, the custom ops through `opcheck`, a fullgraph compile, a frozen down weight, and `SwiGLU` taking the
-stacked matmul and the op where the rule of `hybrid_attention.backends` says so, keeping only the op's inputs."""
+stacked matmul and the op where the rule of `hybrid_attention.ops.backends` says so, keeping only the op's inputs."""
 
 from __future__ import annotations
 

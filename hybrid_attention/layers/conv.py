@@ -2,7 +2,7 @@
 
 The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
 On CUDA the fused Triton kernels of `ops.short_conv` run instead of conv1d (float32 inside, no transposes), with or
-without a cache, for kernels of up to 4 taps (theirs; the rule of `hybrid_attention.backends`); the eager path below
+without a cache, for kernels of up to 4 taps (theirs; the rule of `hybrid_attention.ops.backends`); the eager path below
 is their reference, runs longer kernels, and the one-token `step` stays in PyTorch.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import use_triton
+from hybrid_attention.ops.backends import use_triton
 
 
 def _fused_taps() -> int:

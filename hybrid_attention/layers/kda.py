@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid_attention.backends import use_triton
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear, project
+from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
 from hybrid_attention.ops.kda.gate import check_gate_form, check_lower_bound, head_as_channels
 from hybrid_attention.ops.numerics import compute_dtype
@@ -48,7 +48,7 @@ class KDACache:
 
 
 def _fused_decode_ok(x: torch.Tensor, conv_size: int) -> bool:
-    """The fused one-token decode kernels (no backward) take x: the rule of `hybrid_attention.backends` with no
+    """The fused one-token decode kernels (no backward) take x: the rule of `hybrid_attention.ops.backends` with no
     gradient needed, and a conv of size >= 2."""
     return conv_size >= 2 and use_triton(x, needs_backward=torch.is_grad_enabled())
 

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import needs_grad, resolve, use_triton
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.layers.seqlens import SeqLens
+from hybrid_attention.ops.backends import needs_grad, resolve, use_triton
 from hybrid_attention.ops.mla.decode import mla_decode
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
@@ -102,7 +102,7 @@ class MLACache:
 
 def _fused_append_ok(x: torch.Tensor) -> bool:
     """The fused one-token cache append (`ops.mla.append`, no backward) takes x: the rule of
-    `hybrid_attention.backends` with no gradient needed."""
+    `hybrid_attention.ops.backends` with no gradient needed."""
     return use_triton(x, needs_backward=torch.is_grad_enabled())
 
 

@@ -2,7 +2,7 @@
 
 Both normalise in float32 (float64 for float64 inputs) and return the input dtype: `torch.nn.RMSNorm`
 normalises in the input dtype, which loses precision for bf16 activations. On CUDA each runs as one Triton kernel
-each way (`ops.rms_norm`, `ops.gated_norm`; the rule of `hybrid_attention.backends`); the eager code here is their
+each way (`ops.rms_norm`, `ops.gated_norm`; the rule of `ops.backends`); the eager code here is their
 reference, run on CPU and inside `use_reference()`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_attention.backends import use_triton
+from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.numerics import compute_dtype, matmul_input_dtype, rms_norm
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "rms_norm"]
@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(RMSNorm):
     """`RMSNorm(x) * sigmoid(gate)`: the KDA output norm, applied per head (dim = head_dim). On CUDA it runs as one
-    Triton kernel each way (`ops.gated_norm`, the same roundings; the rule of `hybrid_attention.backends`); the eager
+    Triton kernel each way (`ops.gated_norm`, the same roundings; the rule of `ops.backends`); the eager
     code here is its reference."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

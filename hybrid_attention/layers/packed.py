@@ -7,7 +7,7 @@ the shared key and the gate; SwiGLU: gate and up) can be read as one concatenate
 launch, with the same products.
 
 On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
-linear maps in a decode step (`gemv`, in the vocabulary of `hybrid_attention.backends`: "auto", the default, takes
+linear maps in a decode step (`gemv`, in the vocabulary of `hybrid_attention.ops.backends`: "auto", the default, takes
 the kernel by the one rule; "triton" forces it, also on CPU under the interpreter; "torch" keeps cuBLAS), and
 act(a) * b runs as one kernel (`ops.act_mul`).
 
@@ -19,7 +19,7 @@ hands it to every layer, whose products then go through `project`, `linear` and 
 The copies cost the packed weights' memory once more (for k3-scaled about 0.23 GB in bf16);
 `DecodeStep(pack_projections=False)` skips them, and the decode kernels with them.
 
-In training on CUDA (the rule of `hybrid_attention.backends`, gradients needed) `project` also runs one matmul,
+In training on CUDA (the rule of `hybrid_attention.ops.backends`, gradients needed) `project` also runs one matmul,
 against the weights concatenated afresh in every step (one copy of the weights, no state), so that autograd needs
 one matmul for dx and one for the weights' gradient instead of one each per projection plus a sum over them. The
 outputs are split into contiguous tensors: a consumer that keeps its input for the backward then keeps its own
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.backends import check_backend, needs_grad, use_triton
+from hybrid_attention.ops.backends import check_backend, needs_grad, use_triton
 from hybrid_attention.ops.numerics import matmul_input_dtype
 from hybrid_attention.ops.triton_support import triton_available
 
@@ -44,7 +44,7 @@ _ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 def decode_gemv_enabled(x: torch.Tensor, gemv: str = "auto") -> bool:
     """Whether decode-step products of `x` go to `ops.gemv`: gemv="triton" always (the interpreter on CPU),
-    "torch" never (F.linear), "auto" by the rule of `hybrid_attention.backends` (on CUDA, where it beats cuBLAS's
+    "torch" never (F.linear), "auto" by the rule of `hybrid_attention.ops.backends` (on CUDA, where it beats cuBLAS's
     batch-1 GEMVs)."""
     return gemv == "triton" or (gemv == "auto" and use_triton(x))
 
@@ -63,7 +63,7 @@ def decode_linear(
 
 
 def _act_mul_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """`ops.act_mul` (no backward) takes a and b: one dtype, and the rule of `hybrid_attention.backends`."""
+    """`ops.act_mul` (no backward) takes a and b: one dtype, and the rule of `hybrid_attention.ops.backends`."""
     return a.dtype == b.dtype and use_triton(a, needs_backward=torch.is_grad_enabled())
 
 
@@ -130,7 +130,7 @@ def _sharded(t: torch.Tensor) -> bool:
 
 def stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
     """One matmul for `linears` in training (see the module docstring): several bias-free projections, the rule of
-    `hybrid_attention.backends`, a gradient needed, no sharded weight."""
+    `hybrid_attention.ops.backends`, a gradient needed, no sharded weight."""
     weights = [lin.weight for lin in linears]
     return (
         len(linears) > 1

@@ -15,7 +15,7 @@ kernels forward and twelve backward, several over float32 copies of x.
 An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
 traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
 dispatch costs more host time than these kernels take on the GPU).
-`layers.norm.RMSNorm` uses `rms_norm_fused` on CUDA (the rule of `hybrid_attention.backends`); its eager code is the
+`layers.norm.RMSNorm` uses `rms_norm_fused` on CUDA (the rule of `hybrid_attention.ops.backends`); its eager code is the
 reference.
 """
 

@@ -12,7 +12,7 @@ is that matmul's output gradient as it is. Eager autograd keeps SiLU(a) and y to
 An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
 traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
 dispatch costs more host time than these kernels take on the GPU). `layers.mlp.SwiGLU` uses it in
-training on CUDA (the rule of `hybrid_attention.backends`); its eager code is the reference.
+training on CUDA (the rule of `hybrid_attention.ops.backends`); its eager code is the reference.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ def test_gemv_as_accurate_as_cublas(M, N, K):
 def test_graph_decode_through_the_gemv():
     """Both bf16 decodes round differently, and 4 layers amplify that (about 2e-2 apart): each is held
     against the float64 full forward, the Triton GEMV's decode as accurate as the cuBLAS one."""
-    from hybrid_attention.backends import use_reference
     from hybrid_attention.inference.decode_graph import DecodeStep
+    from hybrid_attention.ops.backends import use_reference
     from tests.gpu.test_generate_gpu import K3_BLOCK, float64_copy, make_model, prompt
 
     model = make_model(layer_types=K3_BLOCK)

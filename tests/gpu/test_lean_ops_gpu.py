@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid_attention.backends import use_reference
 from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.ops.backends import use_reference
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.rms_norm import rms_norm_fused
 from hybrid_attention.ops.swiglu import swiglu_down

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
 
@@ -208,7 +208,7 @@ def attn_res_norm(
         norm_eps: that norm's epsilon.
         backend: "triton" (CUDA, or CPU with TRITON_INTERPRET=1; no autograd), "torch" (the reference
             composition, differentiable), "auto" (Triton on CUDA when no gradient is needed, else PyTorch; see
-            `hybrid_attention.backends`).
+            `hybrid_attention.ops.backends`).
 
     Returns:
         [B, T, D] in sources.dtype: `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)`,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.backends import use_triton
+from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
 from hybrid_attention.ops.kda.decode_step import kda_decode_step
 from hybrid_attention.ops.kda.gate import FUSED_FORMS, GATE_FORMS, check_gate, check_gate_form, kda_gate
@@ -49,7 +49,7 @@ def resolve_backend(backend: str, q: torch.Tensor | None = None, chunk_size: int
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "auto":
-        on_gpu = q is not None and chunk_size == 64 and use_triton(q)  # the one rule (hybrid_attention.backends)
+        on_gpu = q is not None and chunk_size == 64 and use_triton(q)  # the one rule (hybrid_attention.ops.backends)
         return "triton" if on_gpu and gate in TRITON_GATES else "torch"
     return backend
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybrid_attention.backends import resolve
+from hybrid_attention.ops.backends import resolve
 from hybrid_attention.ops.kda.common import l2_normalize
 from hybrid_attention.ops.kda.gate import kda_gate
 from hybrid_attention.ops.kda.naive import recurrent_kda

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.backends import check_backend, needs_grad, resolve
+from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.mla.naive import absorbed_attention
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
 
@@ -107,7 +107,7 @@ def mla_decode(
         num_splits: context splits per sequence for the Triton kernel (None: chosen from B, max_len, SM count).
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1; inference only, no backward), "torch"
             (differentiable), or "auto" (Triton on CUDA when no gradient is needed, else PyTorch; see
-            `hybrid_attention.backends`).
+            `hybrid_attention.ops.backends`).
 
     Returns:
         [B, Tq, H, value_dim] in q.dtype; query i of sequence b attends softmax-weighted over keys

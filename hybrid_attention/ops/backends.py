@@ -14,7 +14,7 @@ decode, the fused MLA cache append, the decode GEMV and activation, the fused At
 "auto" means one thing everywhere: a Triton kernel for CUDA tensors of a kernel dtype when triton is installed,
 unless a gradient is needed from a kernel that has no backward, or the fast paths are switched off:
 
-    with hybrid_attention.backends.use_reference():
+    with hybrid_attention.ops.backends.use_reference():
         logits = model(ids).logits          # every "auto" and every fast path runs the PyTorch reference
 
 An explicit backend="triton" (or "fla") is a request for that kernel and is honoured inside `use_reference()` too.
