@@ -1,8 +1,5 @@
-"""Test setup and the markers and device every test file shares.
-
-Triton kernels run under the interpreter when there is no GPU: TRITON_INTERPRET must be set before triton is first
-imported, so it is set here, at collection time, before anything below imports it.
-"""
+"""Test setup: the Triton interpreter without a GPU (TRITON_INTERPRET must be set before triton is first imported, so
+it is set here, at collection time), the CPU thread count, and shared fixtures. Markers and the device: helpers.py."""
 
 import os
 
@@ -12,19 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybrid_attention.ops.triton_support import triton_runs_on  # noqa: E402
-
 # Keep CPU runs reproducible and quick on small machines.
 torch.set_num_threads(min(torch.get_num_threads(), 2))
-
-# Where the tests that run on either device put their tensors: the GPU when there is one, else the CPU (with the
-# Triton kernels under the interpreter).
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_triton = pytest.mark.skipif(
-    not triton_runs_on(torch.empty(1, device=DEV)), reason="needs triton and CUDA or TRITON_INTERPRET=1"
-)
 
 
 @pytest.fixture

@@ -1,9 +1,25 @@
-"""Helpers shared by the tests: tolerances (relative error ||a - b|| / ||b||, NaN never passes) and the CLI run in
-this process."""
+"""Helpers shared by the tests: the device and markers, tolerances (relative error ||a - b|| / ||b||, NaN never
+passes) and the CLI run in this process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+
+from hybrid_attention.ops.triton_support import triton_runs_on
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Where the tests that run on either device put their tensors: the GPU when there is one, else the CPU (with the
+# Triton kernels under the interpreter, which conftest.py turns on before triton is imported).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_triton = pytest.mark.skipif(
+    not triton_runs_on(torch.empty(1, device=DEV)), reason="needs triton and CUDA or TRITON_INTERPRET=1"
+)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -19,8 +35,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # The modules a forked training job imports, for multiprocessing's forkserver to import once before it forks any
-# (tests/test_distributed.py, tests/test_rundir_crash.py). A process has one forkserver, started by the first test
-# that forks: its list is the one every later test's children inherit, so those tests name this same one.
+# (tests/training/test_distributed.py, tests/runs/test_crash.py). A process has one forkserver, started by the first
+# test that forks: its list is the one every later test's children inherit, so those tests name this same one.
 # torch._dynamo: the first optimizer's construction imports it, over a second in each child otherwise; matplotlib:
 # the loss plot; tqdm: the progress bar.
 FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "matplotlib.pyplot", "tqdm", "hybrid_attention.training.loop",

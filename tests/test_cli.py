@@ -22,9 +22,9 @@ from hybrid_attention.model import HybridConfig, HybridLM
 from hybrid_attention.runs import checkpoint
 from hybrid_attention.runs.checkpoint import load_run
 from hybrid_attention.training.config import TrainConfig
-from tests.helpers import run_cli
+from tests.helpers import REPO_ROOT, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 FAST = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--data-max-bytes", "40000", "--eval-batches", "2"]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from hybrid_attention.ops.triton_support import triton_available
 
-# The kernel modules the layers and ops import on first use of a Triton path (tests/test_warm_start.py checks the
+# The kernel modules the layers and ops import on first use of a Triton path (tests/ops/test_warm_start.py checks the
 # list against the source tree).
 KERNEL_MODULES = (
     "hybrid_attention.ops.act_mul",

@@ -1,13 +1,6 @@
-"""The GPU tests' kernel configs: each autotuned kernel (KDA, AttnRes training, decode GEMV) runs its first config,
-unless a test module is marked `tuned`.
-
-Autotuning compiles every config of a kernel for each new shape class and dtype, and these tests use many of
-both, so on a machine with an empty Triton cache tuning alone would take most of the suite's time. Most tests check
-what the model or the op computes, which any config computes alike; the configs themselves are checked one by one
-(`test_kda_triton.py::test_every_autotune_config`, `test_attnres_gpu.py`, and on the CPU `test_attnres_train.py` and
-`test_gemv.py`), and the modules marked `tuned` (the KDA standard shape and repeatable backward, the AttnRes kernels
-at model sizes, the on-disk tuning cache) run the autotuner as a user's process does.
-"""
+"""GPU tests run each autotuned kernel's first config (an empty Triton cache would otherwise tune every config for
+every shape class), unless a module is marked `tuned`; the configs themselves are checked one by one
+(ops/kda/test_triton_gpu.py::test_every_autotune_config, ops/attnres/test_attnres_gpu.py)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: 
     # rounded operands, the pairs inside any suffix of the chunk cancel exactly in the reverse cumsum; from q * dq
     # and k * dk they cancel only to bf16 rounding, which the cumsum turned into relative errors in dg of 2.1e-2
     # (T = 300, K = V = 64) and 2.5e-2 (T = 4097, K = V = 128); 4.9e-3 and 4.8e-3 this way (bf16,
-    # tools/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
+    # tests/ops/kda/bf16_accuracy.py: the Triton interpreter rounding as the GPU does).
     return dq_s + rowf * pq, dk_s + rowf * pk + colf * pc, dg_s + qr * pq + kr * pk - kc * pc
 
 

@@ -32,7 +32,7 @@ from hybrid_attention.ops.kda.triton_utils import (
 
 # With 4 warps and 2 pipeline stages this kernel miscomputes on an H200 with triton 3.6 (BV 16: dh0 off by 6e-2 at
 # K = V = 128; BV 32: an illegal address at K = V = 64), so no such config is offered;
-# tests/gpu/test_kda_triton.py::test_every_autotune_config runs each config here alone against the reference.
+# tests/gpu/ops/kda/test_triton_gpu.py::test_every_autotune_config runs each config here alone against the reference.
 @autotune([{"BV": 32}, {"BV": 64}], [(4, 1), (8, 2)], ["K", "V", "HAS_DHT", "HAS_H0", "WIDTH"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_bwd_kernel(
