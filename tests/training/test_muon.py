@@ -1,7 +1,9 @@
-"""StackedMuon (hybrid_attention/training/muon.py) against torch.optim.Muon: the same update, bitwise on CPU, with the
-matrices of one shape orthogonalised in one stack; a device learning rate; state that moves between the two."""
+"""StackedMuon (hybrid_attention/training/muon.py) against torch.optim.Muon: the same update, with the matrices of one
+shape orthogonalised in one stack; a device learning rate; state that moves between the two."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -45,12 +47,35 @@ def _set_grads(a, b, gen, *, skip=None):
 
 
 def _assert_bitwise(opt_a, a, opt_b, b):
+    """For two runs of the same computation (StackedMuon with a float and with a device rate)."""
     for p, q in zip([p for g in a for p in g], [q for g in b for q in g], strict=True):
         assert torch.equal(p, q), (p.shape, (p - q).abs().max())
         if p in opt_a.state:
             assert torch.equal(opt_a.state[p]["momentum_buffer"], opt_b.state[q]["momentum_buffer"])
         else:
             assert q not in opt_b.state
+
+
+# The bfloat16 ulps by which a stacked product may differ from the per-matrix one in an entry of the update: whether a
+# batched GEMM rounds as the single ones do depends on the CPU's kernels (equal on some CPUs, an ulp or two apart on
+# others), and Newton-Schulz carries such a difference through its iterations.
+NS_ULPS = 4
+
+
+def _assert_close_to_torch(ref, a, ours, b, steps: int):
+    """StackedMuon's parameters within `steps` updates' bfloat16 rounding of torch's, their momentum equal (the same
+    lerp on the same gradients). An update entry is at most about 1.5 after Newton-Schulz, so each step may move a
+    parameter by NS_ULPS ulps of 1.5 times the step size; a state on the wrong parameter moves it by the step size."""
+    for group, ref_group in zip(ours.param_groups, ref.param_groups, strict=True):
+        for p, q in zip(ref_group["params"], group["params"], strict=True):
+            step = torch.optim._muon._adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape)
+            ulp = torch.finfo(torch.bfloat16).eps * 1.5
+            tol = steps * NS_ULPS * ulp * step + 2 * torch.finfo(p.dtype).eps * p.detach().abs().max()
+            assert (p - q).abs().max() <= tol, (p.shape, (p - q).abs().max(), tol)
+            if p in ref.state:
+                assert torch.equal(ref.state[p]["momentum_buffer"], ours.state[q]["momentum_buffer"])
+            else:
+                assert q not in ours.state
 
 
 @pytest.mark.parametrize(
@@ -69,7 +94,7 @@ def test_stacked_step_equals_torch_muon(options, stack_elements, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
         _step_both(ref, a, ours, b, gen, skip=2 if step < 2 else None)  # without gradient: untouched, no state yet
-        _assert_bitwise(ref, a, ours, b)
+        _assert_close_to_torch(ref, a, ours, b, step + 1)
     assert len(ours.state) == sum(len(s) for s in SHAPES)
 
 
@@ -80,9 +105,9 @@ def test_other_parameter_dtypes_step_as_torch_muon(dtype):
     a, b = _twins(9, dtype)
     ref, ours = torch.optim.Muon(_groups(a)), StackedMuon(_groups(b))
     gen = torch.Generator().manual_seed(10)
-    for _ in range(2):
+    for step in range(2):
         _step_both(ref, a, ours, b, gen)
-        _assert_bitwise(ref, a, ours, b)
+        _assert_close_to_torch(ref, a, ours, b, step + 1)
 
 
 def test_stack_orthogonalises_each_matrix_as_torch_does():
@@ -95,7 +120,8 @@ def test_stack_orthogonalises_each_matrix_as_torch_does():
         single = torch.stack([_zeropower_via_newtonschulz(u, coefficients, 5, 1e-7) for u in updates])
         stacked = newton_schulz(updates, coefficients, 5, 1e-7)
         assert stacked.dtype == torch.bfloat16 and stacked.shape == updates.shape
-        assert torch.equal(stacked, single)
+        ulp = torch.finfo(torch.bfloat16).eps * 2.0  # entries stay below 2
+        assert (stacked.float() - single.float()).abs().max() <= NS_ULPS * ulp
         # Near orthogonal whatever the input's scale: the singular values end up around 1 (five steps leave the
         # smallest of a random square matrix lower).
         sv = torch.linalg.svdvals(stacked.double())
@@ -173,17 +199,20 @@ def test_device_learning_rate_is_never_read_by_the_host():
 
 
 def test_state_moves_between_torch_muon_and_stacked():
-    """A checkpoint of either optimizer continues in the other, bitwise (the state is torch's)."""
+    """A checkpoint of either optimizer continues in the other (the state is torch's): each momentum lands on its own
+    parameter, and the runs go on as without the swap."""
     a, b = _twins(5)
     ref, ours = torch.optim.Muon(_groups(a)), StackedMuon(_groups(b))
     gen = torch.Generator().manual_seed(6)
     for step in range(4):
         _step_both(ref, a, ours, b, gen)
-        if step == 1:  # swap: each continues from the other's state
-            ref_state, ours_state = ref.state_dict(), ours.state_dict()
+        if step == 1:  # swap through a checkpoint: each continues from the other's state
+            ref_state, ours_state = copy.deepcopy(ref.state_dict()), copy.deepcopy(ours.state_dict())
             ref.load_state_dict(ours_state)
             ours.load_state_dict(ref_state)
-    _assert_bitwise(ref, a, ours, b)
+            for i, q in enumerate(q for g in b for q in g):
+                assert torch.equal(ours.state[q]["momentum_buffer"], ref_state["state"][i]["momentum_buffer"])
+    _assert_close_to_torch(ref, a, ours, b, 4)
 
 
 def test_launches_per_step_do_not_grow_with_the_matrix_count():
