@@ -140,7 +140,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from hybrid_attention.model import HybridConfig
+    from hybrid_attention.config import HybridConfig
 
     num_layers = HybridConfig.from_preset(args.preset).num_layers
     table = variants(num_layers)

@@ -37,10 +37,11 @@ COPY_CEILING_GBS = 4270.0  # an H200's device-to-device copy rate, bytes read + 
 
 
 def build_model(preset: str, kda_backend: str):
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
 
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig.from_preset(preset, kda_backend=kda_backend)).to("cuda", torch.bfloat16).eval()
+    model = HybridLM(HybridConfig.from_preset(preset), kda_backend=kda_backend).to("cuda", torch.bfloat16).eval()
     with torch.no_grad():  # non-trivial AttnRes mixing (the cost does not depend on it, the numerics do)
         for name, p in model.named_parameters():
             if name.endswith(".query"):

@@ -23,8 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
-from hybrid_attention.config import PRESETS  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.config import (
+    PRESETS,  # noqa: E402
+    HybridConfig,  # noqa: E402
+)
+from hybrid_attention.model import HybridLM
 from hybrid_attention.training.muon import StackedMuon  # noqa: E402
 from hybrid_attention.training.optim import param_groups  # noqa: E402
 

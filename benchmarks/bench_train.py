@@ -46,8 +46,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
-from hybrid_attention.config import PRESETS  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.config import (
+    PRESETS,  # noqa: E402
+    HybridConfig,  # noqa: E402
+)
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres.rows import tables_built  # noqa: E402
 from hybrid_attention.training.metrics import flops_per_token, peak_flops  # noqa: E402
 from hybrid_attention.training.optim import build_optimizers  # noqa: E402

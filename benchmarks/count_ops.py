@@ -303,8 +303,8 @@ def main(argv=None) -> dict:
 
     import hybrid_attention.ops.backends as backends
     from benchmarks.bench_common import emit_json
-    from hybrid_attention.config import PRESETS
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import PRESETS, HybridConfig
+    from hybrid_attention.model import HybridLM
     from hybrid_attention.ops.triton_support import triton_runs_on
 
     if args.kernels == "triton" and args.device == "cpu":

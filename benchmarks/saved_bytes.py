@@ -29,8 +29,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json  # noqa: E402
-from hybrid_attention.config import RESIDUALS  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.choices import RESIDUALS  # noqa: E402
+from hybrid_attention.config import HybridConfig  # noqa: E402
+from hybrid_attention.model import HybridLM
 
 
 @dataclass

@@ -14,7 +14,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "HybridConfig": "hybrid_attention.model",
+    "HybridConfig": "hybrid_attention.config",
     "HybridLM": "hybrid_attention.model",
     "HybridCache": "hybrid_attention.cache",
     "chunk_kda": "hybrid_attention.ops.kda",

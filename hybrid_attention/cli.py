@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from hybrid_attention.arg_types import (
@@ -22,9 +23,11 @@ from hybrid_attention.arg_types import (
     positive_int,
     seed_int,
 )
-
-# hybrid_attention.config.PRESETS, without importing torch
-PRESETS = ("tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block")
+from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, TOKENIZERS
+from hybrid_attention.config import (  # torch-free: --help and bad flags answer before torch loads
+    PRESETS,
+    IgnoredSetting,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +47,13 @@ def _data_spec(text: str) -> str:
     return str(path)
 
 
+def _backend_flags(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """Which kernels run: chosen when a model is loaded, never stored with it."""
+    parser.add_argument("--kda-backend", choices=KDA_BACKENDS, default=default, help="chunk_kda backend (default auto)")
+    parser.add_argument("--attnres-backend", choices=ATTNRES_BACKENDS, default=default,
+                        help="AttnRes: auto (fused Triton ops on CUDA), triton, or torch (the reference)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export,synth}")
@@ -56,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step (tiny: 1, larger: 2)")
     t.add_argument("--lr", type=positive_float, help="peak learning rate (tiny: 3e-3, larger: 1e-3)")
     t.add_argument("--warmup", type=non_negative_int, help="linear warm-up steps before the cosine decay")
-    t.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw (default), or muon for 2-D hidden weights")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw (default), or muon for 2-D hidden weights")
     t.add_argument("--weight-decay", type=non_negative_float, help="decoupled weight decay on matrices (default 0.1)")
     t.add_argument("--clip", type=non_negative_float, help="gradient norm clip, 0 = off (default 1.0)")
     t.add_argument(
@@ -66,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "python-env (every installed package's Python sources; the larger presets' default)",
     )
     t.add_argument("--data-max-bytes", type=positive_int, help="text cap (builtin, hf: 4e6; python-env: 2.56e8)")
-    t.add_argument("--tokenizer", choices=("byte", "bpe"), help="byte (default) or a BPE trained on the train split")
+    t.add_argument("--tokenizer", choices=TOKENIZERS, help="byte (default) or a BPE trained on the train split")
     t.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
     t.add_argument("--seed", type=seed_int, help="seed of the initialisation and the batches (default 0)")
     t.add_argument("--out", help="run directory (default runs/PRESET)")
@@ -76,13 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=positive_int, help="validate, plot, checkpoint every N steps (default: 10%%)")
     t.add_argument("--eval-batches", type=positive_int, help="batches per split per evaluation (tiny: 4, else 8)")
     t.add_argument("--log-every", type=positive_int, help="append to log.jsonl every N steps (default 10)")
-    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
-    t.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="autocast dtype (auto: bf16 on CUDA)")
+    t.add_argument("--device", choices=DEVICES, help="default: cuda when available")
+    t.add_argument("--dtype", choices=DTYPES, help="autocast dtype (auto: bf16 on CUDA)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     t.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the whole training step in a CUDA graph and replay it (less host time per step; CUDA "
                    "only, one process; may change on --resume)")  # fmt: skip
-    t.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), help="chunk_kda backend (default auto)")
+    _backend_flags(t, default=None)
     t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
                    "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip
     t.add_argument("--activation-checkpointing", action="store_true", default=None,
@@ -98,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
     g.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA")
+    g.add_argument("--device", choices=DEVICES, default="auto")
+    g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA")
+    _backend_flags(g)
     g.set_defaults(func=_generate)
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a trained run")
@@ -109,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
     e.add_argument("--seq-len", type=number(int, 2), help="default: the run's (at least 2: one prediction)")
     e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
-    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    e.add_argument("--device", choices=DEVICES, default="auto")
+    e.add_argument("--dtype", choices=DTYPES, default="auto")
+    _backend_flags(e)
     e.set_defaults(func=_eval)
 
     i = sub.add_parser("info", help="parameters, layer table and cache sizes of a preset or a run")
@@ -134,8 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A stored setting that no longer applies is one line on stderr; other warnings as Python shows them."""
+    if issubclass(category, IgnoredSetting):
+        print(f"hybrid-attention: note: {message}", file=sys.stderr)
+    else:
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
     try:
         from hybrid_attention.device import flush_denormals
 
@@ -260,6 +284,10 @@ def _say_when_compiling(device) -> None:
         announce_compilation(lambda line: tqdm.write(line, file=sys.stderr))
 
 
+def _backends(args) -> dict:
+    return {"kda_backend": args.kda_backend, "attnres_backend": args.attnres_backend}
+
+
 def _generate(args) -> int:
     import torch
 
@@ -284,7 +312,7 @@ def _generate(args) -> int:
         raise ValueError("the prompt is empty; generation needs at least one token to start from")
     device, dtype = _device_and_dtype(args)
     warm_start(device, dtype=dtype)  # the first calls' one-time costs, beside the checkpoint's loading
-    model, _, tokenizer = load_run(args.ckpt, device)
+    model, _, tokenizer = load_run(args.ckpt, device, **_backends(args))
     model.to(dtype)
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -325,7 +353,7 @@ def _eval(args) -> int:
     from hybrid_attention.training.metrics import evaluate
 
     device, _ = _device_and_dtype(args)
-    model, config, tokenizer = load_run(args.ckpt, device)
+    model, config, tokenizer = load_run(args.ckpt, device, **_backends(args))
     run = TrainConfig.create(config["train"], out=str(args.ckpt))  # the saved settings, checked
     if args.data is None:
         data, max_bytes = run.data, args.data_max_bytes or run.data_max_bytes
@@ -365,7 +393,8 @@ def _info(args) -> int:
         model, _, _ = load_run(args.ckpt, weights=False)
         source = args.ckpt
     else:
-        from hybrid_attention.model import HybridConfig, HybridLM
+        from hybrid_attention.config import HybridConfig
+        from hybrid_attention.model import HybridLM
 
         preset = args.preset or "tiny"
         overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}

@@ -2,22 +2,26 @@
 
 `HybridConfig.from_preset("k3-scaled", **overrides)` builds a preset with any field overridden; `to_dict` and
 `from_dict` are what a run's config.json stores. Every field is checked when the config is built, with an error that
-names the field and what it expected. The residual options and the AttnRes backends are described in `model.py`.
+names the field and what it expected. Which kernels run is not a model setting: `HybridLM` takes it when it is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_attention.ops.backends import BACKENDS
-from hybrid_attention.ops.kda.gate import GATE_FORMS, check_lower_bound
+from hybrid_attention.checks import check_lower_bound
+from hybrid_attention.choices import GATE_FORMS, LAYER_TYPES, RESIDUALS
 
-LAYER_TYPES = ("kda", "mla")
-RESIDUALS = ("standard", "attnres", "block_attnres")
-KDA_BACKENDS = (*BACKENDS, "fla")
-ATTNRES_BACKENDS = BACKENDS
+# Execution choices that run directories written before they became load-time arguments stored with the model
+# (`HybridLM(config, kda_backend=..., attnres_backend=...)`); `from_dict` drops them and says so.
+EXECUTION_FIELDS = ("kda_backend", "attnres_backend")
+
+
+class IgnoredSetting(UserWarning):
+    """A stored setting that no longer applies (the command line prints it as one line)."""
 
 
 def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
@@ -73,14 +77,12 @@ class HybridConfig:
     intermediate_size: int = 192
     residual: str = "attnres"
     attnres_block_size: int = 2  # sublayers per block (attention and MLP count separately); block_attnres only
-    attnres_backend: str = "auto"  # "auto" (fused Triton ops on CUDA), "triton" or "torch" (the references)
     norm_eps: float = 1e-6
     # KDA mixer
     kda_num_heads: int = 2
     kda_head_dim: int = 32
     kda_conv_size: int = 4
     kda_lower_bound: float = -5.0  # the "bounded" gate's
-    kda_backend: str = "auto"
     kda_gate: str = "bounded"  # the decay gate: "bounded", "softplus" or "head" (see ops/kda/gate.py)
     # Gated MLA mixer (NoPE)
     mla_num_heads: int = 2
@@ -105,12 +107,6 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig: layer_types[{i}] = {kind!r}; expected one of {LAYER_TYPES}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"HybridConfig: residual={self.residual!r}; expected one of {RESIDUALS}")
-        if self.attnres_backend not in ATTNRES_BACKENDS:
-            raise ValueError(
-                f"HybridConfig: attnres_backend={self.attnres_backend!r}; expected one of {ATTNRES_BACKENDS}"
-            )
-        if self.kda_backend not in KDA_BACKENDS:
-            raise ValueError(f"HybridConfig: kda_backend={self.kda_backend!r}; expected one of {KDA_BACKENDS}")
         positive = [
             "vocab_size",
             "hidden_size",
@@ -158,7 +154,18 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
-        """Inverse of `to_dict`; unknown keys raise ValueError."""
+        """Inverse of `to_dict`; unknown keys raise ValueError. The execution choices older run directories stored
+        (`EXECUTION_FIELDS`) are dropped with an `IgnoredSetting` warning when they asked for anything but "auto"."""
+        for name in EXECUTION_FIELDS:
+            if name in d and d[name] != "auto":
+                flag = "--" + name.replace("_", "-")
+                warnings.warn(
+                    f"the stored model config sets {name}={d[name]!r}, which is now chosen when the model is loaded "
+                    f"({flag}, default auto); the stored value is ignored",
+                    IgnoredSetting,
+                    stacklevel=2,
+                )
+        d = {k: v for k, v in d.items() if k not in EXECUTION_FIELDS}
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - known - {"num_layers"})
         if unknown:

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+_TORCH_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # choices.DTYPES
 
 
 def resolve_device(name: str) -> torch.device:
@@ -25,7 +25,7 @@ def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
             "--dtype bfloat16 is for CUDA devices; on the CPU use --dtype float32 (the default there): bf16 "
             "convolutions can take a very slow fallback path on processors without bf16 instructions"
         )
-    return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return _TORCH_DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def autocast_for(device: torch.device, dtype: str):

@@ -12,7 +12,7 @@ wired by `config.residual`:
   block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
   of its own block.
 
-`config.attnres_backend` picks how AttnRes runs (the vocabulary of `hybrid_attention.ops.backends`): "auto" takes the
+`HybridLM(config, attnres_backend=...)` picks how AttnRes runs (the vocabulary of `ops.backends`): "auto" takes the
 fused differentiable Triton ops on CUDA (each AttnRes fused with the RMSNorm that reads it, sources never stacked,
 Block AttnRes in its two-phase form; see `layers.attnres.attn_res_stream`) and the readable list path elsewhere or
 inside `backends.use_reference()`; "triton" forces the fused ops (CPU under the Triton interpreter); "torch" forces
@@ -35,6 +35,7 @@ from torch import nn
 
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.checks import is_int
+from hybrid_attention.choices import ATTNRES_BACKENDS, KDA_BACKENDS
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.kda import KimiDeltaAttention
@@ -58,7 +59,7 @@ class ModelOutput:
 class DecoderLayer(nn.Module):
     """Pre-norm [mixer, SwiGLU MLP]. With AttnRes, each sublayer also owns the AttnRes that builds its input."""
 
-    def __init__(self, config: HybridConfig, layer_type: str):
+    def __init__(self, config: HybridConfig, layer_type: str, *, kda_backend: str = "auto"):
         super().__init__()
         c = config
         self.layer_type = layer_type
@@ -71,7 +72,7 @@ class DecoderLayer(nn.Module):
                 conv_size=c.kda_conv_size,
                 lower_bound=c.kda_lower_bound,
                 norm_eps=c.norm_eps,
-                backend=c.kda_backend,
+                backend=kda_backend,
                 gate=c.kda_gate,
             )
         else:
@@ -110,11 +111,21 @@ class DecoderLayer(nn.Module):
 class HybridLM(nn.Module):
     check_token_ids: bool = False  # True: check token ids on every device, at one host sync per forward
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, *, kda_backend: str = "auto", attnres_backend: str = "auto"):
+        """`kda_backend` (`choices.KDA_BACKENDS`) and `attnres_backend` (`choices.ATTNRES_BACKENDS`) choose the
+        kernels, as transformers' `attn_implementation` does: how the model runs, not what it computes, so they are
+        not part of `config` nor of a saved run."""
         super().__init__()
+        for name, value, allowed in (
+            ("kda_backend", kda_backend, KDA_BACKENDS),
+            ("attnres_backend", attnres_backend, ATTNRES_BACKENDS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"HybridLM: {name}={value!r}; expected one of {allowed}")
         self.config = config
+        self.kda_backend, self.attnres_backend = kda_backend, attnres_backend
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kind) for kind in config.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(config, kind, kda_backend=kda_backend) for kind in config.layer_types)
         if config.residual != "standard":
             self.final_res = AttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -214,7 +225,7 @@ class HybridLM(nn.Module):
                 norm_weight=norm.weight,
                 norm_eps=norm.eps,
                 latest=latest,
-                backend="torch" if self.config.attnres_backend == "torch" else "auto",
+                backend="torch" if self.attnres_backend == "torch" else "auto",
             )
             if g is None:
                 return x
@@ -226,8 +237,8 @@ class HybridLM(nn.Module):
         return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode)]
 
     def _fused_attnres(self, embedding: torch.Tensor) -> bool:
-        """Whether AttnRes runs through the fused differentiable ops (`config.attnres_backend`, see the module)."""
-        backend = self.config.attnres_backend
+        """Whether AttnRes runs through the fused differentiable ops (`attnres_backend`, see the module)."""
+        backend = self.attnres_backend
         if backend == "triton" and not fused_train_supported(embedding):
             raise ValueError(
                 f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.config import PRESETS
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.generate import generate
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint
 from hybrid_attention.runs.checkpoint import load_run
 from hybrid_attention.training.config import TrainConfig
@@ -45,7 +45,6 @@ def test_defaults_and_presets():
     assert (config.steps, config.batch_size, config.seq_len, config.device) == (250, 8, 128, "auto")
     args = cli.build_parser().parse_args(["train"])
     assert all(getattr(args, name) is None for name in ("steps", "lr", "data", "out", "compile", "preset"))
-    assert set(cli.PRESETS) == set(PRESETS)
     assert TrainConfig.create(preset="k3-scaled").seq_len == 2048
 
 

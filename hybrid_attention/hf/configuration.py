@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from hybrid_attention.model import HybridConfig
+from hybrid_attention.config import HybridConfig
 
 
 def hybrid_fields() -> dict[str, Any]:

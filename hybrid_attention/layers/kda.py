@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid_attention.checks import check_lower_bound
 from hybrid_attention.layers.conv import ShortConv
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear, project
 from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda, resolve_backend
-from hybrid_attention.ops.kda.gate import check_gate_form, check_lower_bound, head_as_channels
+from hybrid_attention.ops.kda.gate import check_gate_form, head_as_channels
 from hybrid_attention.ops.numerics import compute_dtype
 
 

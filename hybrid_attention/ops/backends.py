@@ -1,7 +1,7 @@
 """Which implementation runs: one rule for every op and layer, and one switch that forces the PyTorch references.
 
 Every Triton kernel here sits beside a readable PyTorch reference. The ops and settings that name a backend
-(`chunk_kda`, `mla_decode`, `attn_res_norm`, `HybridConfig.kda_backend` and `attnres_backend`, the decode step's
+(`chunk_kda`, `mla_decode`, `attn_res_norm`, `HybridLM(kda_backend=, attnres_backend=)`, the decode step's
 `gemv`) share one vocabulary:
 
 - "torch": the PyTorch reference;
@@ -28,9 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hybrid_attention.choices import BACKENDS
 from hybrid_attention.ops.triton_support import triton_runs_on
-
-BACKENDS = ("auto", "torch", "triton")
 
 # Process-wide, like torch.backends' flags; a plain module global so that torch.compile guards on its value.
 _fast_paths = True

@@ -402,11 +402,19 @@ def append_log(run_dir: str | Path, row: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- reading
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights: bool = True):
+def load_run(
+    run_dir: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    weights: bool = True,
+    kda_backend: str = "auto",
+    attnres_backend: str = "auto",
+):
     """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32), with the
-    weights of its newest complete checkpoint."""
+    weights of its newest complete checkpoint; the backends choose its kernels (`HybridLM`)."""
+    from hybrid_attention.config import HybridConfig
     from hybrid_attention.data.tokenizer import tokenizer_from_dict
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.model import HybridLM
 
     config = load_config(run_dir)
     try:
@@ -420,7 +428,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
         )
     if not weights:
         with torch.device("meta"):
-            return HybridLM(model_config), config, tokenizer
+            return HybridLM(model_config, kda_backend=kda_backend, attnres_backend=attnres_backend), config, tokenizer
     directory = latest_checkpoint(run_dir)
     if directory is None:
         raise no_checkpoint_error(run_dir)
@@ -430,6 +438,6 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, weights
             f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
         )
     with torch.device(device):  # the random initialisation the weights replace runs where it is cheap
-        model = HybridLM(model_config)
+        model = HybridLM(model_config, kda_backend=kda_backend, attnres_backend=attnres_backend)
     load_weights(directory, model)
     return model.eval(), config, tokenizer

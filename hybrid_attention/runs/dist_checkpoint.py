@@ -195,7 +195,8 @@ def export(run_dir: str | Path) -> Path:
     """Gather the model of the run's newest (sharded) checkpoint into `model.safetensors` in its step directory, the
     step in its metadata, readable on one device. Needs no process group; holds the run's lock while it writes.
     Returns the file written."""
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
     from hybrid_attention.runs.rundir import RunLock
 
     config = run_config.load_config(run_dir)

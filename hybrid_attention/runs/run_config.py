@@ -21,7 +21,7 @@ FORMAT = "hybrid-attention-run"
 # Every model setting a run has stored since the format began; settings added later fall back to their defaults.
 MODEL_REQUIRED = (
     "vocab_size", "hidden_size", "layer_types", "intermediate_size", "residual", "attnres_block_size", "norm_eps",
-    "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_lower_bound", "kda_backend", "mla_num_heads",
+    "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_lower_bound", "mla_num_heads",
     "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_shared_head_dim", "mla_v_head_dim", "mla_q_lora_rank",
     "tie_embeddings", "init_std",
 )  # fmt: skip
@@ -74,7 +74,7 @@ def save_config(run_dir: str | Path, config: dict) -> None:
 def load_config(run_dir: str | Path) -> dict:
     """The run's config.json as a dict, its model and tokenizer sections checked; ValueError when the directory is
     not a run or the file is damaged. (The train section is checked by `TrainConfig.create`.)"""
-    from hybrid_attention.model import HybridConfig
+    from hybrid_attention.config import EXECUTION_FIELDS, HybridConfig
 
     path = Path(run_dir) / CONFIG
     if not Path(run_dir).is_dir():
@@ -90,7 +90,8 @@ def load_config(run_dir: str | Path) -> dict:
     for key in ("model", "tokenizer", "train"):
         if not isinstance(config.get(key), dict):
             raise ValueError(f"{path} has no {key!r} section")
-    model = {k: v for k, v in config["model"].items() if k != "num_layers"}  # derived; older runs stored it
+    # num_layers is derived, the execution choices are load-time arguments (`HybridConfig.from_dict` says so)
+    model = {k: v for k, v in config["model"].items() if k not in ("num_layers", *EXECUTION_FIELDS)}
     check_fields(model, HybridConfig, f"{path} model section", required=MODEL_REQUIRED)
     tokenizer = config["tokenizer"]
     if tokenizer.get("kind") not in ("byte", "bpe"):

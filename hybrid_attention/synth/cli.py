@@ -7,6 +7,7 @@ import argparse
 import json
 
 from hybrid_attention.arg_types import non_negative_float, positive_float, positive_int, seed_int
+from hybrid_attention.choices import DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, RESIDUALS
 
 # The lengths that separate the models (512, 1024) first, then the short and the long end.
 DEFAULT_GRID = "palindrome,mqar,stack/512,1024/kda,gdn,mla;palindrome,mqar,stack/256,2048/kda,gdn,mla"
@@ -41,14 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
     p.add_argument("--heads", type=positive_int, default=2, help="heads per mixer (default 2)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="channels per head (default 128)")
-    p.add_argument("--residual", choices=("standard", "attnres", "block_attnres"), default="standard")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+    p.add_argument("--residual", choices=RESIDUALS, default="standard")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw, or muon for the hidden matrices and adamw for the rest (default adamw)")  # fmt: skip
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--out", default="runs/synth", help="directory of log.jsonl and accuracy.png (default runs/synth)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on CUDA")
-    p.add_argument("--kda-backend", choices=("auto", "torch", "triton", "fla"), default="auto")
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA")
+    p.add_argument("--kda-backend", choices=KDA_BACKENDS, default="auto")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each training step from a CUDA graph (CUDA only): the same steps, faster "
                    "for models this small")  # fmt: skip

@@ -8,7 +8,7 @@ layer one mixer kind.
 
 from __future__ import annotations
 
-from hybrid_attention.model import HybridConfig
+from hybrid_attention.config import HybridConfig
 
 MODELS = ("kda", "gdn", "mla")
 
@@ -21,7 +21,6 @@ def model_config(
     num_heads: int = 2,
     head_dim: int = 128,
     residual: str = "standard",
-    kda_backend: str = "auto",
 ) -> HybridConfig:
     """HybridConfig of `model` ("kda", "gdn" or "mla"): hidden size num_heads * head_dim, a 8/3-wide SwiGLU (rounded
     up to 64), MLA with a latent as wide as the hidden state and a quarter of each query-key head shared."""
@@ -38,7 +37,6 @@ def model_config(
         kda_num_heads=num_heads,
         kda_head_dim=head_dim,
         kda_gate="head" if model == "gdn" else "bounded",
-        kda_backend=kda_backend,
         mla_num_heads=num_heads,
         mla_kv_lora_rank=hidden,
         mla_qk_nope_head_dim=head_dim - shared,

@@ -133,9 +133,9 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     it computes the same steps."""
     task = s.task(spec.task, spec.seq_len)
     config = model_config(spec.model, task.vocab_size, num_layers=s.num_layers, num_heads=s.num_heads,
-                          head_dim=s.head_dim, residual=s.residual, kda_backend=s.kda_backend)  # fmt: skip
+                          head_dim=s.head_dim, residual=s.residual)  # fmt: skip
     torch.manual_seed(s.seed)
-    model = HybridLM(config).to(device)
+    model = HybridLM(config, kda_backend=s.kda_backend).to(device)
     optimizers = build_optimizers(model, optimizer=s.optimizer, lr=spec.lr, weight_decay=s.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=spec.steps // 10, steps=spec.steps, min_ratio=0.1)
     params = [p for p in model.parameters() if p.requires_grad]

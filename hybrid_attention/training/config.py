@@ -7,9 +7,8 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from hybrid_attention.device import DTYPES
+from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, TOKENIZERS
 from hybrid_attention.runs import run_config
-from hybrid_attention.training.optim import OPTIMIZERS
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
 # ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
@@ -49,7 +48,8 @@ class TrainConfig:
     dtype: str = "auto"
     compile: bool = False
     cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, one process
-    kda_backend: str | None = None  # None: the model config's ("auto")
+    kda_backend: str | None = None  # None: "auto"; how the run executes, not part of the model
+    attnres_backend: str | None = None  # None: "auto"
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
     # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
@@ -106,10 +106,13 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"--weight-decay and --clip must be >= 0, got {self.weight_decay} and {self.clip}")
-        checks = (("optimizer", OPTIMIZERS), ("tokenizer", ("byte", "bpe")), ("device", ("auto", "cpu", "cuda")))
-        for name, choices in (*checks, ("dtype", tuple(DTYPES))):
+        checks = (("optimizer", OPTIMIZERS), ("tokenizer", TOKENIZERS), ("device", DEVICES), ("dtype", DTYPES))
+        checks += (("kda_backend", (None, *KDA_BACKENDS)), ("attnres_backend", (None, *ATTNRES_BACKENDS)))
+        for name, choices in checks:
             if getattr(self, name) not in choices:
-                raise ValueError(f"--{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+                allowed = ", ".join(c for c in choices if c is not None)
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
             raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
         if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
@@ -127,7 +130,8 @@ class TrainConfig:
         return self
 
 
-_WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend"}  # where and how the run executes
+# where and how the run executes
+_WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend", "attnres_backend"}
 _WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume

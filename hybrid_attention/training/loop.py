@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import files
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.data.batches import sample_batch, unigram_loss
 from hybrid_attention.data.sources import load_corpus
 from hybrid_attention.data.token_cache import encode_corpus
@@ -39,7 +40,7 @@ from hybrid_attention.data.tokenizer import (
     tokenizer_from_dict,
 )
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
@@ -79,11 +80,10 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    backend = {} if config.kda_backend is None else {"kda_backend": config.kda_backend}
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
         try:
-            model_config = HybridConfig.from_dict({**saved["model"], **backend})
+            model_config = HybridConfig.from_dict(saved["model"])
         except ValueError as e:
             raise ValueError(f"{run_dir / run_config.CONFIG}: {e}") from None
     else:
@@ -91,7 +91,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
         else:
             tokenizer = ByteTokenizer()
-        overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size, **backend}
+        overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size}
         model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
         raise ValueError(
@@ -109,7 +109,8 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     if saved is not None:
         check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / run_config.CONFIG))
     torch.manual_seed(config.seed)
-    model = HybridLM(model_config).to(device)
+    backends = dict(kda_backend=config.kda_backend or "auto", attnres_backend=config.attnres_backend or "auto")
+    model = HybridLM(model_config, **backends).to(device)
     build = build_optimizers
     if par.sharded:
         distributed.shard_for_training(model, par, config, tokenizer, train_tokens)

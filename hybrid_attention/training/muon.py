@@ -14,10 +14,10 @@ A group is stacked in slices of at most `STACK_ELEMENTS` elements, which bounds 
 
 The learning rate may be a Python number or a one-element device tensor (a CUDA graph reads the tensor at every
 replay: `train_step.TrainStep`); a tensor rate steps bitwise as the same number does wherever float32 holds that
-number exactly. With a number, every parameter and momentum buffer is bitwise what
-`torch.optim.Muon` computes wherever the batched products round as the single ones do (they do on many CPUs; on a GPU the
-library may choose other product kernels for a stack, which round differently in the last bits of the bfloat16
-iterates). The state is torch's (`momentum_buffer` per matrix), so checkpoints move between the two.
+number exactly. With a number, every parameter and momentum buffer is bitwise what `torch.optim.Muon` computes
+wherever the batched products round as the single ones do (on many CPUs; on a GPU the library may choose other
+product kernels for a stack, which round differently in the last bits of the bfloat16 iterates). The state is
+torch's (`momentum_buffer` per matrix), so checkpoints move between the two.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon")
+from hybrid_attention.choices import OPTIMIZERS
 
 
 def _embedding_and_head(model: nn.Module) -> set[int]:

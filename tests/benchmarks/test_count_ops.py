@@ -7,7 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.count_ops import _kind, count_step, summarize
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 
 
 class _Plain(TorchDispatchMode):
@@ -22,8 +23,8 @@ class _Plain(TorchDispatchMode):
 
 def test_every_op_counted_once_and_charged_to_a_module():
     torch.manual_seed(0)
-    config = HybridConfig.from_preset("tiny", residual="standard", layer_types=("kda", "mla"), kda_backend="torch")
-    model = HybridLM(config).train()
+    config = HybridConfig.from_preset("tiny", residual="standard", layer_types=("kda", "mla"))
+    model = HybridLM(config, kda_backend="torch").train()
     ids = torch.randint(0, config.vocab_size, (1, 16))
     counter = count_step(model, ids, torch.bfloat16)
     s = summarize(counter, config.layer_types)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.saved_bytes import per_token_bytes, saved_tensors
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 
 BF16, F32, I64 = 2, 4, 8
 

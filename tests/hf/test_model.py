@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
+from hybrid_attention.config import HybridConfig  # noqa: E402
 from hybrid_attention.hf import HybridAttentionCache, HybridAttentionConfig, HybridAttentionForCausalLM  # noqa: E402
 from hybrid_attention.hf.modeling import CACHE_KWARG  # noqa: E402
 from hybrid_attention.inference.generate import generate  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.model import HybridLM  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 
 

@@ -7,17 +7,18 @@ import copy
 import pytest
 import torch
 
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.generate import generate, generate_stream, prefill, sample_next_token
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = HybridConfig.from_preset("tiny", kda_backend="torch")
-    m = HybridLM(cfg).double().eval()
+    cfg = HybridConfig.from_preset("tiny")
+    m = HybridLM(cfg, kda_backend="torch").double().eval()
     for name, p in m.named_parameters():  # non-trivial AttnRes mixing
         if name.endswith(".query"):
             p.data.normal_()

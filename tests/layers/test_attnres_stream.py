@@ -1,16 +1,18 @@
 """The residual streams on the fused AttnRes training ops (the interpreter on CPU, float64) against the readable list
 path: Full AttnRes and Block AttnRes at block sizes that do and do not divide the sublayer count, outputs and every
-gradient; one training step of the model (`attnres_backend="triton"`) with the same loss and parameter gradients as
-`attnres_backend="torch"`; and `torch.compile` with fullgraph=True tracing a training step through the custom ops."""
+gradient; one training step of the model (`HybridLM(..., attnres_backend="triton")`) with the same loss and parameter
+gradients as `attnres_backend="torch"`; and `torch.compile` with fullgraph=True tracing a training step through the
+custom ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_close
@@ -26,7 +28,7 @@ TOL = 1e-10 if DTYPE == torch.float64 else 1e-4
 # Smaller than the tiny preset: the Triton interpreter runs every program of every kernel in Python.
 SMALL = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, kda_head_dim=16, mla_kv_lora_rank=16,
-    mla_qk_nope_head_dim=8, mla_qk_shared_head_dim=8, mla_v_head_dim=16, kda_backend="torch",
+    mla_qk_nope_head_dim=8, mla_qk_shared_head_dim=8, mla_v_head_dim=16,
 )  # fmt: skip
 
 
@@ -34,14 +36,15 @@ def model_pair(residual, layer_types=("kda", "kda", "kda", "mla"), **overrides):
     """(fused, reference) small models with the same weights: random pseudo-queries, key-norm and norm weights."""
     torch.manual_seed(0)
     cfg = dict(SMALL, residual=residual, layer_types=layer_types, **overrides)
-    ref = HybridLM(HybridConfig.from_preset("tiny", attnres_backend="torch", **cfg)).to(DEV, DTYPE)
+    config = HybridConfig.from_preset("tiny", **cfg)
+    ref = HybridLM(config, kda_backend="torch", attnres_backend="torch").to(DEV, DTYPE)
     gen = torch.Generator().manual_seed(1)
     for name, p in ref.named_parameters():
         if name.endswith(".query"):
             p.data.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
         elif name.endswith("norm.weight"):
             p.data.copy_(0.5 + torch.rand(p.shape, generator=gen, dtype=p.dtype))
-    fused = HybridLM(HybridConfig.from_preset("tiny", attnres_backend="triton", **cfg)).to(DEV, DTYPE)
+    fused = HybridLM(config, kda_backend="torch", attnres_backend="triton").to(DEV, DTYPE)
     fused.load_state_dict(ref.state_dict())
     return fused, ref
 
@@ -155,7 +158,7 @@ def test_block_preset():
 
 def test_backend_errors():
     with pytest.raises(ValueError, match="attnres_backend"):
-        HybridConfig.from_preset("tiny", attnres_backend="cuda")
+        HybridLM(HybridConfig.from_preset("tiny"), attnres_backend="cuda")
 
 
 def test_compile_fullgraph_training_step():

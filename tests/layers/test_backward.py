@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.layers.mlp import SwiGLU
-from hybrid_attention.layers.norm import RMSNorm, rms_norm
+from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.ops.numerics import rms_norm
 from tests.helpers import assert_as_accurate, assert_close
 
 

@@ -223,7 +223,8 @@ def test_bad_input_raises():
 
 
 def test_config_field_selects_the_gate():
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
 
     model = HybridLM(HybridConfig.from_preset("tiny", kda_gate="head"))
     gates = {m.gate for m in model.modules() if isinstance(m, KimiDeltaAttention)}

@@ -6,17 +6,18 @@ import pytest
 import torch
 from torch import nn
 
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.generate import generate
 from hybrid_attention.layers import GatedMLA, KimiDeltaAttention, SwiGLU
 from hybrid_attention.layers.packed import PackedLinear, PackedProjections
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close
 
 
 def tiny_model(dtype=torch.float64) -> HybridLM:
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch")).to(dtype).eval()
+    model = HybridLM(HybridConfig.from_preset("tiny"), kda_backend="torch").to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".query"):  # non-trivial AttnRes mixing

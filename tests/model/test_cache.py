@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from hybrid_attention.cache import HybridCache
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.layers.kda import KDACache
 from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.layers.seqlens import SeqLens
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close, poisoned_like
 
 
@@ -22,7 +23,7 @@ def meta_model(preset: str, dtype=torch.bfloat16) -> HybridLM:
 
 def tiny(dtype=torch.float64, **overrides) -> HybridLM:
     torch.manual_seed(0)
-    return HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch", **overrides)).to(dtype).eval()
+    return HybridLM(HybridConfig.from_preset("tiny", **overrides), kda_backend="torch").to(dtype).eval()
 
 
 def test_k3_scaled_bytes_per_token_and_state_exactly():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hybrid_attention.ops.backends as backends
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.triton_support import triton_runs_on
 from tests.helpers import DEV, assert_close, needs_triton
 

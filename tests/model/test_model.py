@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close
 
 RESIDUALS = ["standard", "attnres", "block_attnres"]
@@ -11,8 +12,8 @@ RESIDUALS = ["standard", "attnres", "block_attnres"]
 
 def tiny_model(residual="attnres", dtype=torch.float64, seed=0, **overrides) -> HybridLM:
     torch.manual_seed(seed)
-    cfg = HybridConfig.from_preset("tiny", residual=residual, kda_backend="torch", **overrides)
-    return HybridLM(cfg).to(dtype).eval()
+    cfg = HybridConfig.from_preset("tiny", residual=residual, **overrides)
+    return HybridLM(cfg, kda_backend="torch").to(dtype).eval()
 
 
 def randomize_attnres(model: HybridLM, seed=1) -> None:
@@ -51,7 +52,7 @@ def test_config_round_trip_and_errors():
     with pytest.raises(ValueError, match="unknown fields"):
         HybridConfig.from_dict({**cfg.to_dict(), "rope_theta": 1e4})
     with pytest.raises(ValueError, match="kda_backend"):
-        HybridConfig.from_preset("tiny", kda_backend="cuda")
+        HybridLM(HybridConfig.from_preset("tiny"), kda_backend="cuda")
     with pytest.raises(ValueError, match="lower_bound"):
         HybridConfig.from_preset("tiny", kda_lower_bound=0.0)
     with pytest.raises(ValueError, match="hidden_size"):

@@ -37,15 +37,16 @@ def test_decode_step_with_act_mul(monkeypatch):
     runs it, and the step must give the logits of a step without packing (which never takes it)."""
     import hybrid_attention.layers.packed as packed_mod
     import hybrid_attention.ops.act_mul as act_mod
+    from hybrid_attention.config import HybridConfig
     from hybrid_attention.inference.decode_graph import DecodeStep
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.model import HybridLM
 
     monkeypatch.setattr(packed_mod, "_act_mul_ok", lambda a, b: True)
     calls = []
     real = act_mod.act_mul
     monkeypatch.setattr(act_mod, "act_mul", lambda a, b, act: calls.append(act) or real(a, b, act))
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch")).eval()
+    model = HybridLM(HybridConfig.from_preset("tiny"), kda_backend="torch").eval()
     ids = torch.randint(0, 256, (2, 4))
     logits = {}
     for pack in (True, False):

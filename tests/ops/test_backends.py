@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import hybrid_attention.ops.backends as backends
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.generate import generate
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.backends import resolve, use_reference, use_triton
 
 triton = pytest.importorskip("triton")

@@ -129,7 +129,8 @@ def test_compile_fullgraph():
 
 
 def test_model_loss_without_logits_matches_the_plain_head():
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
 
     torch.manual_seed(0)
     model = HybridLM(HybridConfig.from_preset("tiny", residual="standard")).double()

@@ -67,11 +67,12 @@ def test_gemv_rejects_what_it_cannot_take():
 
 def test_decode_step_through_the_gemv_equals_the_default(monkeypatch):
     """Every product of every step goes to the kernel with gemv="triton", none with gemv="torch"; same logits."""
+    from hybrid_attention.config import HybridConfig
     from hybrid_attention.inference.decode_graph import DecodeStep
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.model import HybridLM
 
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch")).eval()
+    model = HybridLM(HybridConfig.from_preset("tiny"), kda_backend="torch").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".query"):

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import cli
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import manifest, run_config
 from hybrid_attention.runs.rundir import RunLock
@@ -262,3 +263,14 @@ def test_step_directories_that_are_not_whole_are_refused_not_overwritten(run, ca
         code, _, err = run_cli(argv, capsys)
         assert code == 1 and one_line(err, "checkpoints/ holds step_00000004 but none is whole"), err
     assert snapshot(run) == before
+
+
+def test_execution_choices_stored_by_older_runs_are_ignored_with_a_note(run, capsys):
+    """kda_backend and attnres_backend were saved with the model once; they are chosen at load time now."""
+    _edit_config(run, lambda c: c["model"].update(kda_backend="fla", attnres_backend="auto"))
+    code, _, err = run_cli(["generate", "--ckpt", run, "--prompt", "x", "--max-new-tokens", 2], capsys)
+    assert code == 0, err
+    assert "note: the stored model config sets kda_backend='fla'" in err and "attnres_backend" not in err
+    assert "kda_backend" not in HybridConfig.from_preset("tiny").to_dict()
+    code, _, err = run_cli(["generate", "--ckpt", run, "--prompt", "x", "--kda-backend", "nope"], capsys)
+    assert code == 2 and "--kda-backend: invalid choice" in err

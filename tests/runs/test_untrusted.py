@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, manifest, run_config
 from hybrid_attention.runs.dcp_reader import read_metadata_safely

@@ -123,7 +123,8 @@ def _units(rank: int) -> int:
 def _check_units(rank: int) -> None:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from hybrid_attention.model import HybridConfig, HybridLM
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
     from hybrid_attention.training.distributed import Parallel, shard_model
     from hybrid_attention.training.muon import GatheredMuon
 

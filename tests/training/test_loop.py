@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from hybrid_attention import files
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import manifest, run_config
 from hybrid_attention.training.config import TrainConfig

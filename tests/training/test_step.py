@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import run_config
 from hybrid_attention.training.config import TrainConfig

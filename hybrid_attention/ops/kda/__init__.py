@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_attention.choices import GATE_FORMS
 from hybrid_attention.ops.backends import use_triton
 from hybrid_attention.ops.kda.common import l2_normalize, validate_kda_inputs
 from hybrid_attention.ops.kda.decode_step import kda_decode_step
-from hybrid_attention.ops.kda.gate import FUSED_FORMS, GATE_FORMS, check_gate, check_gate_form, kda_gate
+from hybrid_attention.ops.kda.gate import FUSED_FORMS, check_gate, check_gate_form, kda_gate
 from hybrid_attention.ops.kda.naive import chunk_kda_torch
 from hybrid_attention.ops.kda.naive import recurrent_kda as recurrent_kda_per_head
 from hybrid_attention.ops.kda.value_heads import repeat_qk_heads, value_head_groups

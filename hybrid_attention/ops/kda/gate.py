@@ -12,29 +12,19 @@ takes a gate calls it. Every backend is exact for any g <= 0, so the lower bound
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from hybrid_attention.ops.kda.common import compute_dtype
+from hybrid_attention.checks import check_lower_bound
+from hybrid_attention.choices import GATE_FORMS
+from hybrid_attention.ops.numerics import compute_dtype
 
-GATE_FORMS = ("bounded", "softplus", "head")
 # The forms the chunk op and the decode kernels compute from logits inside the kernels ("head" is "softplus" on
 # logits repeated over K, see `head_as_channels`).
 FUSED_FORMS = ("bounded", "softplus")
 DEFAULT_LOWER_BOUND = -5.0
 # Integer codes of the fused forms inside the Triton kernels (0: g is already the decay).
 FORM_CODES = {None: 0, "bounded": 1, "softplus": 2}
-
-
-def check_lower_bound(lower_bound, *, name: str) -> float:
-    """The one rule for a bounded gate's lower bound: a finite number < 0. Returns it as a float."""
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise ValueError(f"{name}: lower_bound must be a finite number < 0, got {lower_bound!r}")
-    if not math.isfinite(lower_bound) or lower_bound >= 0:
-        raise ValueError(f"{name}: lower_bound must be a finite number < 0, got {lower_bound!r}")
-    return float(lower_bound)
 
 
 def check_gate_form(form, *, name: str, allowed: tuple[str, ...] = GATE_FORMS) -> str:

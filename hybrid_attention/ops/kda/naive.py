@@ -22,12 +22,12 @@ import torch
 
 from hybrid_attention.ops.kda.common import (
     check_values,
-    compute_dtype,
     resolve_scale,
     sequence_bounds,
     validate_chunk_size,
     validate_kda_inputs,
 )
+from hybrid_attention.ops.numerics import compute_dtype
 
 Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

@@ -18,10 +18,11 @@ pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 from transformers import DynamicCache  # noqa: E402
 
+from hybrid_attention.config import HybridConfig  # noqa: E402
 from hybrid_attention.hf import HybridAttentionForCausalLM  # noqa: E402
 from hybrid_attention.hf.convert import convert_kda, convert_mla  # noqa: E402
 from hybrid_attention.inference.generate import generate  # noqa: E402
-from hybrid_attention.model import HybridConfig, HybridLM  # noqa: E402
+from hybrid_attention.model import HybridLM
 from tests.helpers import (
     assert_as_accurate,  # noqa: E402
     needs_cuda,  # noqa: E402

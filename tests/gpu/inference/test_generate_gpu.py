@@ -17,10 +17,11 @@ import copy
 import pytest
 import torch
 
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.generate import generate, prefill
 from hybrid_attention.layers.mla import MLACache
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.backends import use_reference
 from tests.helpers import assert_as_accurate, assert_close, needs_cuda
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.backends import use_reference
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.rms_norm import rms_norm_fused
@@ -69,10 +70,8 @@ def test_training_step_matches_reference():
     the stacked SwiGLU matmul, the short conv and gated norm kernels) equal the PyTorch references' to float32
     accuracy. The KDA chunk op runs its reference both times (its kernels use TF32 products, tested elsewhere)."""
     torch.manual_seed(0)
-    config = HybridConfig.from_preset(
-        "tiny", residual="standard", hidden_size=256, intermediate_size=704, kda_backend="torch"
-    )
-    model = HybridLM(config).cuda()
+    config = HybridConfig.from_preset("tiny", residual="standard", hidden_size=256, intermediate_size=704)
+    model = HybridLM(config, kda_backend="torch").cuda()
     ids = torch.randint(0, config.vocab_size, (2, 300), device="cuda")
     results = {}
     for reference in (False, True):

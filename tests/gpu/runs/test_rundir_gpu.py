@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hybrid_attention import cli
+from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.generate import generate
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.optim._muon import _adjust_lr
 
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.training.muon import StackedMuon
 from hybrid_attention.training.optim import param_groups
 from tests.helpers import needs_cuda

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres import rows
 from hybrid_attention.runs.checkpoint import read_log
 from hybrid_attention.training.optim import build_optimizers

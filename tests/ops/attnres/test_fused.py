@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.layers.norm import rms_norm
-from hybrid_attention.model import HybridConfig, HybridLM
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres.fused import _attn_res_norm_triton, attn_res_norm
 from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_close
 
@@ -124,7 +125,7 @@ def test_model_inference_path_equals_training_path():
     """Without autograd a Full-AttnRes model writes sources into one buffer and fuses each AttnRes with its
     sublayer's RMSNorm; with autograd it takes the list path. Same logits (float64), with a cache too."""
     torch.manual_seed(3)
-    model = HybridLM(HybridConfig.from_preset("tiny", kda_backend="torch")).double()
+    model = HybridLM(HybridConfig.from_preset("tiny"), kda_backend="torch").double()
     for name, p in model.named_parameters():
         if name.endswith(".query") or "_res.key_norm" in name or name.endswith("norm.weight"):
             p.data.uniform_(0.5, 1.5) if "norm" in name else p.data.normal_()

@@ -1,0 +1,12 @@
+"""The choice lists every config, command line and op reads, in one torch-free module."""
+
+LAYER_TYPES = ("kda", "mla")
+RESIDUALS = ("standard", "attnres", "block_attnres")
+BACKENDS = ("auto", "torch", "triton")  # the vocabulary of ops/backends.py
+KDA_BACKENDS = (*BACKENDS, "fla")
+ATTNRES_BACKENDS = BACKENDS
+GATE_FORMS = ("bounded", "softplus", "head")  # the KDA decay gates (ops/kda/gate.py)
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")
+TOKENIZERS = ("byte", "bpe")
