@@ -30,10 +30,11 @@ import time
 import torch
 from bench_common import emit_json, env_info, log
 
-from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
+from hybrid_attention.layers.attnres import AttnRes
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
-from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
+from hybrid_attention.layers.stream import block_attn_res_stream, full_attn_res_stream, residual_stream
+from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
+from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 
@@ -131,51 +132,33 @@ def op_cases(B, T):
 
 
 def make_steps():
-    """26 sublayers g(x) = x * c (a new bf16 tensor per sublayer, as a real output), each with its AttnRes and
-    RMSNorm, then the final AttnRes and norm."""
+    """26 sublayers g(x) = x * c (a new bf16 tensor per sublayer, as a real output), each with its AttnRes (none on
+    the first, which reads the embedding alone) and RMSNorm, then the final AttnRes and norm."""
     steps, ps = [], []
     for i in range(SUBLAYERS + 1):
-        res, norm = AttnRes(D).cuda(), RMSNorm(D).cuda()
-        res.query.data.normal_(0, D**-0.5)
+        res, norm = (AttnRes(D).cuda() if i else None), RMSNorm(D).cuda()
+        if res is not None:
+            res.query.data.normal_(0, D**-0.5)
         c = torch.randn(D, device="cuda").requires_grad_()
         g = None if i == SUBLAYERS else (lambda x, c=c: (x * c).to(torch.bfloat16))
         steps.append((res, norm, g))
-        ps += [*res.parameters(), *norm.parameters()] + ([c] if g is not None else [])
+        ps += [*(res.parameters() if res is not None else []), *norm.parameters()] + ([c] if g is not None else [])
     return steps, ps
-
-
-def reference_stream(emb, steps, block_size):
-    blocks, partial = [emb], None
-    for i, (res, norm, g) in enumerate(steps):
-        if i % block_size == 0 and partial is not None and g is not None:
-            blocks.append(partial)
-            partial = None
-        x = norm(res(blocks if partial is None else [*blocks, partial]))
-        if g is None:
-            return x
-        y = g(x)
-        partial = y if partial is None else partial + y
-
-
-def standard_stream(emb, steps):
-    h = emb
-    for _, norm, g in steps:
-        x = norm(h)
-        if g is None:
-            return x
-        h = h + g(x)
 
 
 def stream_cases(B, T):
     steps, ps = make_steps()
+    standard_steps = [(None, norm, g) for _, norm, g in steps]
     emb = torch.randn(B, T, D, device="cuda").requires_grad_()
     emb16 = emb.detach().bfloat16().requires_grad_()
     variants = {
-        "standard": lambda: standard_stream(emb, steps),
-        "full fused": lambda: attn_res_stream(emb, steps),
-        "full reference": lambda: reference_stream(emb16, steps, 1),
+        "standard": lambda: residual_stream("standard", emb, standard_steps),
+        "full fused": lambda: full_attn_res_stream(emb, steps),
+        "full reference": lambda: residual_stream("attnres", emb16, steps, backend="torch"),
         f"block {BLOCK} fused": lambda: block_attn_res_stream(emb, steps, BLOCK),
-        f"block {BLOCK} reference": lambda: reference_stream(emb16, steps, BLOCK),
+        f"block {BLOCK} reference": lambda: residual_stream(
+            "block_attnres", emb16, steps, block_size=BLOCK, backend="torch"
+        ),
     }
     inputs = lambda name: [emb16 if "reference" in name else emb, *ps]
     return [("stream fwd+bwd", {k: fwd_bwd(f, inputs(k)) for k, f in variants.items()})]

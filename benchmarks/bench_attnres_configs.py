@@ -48,7 +48,7 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.rows import pointer_table, residual_scale, source_bucket, split_scalar
-    from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS, _full_fwd_kernel
+    from hybrid_attention.ops.attnres.triton_mix_norm import FULL_FWD_CONFIGS, _full_fwd_kernel
 
     out, h = torch.empty_like(sources[0]), torch.empty_like(sources[0])
     h_res = torch.empty_like(sources[0], dtype=torch.int8)  # h's rounding residual, kept for the stream backward
@@ -71,9 +71,9 @@ def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
 def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     import triton.language as tl
 
+    from hybrid_attention.ops.attnres.full_stream import early_steps
     from hybrid_attention.ops.attnres.rows import residual_scale, row_programs, source_bucket, split_scalar
-    from hybrid_attention.ops.attnres.stream_train import early_steps
-    from hybrid_attention.ops.attnres.triton_stream import (
+    from hybrid_attention.ops.attnres.triton_stream_bwd import (
         COPY_BLOCK,
         STREAM_BWD_CONFIGS,
         STREAM_LOCAL_CONFIGS,

@@ -1,28 +1,6 @@
-"""The hybrid decoder: KDA and Gated MLA mixers in a 3:1 pattern, SwiGLU MLPs, and Attention Residuals.
-
-`HybridConfig` (`config.py`) is one flat dataclass with named presets (`HybridConfig.from_preset("k3-scaled")`).
-`HybridLM` is a pre-norm decoder: embedding -> blocks [mixer, MLP] -> final norm -> LM head. The residual stream is
-wired by `config.residual`:
-
-- "standard": h <- h + f(norm(h)) for every sublayer (attention and MLP are separate sublayers);
-- "attnres": Full Attention Residuals: sublayer l reads a softmax-over-depth mix of the embedding and every earlier
-  sublayer output (docs/math.md, "Attention Residuals"), and a final AttnRes mixes all sources before the output
-  norm;
-- "block_attnres": Block AttnRes: sublayers are grouped into blocks of `attnres_block_size` sublayers; inside a
-  block the outputs are summed, across blocks a sublayer attends over the completed block sums and the partial sum
-  of its own block.
-
-`HybridLM(config, attnres_backend=...)` picks how AttnRes runs (the vocabulary of `ops.backends`): "auto" takes the
-fused differentiable Triton ops on CUDA (each AttnRes fused with the RMSNorm that reads it, sources never stacked,
-Block AttnRes in its two-phase form; see `layers.attnres.attn_res_stream`) and the readable list path elsewhere or
-inside `backends.use_reference()`; "triton" forces the fused ops (CPU under the Triton interpreter); "torch" forces
-the list path. Full AttnRes without autograd takes the inference path (one preallocated sources buffer,
-`ops.attnres.fused.attn_res_norm`: its Triton kernel where the rule picks it, unless the backend is "torch").
-
-With zero pseudo-queries (their init) AttnRes averages its sources, and because every sublayer and the head start with
-a scale-invariant RMSNorm, an AttnRes model computes the same function as the standard one with the same weights. The
-parameter names are shared, so a standard checkpoint loads into an AttnRes model with only AttnRes parameters missing.
-"""
+"""The hybrid decoder: embedding -> residual stream of [mixer, SwiGLU MLP] sublayers (KDA and Gated MLA in a 3:1
+pattern, `layers/stream.py`) -> final norm -> LM head. `HybridConfig` lives in config.py; docs/inference.md and
+docs/training.md say how it runs."""
 
 from __future__ import annotations
 
@@ -37,16 +15,14 @@ from hybrid_attention.cache import HybridCache
 from hybrid_attention.checks import is_int
 from hybrid_attention.choices import ATTNRES_BACKENDS, KDA_BACKENDS
 from hybrid_attention.config import HybridConfig
-from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
+from hybrid_attention.layers.attnres import AttnRes
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear
 from hybrid_attention.layers.seqlens import SeqLens
-from hybrid_attention.ops.attnres.fused import attn_res_norm
-from hybrid_attention.ops.attnres.rows import fused_train_supported
-from hybrid_attention.ops.backends import use_triton
+from hybrid_attention.layers.stream import Step, residual_stream
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
 
 
@@ -59,7 +35,7 @@ class ModelOutput:
 class DecoderLayer(nn.Module):
     """Pre-norm [mixer, SwiGLU MLP]. With AttnRes, each sublayer also owns the AttnRes that builds its input."""
 
-    def __init__(self, config: HybridConfig, layer_type: str, *, kda_backend: str = "auto"):
+    def __init__(self, config: HybridConfig, layer_type: str, *, first: bool = False, kda_backend: str = "auto"):
         super().__init__()
         c = config
         self.layer_type = layer_type
@@ -90,22 +66,19 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         if c.residual != "standard":
-            self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
+            if not first:  # the first sublayer reads the embedding alone, where an AttnRes is the identity
+                self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
-    def normed_sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, RMSNorm, Any]]:
-        """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h)). `decode`: a
-        decode step's packed projections, handed to the mixer and the MLP."""
+    def steps(self, cache, decode: PackedProjections | None = None) -> list[Step]:
+        """The two sublayers as residual-stream steps (attn_res or None, pre_norm, g), sublayer(h) = g(pre_norm(h)).
+        `decode`: a decode step's packed projections, handed to the mixer and the MLP."""
         mixer = lambda x: self.mixer(x, cache=cache, decode=decode)
         mlp = lambda x: self.mlp(x, decode=decode)
         return [
             (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
             (getattr(self, "mlp_res", None), self.mlp_norm, mlp),
         ]
-
-    def sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, Any]]:
-        """[(attn_res or None, f)] for the two sublayers, f(h) = Sublayer(PreNorm(h))."""
-        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache, decode)]
 
 
 class HybridLM(nn.Module):
@@ -125,7 +98,10 @@ class HybridLM(nn.Module):
         self.config = config
         self.kda_backend, self.attnres_backend = kda_backend, attnres_backend
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kind, kda_backend=kda_backend) for kind in config.layer_types)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, kind, first=i == 0, kda_backend=kda_backend)
+            for i, kind in enumerate(config.layer_types)
+        )
         if config.residual != "standard":
             self.final_res = AttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -170,32 +146,12 @@ class HybridLM(nn.Module):
             # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
             cache.advance(input_ids.shape[1])
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
-        h = self.embed(input_ids)
-        residual = self.config.residual
-        if residual == "attnres" and not torch.is_grad_enabled():
-            h_out = self._attnres_inference(h, layer_caches, decode)  # already through the output norm
-        elif residual != "standard" and self._fused_attnres(h):
-            steps = self._normed_sublayers(layer_caches, decode)
-            steps.append((self.final_res, self.norm, None))
-            if residual == "attnres":
-                h_out = attn_res_stream(h, steps)  # already through the output norm
-            else:
-                h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
-        else:
-            sublayers = [
-                s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc, decode)
-            ]
-            if residual == "standard":
-                for _, f in sublayers:
-                    h = h + f(h)
-            elif residual == "attnres":
-                sources = [h]
-                for res, f in sublayers:
-                    sources.append(f(res(sources)))
-                h = self.final_res(sources)
-            else:
-                h = self._block_attnres(h, sublayers)
-            h_out = self.norm(h)
+        steps = [step for layer, lc in zip(self.layers, layer_caches, strict=True) for step in layer.steps(lc, decode)]
+        steps.append((getattr(self, "final_res", None), self.norm, None))
+        c = self.config
+        h_out = residual_stream(
+            c.residual, self.embed(input_ids), steps, block_size=c.attnres_block_size, backend=self.attnres_backend
+        )
         loss = None
         if labels is not None:
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
@@ -206,58 +162,6 @@ class HybridLM(nn.Module):
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
         logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
-
-    def _attnres_inference(self, embedding: torch.Tensor, layer_caches, decode=None) -> torch.Tensor:
-        """Full AttnRes without autograd (inference, decoding): the same function as the list path, but the sources
-        live in one preallocated [S, B, T, D] buffer (each written once, by the AttnRes that first reads it, never
-        restacked) and every AttnRes is fused with the RMSNorm that reads it (`attn_res_norm`: one Triton kernel on
-        CUDA). Returns FinalNorm(h_final)."""
-        steps = self._normed_sublayers(layer_caches, decode)
-        steps.append((self.final_res, self.norm, None))
-        sources = embedding.new_empty(len(steps), *embedding.shape)  # (S, B, T, D)
-        latest = embedding  # the newest source, stored into its slot by the next AttnRes (no separate copy)
-        for i, (res, norm, g) in enumerate(steps, start=1):
-            x = attn_res_norm(
-                sources[:i],
-                res.query,
-                res.key_norm.weight,
-                res.eps,
-                norm_weight=norm.weight,
-                norm_eps=norm.eps,
-                latest=latest,
-                backend="torch" if self.attnres_backend == "torch" else "auto",
-            )
-            if g is None:
-                return x
-            latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
-
-    def _normed_sublayers(self, layer_caches, decode) -> list[tuple[Any, RMSNorm, Any]]:
-        """(attn_res, pre_norm, g) of every sublayer, in order (`DecoderLayer.normed_sublayers`)."""
-        pairs = zip(self.layers, layer_caches, strict=True)
-        return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode)]
-
-    def _fused_attnres(self, embedding: torch.Tensor) -> bool:
-        """Whether AttnRes runs through the fused differentiable ops (`attnres_backend`, see the module)."""
-        backend = self.attnres_backend
-        if backend == "triton" and not fused_train_supported(embedding):
-            raise ValueError(
-                f"HybridLM: attnres_backend='triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1) "
-                f"of a supported dtype; got {embedding.dtype} on {embedding.device}; use 'auto' or 'torch'"
-            )
-        return backend == "triton" or (backend == "auto" and use_triton(embedding) and fused_train_supported(embedding))
-
-    def _block_attnres(self, embedding: torch.Tensor, sublayers) -> torch.Tensor:
-        # The readable list path: sublayer i attends over the completed block sums b_0 = embedding, b_1, ... and,
-        # unless it opens a block, the partial sum of its own block (docs/math.md). Block size 1 is Full AttnRes.
-        size = self.config.attnres_block_size
-        blocks, partial = [embedding], None
-        for i, (res, f) in enumerate(sublayers):
-            if i % size == 0 and partial is not None:
-                blocks.append(partial)
-                partial = None
-            y = f(res(blocks if partial is None else [*blocks, partial]))
-            partial = y if partial is None else partial + y
-        return self.final_res(blocks if partial is None else [*blocks, partial])
 
     def _check_inputs(self, input_ids, labels, cache) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):

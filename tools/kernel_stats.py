@@ -146,28 +146,35 @@ def compile_kda(args, dtype) -> str:
 
 def compile_attnres(D: int, dtype) -> str:
     """Runs the host functions of the AttnRes training kernels at width D; -> the heading line of the report."""
-    from hybrid_attention.ops.attnres import triton_block, triton_full, triton_merge, triton_stream
+    from hybrid_attention.ops.attnres import (
+        triton_block_merge,
+        triton_block_partial,
+        triton_mix_norm,
+        triton_stream_bwd,
+    )
 
     M, S, K, Q = 8, 3, 4, 4
     cdt = torch.float32  # the parameters' and statistics' dtype under every source dtype
     src = [torch.randn(M, D, dtype=dtype) for _ in range(S)]
     w = lambda *shape: torch.randn(*shape, dtype=cdt)  # noqa: E731
-    x, h, h_res, stats, logits = triton_full.full_fwd(src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True, save_logits=True)
-    triton_full.full_bwd(x, src, w(D), w(D), w(D), stats, 1e-6)
+    x, h, h_res, stats, logits = triton_mix_norm.full_fwd(
+        src, w(D), w(D), w(D), 1e-6, 1e-6, save_h=True, save_logits=True
+    )
+    triton_mix_norm.full_bwd(x, src, w(D), w(D), w(D), stats, 1e-6)
     rows = torch.zeros(K, 2 + S + K - 1, M, dtype=cdt)
-    splits, programs = triton_stream.param_table_rows(M, x.device)
+    splits, programs = triton_stream_bwd.param_table_rows(M, x.device)
     k_split = K - 1  # step 1 below writes its row of the early dh table and reads both tables
     tables = (torch.zeros(k_split, M, D, dtype=dtype), torch.zeros(K - k_split, M, D, dtype=dtype), rows)
     tables += (torch.zeros(1 + splits + programs, K, D, dtype=cdt),)
     saved = (h, h_res, stats, logits)
-    triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-1:], *tables, 1, 1e-6)
-    triton_stream.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-2:], *tables, 1, 1e-6)  # a table
-    out, lse = triton_block.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
-    triton_block.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
+    triton_stream_bwd.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-1:], *tables, 1, 1e-6)
+    triton_stream_bwd.stream_bwd_(x, *saved, w(K, D), w(K, D), w(D), src[-2:], *tables, 1, 1e-6)  # a table
+    out, lse = triton_block_partial.partial_fwd(src, w(Q, D), w(Q, D), 1e-6)
+    triton_block_partial.partial_bwd(out, lse, src, w(Q, D), w(Q, D), lse, 1e-6)  # out: Q tensors, read as gradients
     many = src * 3  # past one tile of blocks: the row-at-a-time phase-1 backward
-    triton_block.partial_bwd(out, lse, many, w(Q, D), w(Q, D), lse, 1e-6)
-    xm, rho = triton_merge.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
-    triton_merge.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
+    triton_block_partial.partial_bwd(out, lse, many, w(Q, D), w(Q, D), lse, 1e-6)
+    xm, rho = triton_block_merge.merge_norm_fwd(out[0], lse[0], src[0], w(D), w(D), w(D), 1e-6, 1e-6, dtype)
+    triton_block_merge.merge_norm_bwd(xm, out[0], lse[0], src[0], w(D), w(D), w(D), rho, 1e-6)
     return f"sm_{ARCH}, triton {triton.__version__}, AttnRes training kernels, D {D}, {dtype}"
 
 

@@ -246,8 +246,14 @@ def weights_step(directory: str | Path) -> int | None:
     return int(step)
 
 
-def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
-    """Load directory/model.safetensors into `model`, checking names and shapes first. Returns the recorded step."""
+# The first sublayer reads the embedding alone, where an AttnRes is the identity, so the model has none there; runs
+# saved when it still had one store its two tensors, which loading skips.
+FIRST_SUBLAYER_ATTNRES = ("layers.0.mixer_res.query", "layers.0.mixer_res.key_norm.weight")
+
+
+def load_weights(directory: str | Path, model: torch.nn.Module, *, resuming: bool = False) -> int:
+    """Load directory/model.safetensors into `model`, checking names and shapes first. Returns the recorded step.
+    `resuming`: the optimizer state follows (a run that stored `FIRST_SUBLAYER_ATTNRES` cannot continue training)."""
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise ValueError(f"{directory}: {WEIGHTS} is missing")
@@ -258,6 +264,15 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
             stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    skipped = [name for name in FIRST_SUBLAYER_ATTNRES if name in stored and name not in expected]
+    if skipped and resuming:
+        raise ValueError(
+            f"{path} was saved when the first sublayer still had an AttnRes (the identity, since it reads the "
+            "embedding alone); its weights load for generate, eval and export, but its optimizer state does not fit "
+            "this version's model: start a new run"
+        )
+    for name in skipped:
+        del stored[name]
     unknown = sorted(set(stored) - set(expected))
     missing = sorted(set(expected) - set(stored))
     common = sorted(set(stored) & set(expected))
@@ -271,9 +286,11 @@ def load_weights(directory: str | Path, model: torch.nn.Module) -> int:
         raise ValueError(f"{path} does not match the model in {CONFIG}: {detail}")
     device = next(model.parameters()).device  # straight to the model's device, no host copy
     try:
-        load_model(model, str(path), strict=True, device=str(device))
+        missing, unexpected = load_model(model, str(path), strict=not skipped, device=str(device))
     except RuntimeError as e:
         raise ValueError(f"{path} does not match the model in {CONFIG}: {' '.join(str(e).split())[:400]}") from None
+    if missing or set(unexpected) - set(skipped):
+        raise ValueError(f"{path} does not match the model in {CONFIG}: {sorted(missing)[:3]} {sorted(unexpected)[:3]}")
     check_finite(model, str(path))
     return weights_step(directory)
 
@@ -355,7 +372,7 @@ def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
         raise ValueError(
             f"{directory}: the weights (step {step}) and {TRAIN_STATE} (step {state['step']}) disagree; {why}"
         )
-    load_weights(directory, model)
+    load_weights(directory, model, resuming=True)
     if len(state["optimizers"]) != len(optimizers) or len(state["schedulers"]) != len(schedulers):
         raise ValueError(
             f"{directory / TRAIN_STATE} holds {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "

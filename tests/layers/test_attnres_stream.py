@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hybrid_attention.config import HybridConfig
-from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
+from hybrid_attention.layers.attnres import AttnRes
 from hybrid_attention.layers.norm import RMSNorm
+from hybrid_attention.layers.stream import block_attn_res_stream, full_attn_res_stream
 from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.triton_support import interpreting
@@ -65,7 +66,8 @@ def reference_stream(embedding, steps, block_size):
         if i % size == 0 and partial is not None and g is not None:
             blocks.append(partial)
             partial = None
-        h = attn_res(blocks if partial is None else [*blocks, partial], res.query, res.key_norm.weight, res.eps)
+        sources = blocks if partial is None else [*blocks, partial]
+        h = sources[0] if res is None else attn_res(sources, res.query, res.key_norm.weight, res.eps)
         x = norm(h)
         if g is None:
             return x
@@ -74,7 +76,8 @@ def reference_stream(embedding, steps, block_size):
 
 
 def make_steps(n, D, seed):
-    """n sublayers g(x) = tanh(W x) with their AttnRes (random queries) and RMSNorms, then the final AttnRes."""
+    """n sublayers g(x) = tanh(W x) with their AttnRes (random queries) and RMSNorms, then the final AttnRes; the
+    first step reads the embedding alone and has no AttnRes."""
     torch.manual_seed(seed)
     steps, params = [], []
     for i in range(n + 1):
@@ -85,6 +88,8 @@ def make_steps(n, D, seed):
         lin = torch.nn.Linear(D, D, bias=False)
         g = None if i == n else (lambda x, lin=lin: torch.tanh(lin(x)))
         modules = [m.to(DEV, DTYPE) for m in (res, norm, lin)[: 2 if g is None else 3]]
+        if i == 0:
+            modules, res = modules[1:], None
         params += [p for m in modules for p in m.parameters()]
         steps.append((res, norm, g))
     return steps, params
@@ -94,7 +99,7 @@ def make_steps(n, D, seed):
     "n, block_size",
     [
         (5, None),  # Full AttnRes
-        (0, None),  # the final AttnRes alone, over the embedding
+        (0, None),  # the final norm alone, over the embedding (one source, no AttnRes)
         (1, None),  # a stream of one step: the final AttnRes
         (5, 1),  # Full AttnRes through the block path
         (5, 2),  # the last block is short
@@ -110,7 +115,7 @@ def test_stream_matches_reference(n, block_size):
     emb = torch.randn(1, 3, D, generator=torch.Generator().manual_seed(n), dtype=torch.float64).to(DEV, DTYPE)
     emb.requires_grad_()
     if block_size is None:
-        out = attn_res_stream(emb, steps)
+        out = full_attn_res_stream(emb, steps)
     else:
         out = block_attn_res_stream(emb, steps, block_size)
     ref = reference_stream(emb, steps, block_size)
@@ -129,7 +134,7 @@ def test_full_stream_needs_one_key_norm_eps():
     steps[2][0].key_norm.eps = 1e-5
     emb = torch.randn(1, 3, 16, dtype=DTYPE, device=DEV)
     with pytest.raises(ValueError, match="share one key-norm eps"):
-        attn_res_stream(emb, steps)
+        full_attn_res_stream(emb, steps)
 
 
 @pytest.mark.parametrize("residual", ["attnres", "block_attnres"])

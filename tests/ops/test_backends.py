@@ -131,7 +131,7 @@ def test_each_layer_fast_path_follows_the_rule(kernels_raise, cpu_counts_as_cuda
     from hybrid_attention.layers.conv import ShortConv
     from hybrid_attention.layers.norm import GatedRMSNorm
     from hybrid_attention.layers.packed import _act_mul_ok, decode_gemv_enabled
-    from hybrid_attention.ops.attnres.fused import attn_res_norm
+    from hybrid_attention.ops.attnres.mix_norm import attn_res_norm
     from hybrid_attention.ops.mla import mla_decode
 
     torch.manual_seed(1)

@@ -108,8 +108,13 @@ def test_first_configs_only_reaches_every_tuner_and_restores_them(monkeypatch):
 
 def test_the_package_registers_its_kda_attnres_and_gemv_tuners():
     from hybrid_attention.ops import gemv
-    from hybrid_attention.ops.attnres import triton_full, triton_stream
+    from hybrid_attention.ops.attnres import triton_mix_norm, triton_stream_bwd
     from hybrid_attention.ops.kda.kernels import prep
 
-    for tuner in (prep._prep_kernel, triton_full._full_fwd_kernel, triton_stream._stream_bwd_kernel, gemv._gemv_kernel):
+    for tuner in (
+        prep._prep_kernel,
+        triton_mix_norm._full_fwd_kernel,
+        triton_stream_bwd._stream_bwd_kernel,
+        gemv._gemv_kernel,
+    ):
         assert tuner in triton_cache.TUNERS, tuner.fn.__name__

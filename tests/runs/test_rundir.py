@@ -11,7 +11,7 @@ import socket
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hybrid_attention import cli
 from hybrid_attention.config import HybridConfig
@@ -274,3 +274,25 @@ def test_execution_choices_stored_by_older_runs_are_ignored_with_a_note(run, cap
     assert "kda_backend" not in HybridConfig.from_preset("tiny").to_dict()
     code, _, err = run_cli(["generate", "--ckpt", run, "--prompt", "x", "--kda-backend", "nope"], capsys)
     assert code == 2 and "--kda-backend: invalid choice" in err
+
+
+def test_weights_saved_with_an_attnres_on_the_first_sublayer_load_but_do_not_resume(run, capsys):
+    """The first sublayer reads the embedding alone, so the model has no AttnRes there; runs saved when it had one
+    store two more tensors: generate and eval skip them, a resume says why it cannot continue."""
+    directory = ckpt.latest_checkpoint(run)
+    weights = load_file(directory / ckpt.WEIGHTS)
+    D = weights["embed.weight"].shape[1]
+    extra = {name: torch.randn(D) for name in ckpt.FIRST_SUBLAYER_ATTNRES}
+    save_file({**weights, **extra}, directory / ckpt.WEIGHTS, metadata={"step": "4"})
+    manifest.write_manifest(directory, kind="single", step=4)
+    code, _, err = run_cli(["eval", "--ckpt", run, "--max-batches", 1], capsys)
+    assert code == 0, err
+    _edit_config(run, lambda c: c["train"].update(steps=6))
+    code, _, err = run_cli(["train", "--resume", "--out", run], capsys)
+    assert code == 1 and one_line(err, "first sublayer still had an AttnRes"), err
+
+
+def test_the_first_sublayer_has_no_attnres():
+    model = HybridLM(HybridConfig.from_preset("tiny"))
+    assert not hasattr(model.layers[0], "mixer_res") and hasattr(model.layers[0], "mlp_res")
+    assert all(hasattr(layer, "mixer_res") for layer in model.layers[1:])

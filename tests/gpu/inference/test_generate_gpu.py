@@ -184,7 +184,7 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
     import hybrid_attention.layers.mla as mla
     import hybrid_attention.layers.norm as norm
     import hybrid_attention.model as model_mod
-    from hybrid_attention.ops.attnres.fused import attn_res_norm
+    from hybrid_attention.ops.attnres.mix_norm import attn_res_norm
 
     model = make_model("k3-scaled", dtype, seed=10, **({} if dtype == torch.float32 else {"layer_types": K3_BLOCK}))
     ids = prompt(4, 50, model.config.vocab_size, seed=11)

@@ -1,6 +1,6 @@
-"""The Block AttnRes backward kernels (`ops.attnres.triton_block`, `triton_merge`) under each of their tuned configs
-alone, against the readable references in `ops.attnres.naive`: outputs and every gradient, in float64 under the
-interpreter.
+"""The Block AttnRes backward kernels (`ops.attnres.triton_block_partial`, `triton_block_merge`) under each of their
+tuned configs alone, against the readable references in `ops.attnres.naive`: outputs and every gradient, in float64
+under the interpreter.
 
 Phase 1's backward holds all of a row's blocks in one tile up to PARTIAL_BWD_BLOCKS of them and reads more one
 block row at a time (its second kernel); phase 2's backward takes BLOCK_M rows at a time. The rows here (37) leave a
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres import triton_block, triton_merge
-from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
+from hybrid_attention.ops.attnres import triton_block_merge, triton_block_partial
+from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
@@ -29,7 +29,7 @@ F64 = torch.float64 if DEV == "cpu" else torch.float32  # float64 runs only unde
 TOL = 1e-12 if F64 == torch.float64 else 1e-4
 ROWS, D = 37, 16  # odd: a partial last block of rows for every BLOCK_M
 EPS, NORM_EPS = 1e-6, 1e-5
-MANY_BLOCKS = triton_block.PARTIAL_BWD_BLOCKS + 2  # past one tile: the row-at-a-time kernel
+MANY_BLOCKS = triton_block_partial.PARTIAL_BWD_BLOCKS + 2  # past one tile: the row-at-a-time kernel
 
 
 def distinct_configs(tuner):
@@ -42,8 +42,8 @@ def distinct_configs(tuner):
     return list(shapes.values())
 
 
-PARTIAL_CONFIGS = distinct_configs(triton_block._partial_bwd_kernel)
-MERGE_CONFIGS = distinct_configs(triton_merge._merge_norm_bwd_kernel)
+PARTIAL_CONFIGS = distinct_configs(triton_block_partial._partial_bwd_kernel)
+MERGE_CONFIGS = distinct_configs(triton_block_merge._merge_norm_bwd_kernel)
 
 
 def only(monkeypatch, tuner, config):
@@ -71,7 +71,7 @@ PARTIAL_CASES = [(1, 3, False), (3, 1, False), (3, 3, True), (MANY_BLOCKS, 3, Fa
 def test_partial_backward_every_config(config, N, Q, zero_query, monkeypatch, poisoned):
     """Phase 1 over N blocks for Q queries: the outputs, lse and every gradient (blocks, queries, key-norm weights)
     against the reference, with the phase-1 backward's config alone."""
-    only(monkeypatch, triton_block._partial_bwd_kernel, config)
+    only(monkeypatch, triton_block_partial._partial_bwd_kernel, config)
     blocks = sources(N, D, seed=N + 10 * Q, shape=(ROWS,))
     queries, key_ws = parameters(2, seed=N + Q, rows=Q, zero_query=zero_query)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
@@ -91,7 +91,7 @@ def test_partial_backward_every_config(config, N, Q, zero_query, monkeypatch, po
 def test_merge_backward_every_config(config, with_partial, zero_query, monkeypatch, poisoned):
     """Phase 2 + RMSNorm on a phase-1 result (so lse is consistent with out): the output and every gradient (out,
     lse, partial, query, key and norm weights) against the reference, with the phase-2 backward's config alone."""
-    only(monkeypatch, triton_merge._merge_norm_bwd_kernel, config)
+    only(monkeypatch, triton_block_merge._merge_norm_bwd_kernel, config)
     blocks = sources(3, D, seed=3, shape=(ROWS,))
     (partial,) = sources(1, D, seed=4, shape=(ROWS,))
     query, key_w, norm_w = parameters(3, seed=5, zero_query=zero_query)

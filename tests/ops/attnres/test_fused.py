@@ -1,4 +1,4 @@
-"""Fused inference AttnRes + RMSNorm (`ops.attnres.fused.attn_res_norm`): the Triton kernel (interpreter on CPU)
+"""Fused inference AttnRes + RMSNorm (`ops.attnres.mix_norm.attn_res_norm`): the Triton kernel (interpreter on CPU)
 against the PyTorch composition, sources read from a larger NaN-poisoned buffer, and the model's inference path
 (sources buffer + fused op) against its training path."""
 
@@ -9,7 +9,7 @@ import torch
 
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.model import HybridLM
-from hybrid_attention.ops.attnres.fused import _attn_res_norm_triton, attn_res_norm
+from hybrid_attention.ops.attnres.mix_norm import _attn_res_norm_triton, attn_res_norm
 from hybrid_attention.ops.attnres.naive import attn_res
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting

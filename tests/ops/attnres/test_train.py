@@ -1,4 +1,4 @@
-"""Differentiable fused AttnRes (`ops.attnres.full_train`, `ops.attnres.stream_train`, `ops.attnres.fused_train`):
+"""Differentiable fused AttnRes (`ops.attnres.mix_norm_grad`, `ops.attnres.full_stream`, `ops.attnres.block_stream`):
 the Triton kernels (interpreter on CPU, float64) against the readable references in `ops.attnres.naive` for the
 outputs and every gradient, with NaN-poisoned output buffers, zero and non-zero pseudo-queries, bitwise repeatable
 stream gradients, and the custom ops through `torch.library.opcheck`."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres import triton_full, triton_stream
-from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
-from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
+from hybrid_attention.ops.attnres import triton_mix_norm, triton_stream_bwd
+from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
+from hybrid_attention.ops.attnres.full_stream import attn_res_norm_step, attn_res_norm_stream_start, early_steps
+from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
 from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
 from hybrid_attention.ops.attnres.rows import residual_scale
-from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start, early_steps
-from hybrid_attention.ops.attnres.triton_stream import param_table_rows
+from hybrid_attention.ops.attnres.triton_stream_bwd import param_table_rows
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_as_accurate, assert_close, round_bfloat16_like_the_gpu
@@ -111,7 +111,7 @@ def test_rounding_residual(dtype):
     D, shape = 64, (4, 16)
     src = [s.detach().to(dtype) for s in sources(5, D, seed=13, dtype=torch.float64, shape=shape)]
     query, key_w, norm_w = (t.detach().float() for t in vectors(D, 3, seed=13))
-    x, h, h_res, stats, logits = triton_full.full_fwd(
+    x, h, h_res, stats, logits = triton_mix_norm.full_fwd(
         src, query, key_w, norm_w, EPS, NORM_EPS, save_h=True, save_logits=True
     )
     scale = residual_scale(dtype)
@@ -209,7 +209,7 @@ def only_config(monkeypatch, tuner, block, value):
     monkeypatch.setattr(tuner, "configs", [config])
 
 
-SOURCE_TILED = (triton_full._full_fwd_kernel, triton_full._full_bwd_kernel)
+SOURCE_TILED = (triton_mix_norm._full_fwd_kernel, triton_mix_norm._full_bwd_kernel)
 
 
 @pytest.mark.parametrize("block_s", tile_values(SOURCE_TILED, "BLOCK_S"))
@@ -231,7 +231,7 @@ def test_every_tile_height(block_s, monkeypatch):
     check_stream(f"BLOCK_S={block_s}")
 
 
-ROW_BLOCKED = (triton_stream._stream_local_kernel, triton_stream._stream_bwd_kernel)
+ROW_BLOCKED = (triton_stream_bwd._stream_local_kernel, triton_stream_bwd._stream_bwd_kernel)
 
 
 @pytest.mark.parametrize("block_m", tile_values(ROW_BLOCKED, "BLOCK_M"))
@@ -322,10 +322,10 @@ def test_dzr_products(dtype, n, M, steps):
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
     dzr = torch.randn(n, 2 if half else 1, K - 2, M, generator=g, dtype=torch.float64).to(DEV, dtype if half else cdt)
     splits, _ = param_table_rows(M, srcs[0].device)
-    assert splits == -(-M // triton_stream.DU_ROWS)  # M < DU_ROWS * DU_SPLITS here: each split's rows, some partial
+    assert splits == -(-M // triton_stream_bwd.DU_ROWS)  # M < DU_ROWS * DU_SPLITS here: each split's rows, some partial
     part = torch.randn(splits, K, D, generator=g, dtype=torch.float64).to(DEV, cdt)
     before = part.clone()
-    triton_stream.add_dzr_products_(srcs, dzr, part, 2)
+    triton_stream_bwd.add_dzr_products_(srcs, dzr, part, 2)
     want = before.double().sum(0)
     for j, v in enumerate(srcs):
         want[2:] += dzr[j].double().sum(0) @ v.double()
@@ -596,13 +596,13 @@ def test_early_dh_table_allocated_late(used_last, monkeypatch, poisoned):
     only when it reaches an early step, after the later steps' backwards have run (so the whole dh never sits on the
     memory peak at the backward's start); with NaN-poisoned allocations, the entries of steps whose backward never
     runs must be zeroed for the gradients to match the reference."""
-    from hybrid_attention.ops.attnres import stream_train
+    from hybrid_attention.ops.attnres import full_stream
 
     S, D, start = 9, 16, 2
     K = S - start + 1
-    k_split = stream_train.early_steps(K)
+    k_split = full_stream.early_steps(K)
     allocated, backward_steps = [], []
-    make_table, run_backward = stream_train._dh_table, stream_train._bwd
+    make_table, run_backward = full_stream._dh_table, full_stream._bwd
 
     def recording_table(h, steps, live):
         allocated.append((steps, len(backward_steps)))  # the table's size, and how many backwards ran before it
@@ -612,8 +612,8 @@ def test_early_dh_table_allocated_late(used_last, monkeypatch, poisoned):
         backward_steps.append(args[-2])
         return run_backward(*args)
 
-    monkeypatch.setattr(stream_train, "_dh_table", recording_table)
-    monkeypatch.setattr(stream_train, "_bwd", recording_backward)
+    monkeypatch.setattr(full_stream, "_dh_table", recording_table)
+    monkeypatch.setattr(full_stream, "_bwd", recording_backward)
     used = range(start, S + 1) if used_last else range(start, S - 2)  # without the last three: a dead late table
     src = sources(S, D, seed=95, shape=(1, 2))
     params = [vectors(D, 3, seed=95 + l) for l in range(start, S + 1)]

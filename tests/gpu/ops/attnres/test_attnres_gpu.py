@@ -1,7 +1,7 @@
 """The fused AttnRes kernels on CUDA at k3-scaled widths, as accurate against float64 as the bf16 PyTorch
-composition: the inference kernel (`ops.attnres.fused`) at decode (1 row) and prefill (4096 rows) sizes, which take
-different launch shapes, and the training ops (`ops.attnres.full_train`: Full AttnRes + RMSNorm alone;
-`ops.attnres.stream_train`: a Full AttnRes stream; `ops.attnres.fused_train`: Block AttnRes phase 1 and phase 2 +
+composition: the inference kernel (`ops.attnres.mix_norm`) at decode (1 row) and prefill (4096 rows) sizes, which take
+different launch shapes, and the training ops (`ops.attnres.mix_norm_grad`: Full AttnRes + RMSNorm alone;
+`ops.attnres.full_stream`: a Full AttnRes stream; `ops.attnres.block_stream`: Block AttnRes phase 1 and phase 2 +
 RMSNorm) at B=8, T=2048, D=1024 (the stream at B=1), outputs and every gradient. Run:
 `python -m pytest -q tests/gpu/ops/attnres/test_attnres_gpu.py`."""
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.attnres import triton_block, triton_full, triton_merge, triton_stream
-from hybrid_attention.ops.attnres.fused import attn_res_norm
-from hybrid_attention.ops.attnres.triton_block import PARTIAL_BWD_BLOCKS, PARTIAL_BWD_WARPS
-from hybrid_attention.ops.attnres.triton_full import FULL_FWD_CONFIGS
-from hybrid_attention.ops.attnres.triton_merge import MERGE_BWD_CONFIGS
-from hybrid_attention.ops.attnres.triton_stream import STREAM_BWD_CONFIGS, STREAM_LOCAL_CONFIGS
+from hybrid_attention.ops.attnres import triton_block_merge, triton_block_partial, triton_mix_norm, triton_stream_bwd
+from hybrid_attention.ops.attnres.mix_norm import attn_res_norm
+from hybrid_attention.ops.attnres.triton_block_merge import MERGE_BWD_CONFIGS
+from hybrid_attention.ops.attnres.triton_block_partial import PARTIAL_BWD_BLOCKS, PARTIAL_BWD_WARPS
+from hybrid_attention.ops.attnres.triton_mix_norm import FULL_FWD_CONFIGS
+from hybrid_attention.ops.attnres.triton_stream_bwd import STREAM_BWD_CONFIGS, STREAM_LOCAL_CONFIGS
 from tests.helpers import assert_as_accurate
 
 # Tuned: the stream test compares the autotuned launch shapes with each config alone (tests/gpu/conftest.py).
@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 def only_config(monkeypatch, config: tuple[str, int]) -> None:
     """Tune the AttnRes kernel named config[0] over its config number config[1] alone."""
     name, index = config
-    module = next(m for m in (triton_full, triton_stream, triton_block, triton_merge) if hasattr(m, name))
+    module = next(
+        m for m in (triton_mix_norm, triton_stream_bwd, triton_block_partial, triton_block_merge) if hasattr(m, name)
+    )
     tuner = getattr(module, name)
     monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
 
@@ -75,7 +77,7 @@ def _sources(n, B, T, D, g):
 def test_fused_training_full_at_model_sizes(S):
     """Full AttnRes + RMSNorm forward and every gradient at B=8, T=2048, D=1024, bf16 sources: as accurate against
     float64 as the bf16 reference composition."""
-    from hybrid_attention.ops.attnres.full_train import attn_res_norm_train
+    from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
     from hybrid_attention.ops.attnres.naive import attn_res
     from hybrid_attention.ops.numerics import rms_norm
 
@@ -119,7 +121,7 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     bf16 blocks: as accurate against float64 as the bf16 reference composition, outputs and every gradient; with the
     tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the row-at-a-time phase-1 backward) and with each config
     alone."""
-    from hybrid_attention.ops.attnres.fused_train import attn_res_merge_norm_train, attn_res_partial_train
+    from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
     from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
     from hybrid_attention.ops.numerics import rms_norm
 
@@ -157,8 +159,8 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
 def _chain(src, params, ref: bool):
     """Steps l = 2 .. S of a Full AttnRes stream over `src` (step l reads src[:l]); -> every step's output. `ref`:
     the PyTorch composition (each step its own graph node, autograd sums the gradients)."""
+    from hybrid_attention.ops.attnres.full_stream import attn_res_norm_step, attn_res_norm_stream_start
     from hybrid_attention.ops.attnres.naive import attn_res
-    from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
     from hybrid_attention.ops.numerics import rms_norm
 
     if ref:
@@ -249,7 +251,7 @@ def test_stream_finds_its_pointer_tables_again():
     """Training repeats the same allocations every step, so a repeated step of a Full AttnRes stream finds every
     pointer table it needs already built (no host-to-device copy per kernel launch)."""
     from hybrid_attention.ops.attnres import rows
-    from hybrid_attention.ops.attnres.stream_train import attn_res_norm_step, attn_res_norm_stream_start
+    from hybrid_attention.ops.attnres.full_stream import attn_res_norm_step, attn_res_norm_stream_start
 
     S, B, T, D = 9, 2, 512, 1024
     g = torch.Generator("cuda").manual_seed(9)
@@ -287,7 +289,7 @@ def test_dzr_products_at_model_sizes(dtype, n, step):
     """The stream's dL/du product (tensor cores for half sources, a full float32 product otherwise) at B=8, T=2048,
     D=1024, K=27: the sum of its partial sums as accurate against a float64 product as cuBLAS's float32-accumulated
     product of the same inputs."""
-    from hybrid_attention.ops.attnres.triton_stream import add_dzr_products_, param_table_rows
+    from hybrid_attention.ops.attnres.triton_stream_bwd import add_dzr_products_, param_table_rows
 
     M, D, K = 8 * 2048, 1024, 27
     g = torch.Generator("cuda").manual_seed(n + step)

@@ -1,12 +1,12 @@
 """Differentiable fused Block AttnRes for training: both phases, the second fused with the RMSNorm of the sublayer that
 reads the mixture. The kernels are torch custom ops with fake implementations, called from autograd.Functions, so
 `torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes; eager calls the ops'
-bodies directly (`triton_support.eager_or_traced`). (Full AttnRes: one AttnRes in `full_train.py`, a whole stream of
-them in `stream_train.py`.)
+bodies directly (`triton_support.eager_or_traced`). (Full AttnRes: one AttnRes in `mix_norm_grad.py`, a whole stream of
+them in `full_stream.py`.)
 
 - `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
 - `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
-  RMSNorm; kernels in `triton_block.py` (phase 1) and `triton_merge.py` (phase 2).
+  RMSNorm; kernels in `triton_block_partial.py` (phase 1) and `triton_block_merge.py` (phase 2).
 
 Sources are a list of separate tensors, each stored once by whoever produced it: the kernels read them through a
 pointer table and autograd saves the same tensors (references, no copies), so nothing grows with depth per call.
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
-from hybrid_attention.ops.attnres.triton_block import partial_bwd, partial_fwd
-from hybrid_attention.ops.attnres.triton_merge import merge_norm_bwd, merge_norm_fwd
+from hybrid_attention.ops.attnres.triton_block_merge import merge_norm_bwd, merge_norm_fwd
+from hybrid_attention.ops.attnres.triton_block_partial import partial_bwd, partial_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import eager_or_traced
 

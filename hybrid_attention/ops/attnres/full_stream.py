@@ -5,11 +5,11 @@ forward and two backward, and each source's gradient is assembled once, complete
   sources, with the pseudo-queries, key-norm weights and RMSNorm weights of all its K steps.
 - `attn_res_norm_step(sources, carrier, ...)`: each later step, over the previous step's sources and one more.
 
-Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_full.py`) reads each source once and keeps lse,
+Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_mix_norm.py`) reads each source once and keeps lse,
 rho, the rounded mixture h (with its rounding residual in 8 bits for half sources) and the logits z of its sources
 (n_k numbers per row). Backwards run from the last step down, and step k's runs after every later reader of its
 newest source and before the sublayer that produced it: that is when the source's gradient can be finished. So step
-k's backward (`triton_stream.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in tables
+k's backward (`triton_stream_bwd.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in tables
 shared by the stream, and assembles the complete gradient of its newest source (of all its sources for k = 0) from
 those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes backward"). Older
 sources get nothing from step k: autograd sums no gradients.
@@ -46,8 +46,8 @@ import torch
 from torch import Tensor
 
 from hybrid_attention.ops.attnres.rows import check_sources, residual_scale
-from hybrid_attention.ops.attnres.triton_full import full_fwd
-from hybrid_attention.ops.attnres.triton_stream import param_table_rows, stream_bwd_, stream_param_grads
+from hybrid_attention.ops.attnres.triton_mix_norm import full_fwd
+from hybrid_attention.ops.attnres.triton_stream_bwd import param_table_rows, stream_bwd_, stream_param_grads
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import eager_or_traced
 

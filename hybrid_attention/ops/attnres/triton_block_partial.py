@@ -18,7 +18,7 @@ than one tile holds (PARTIAL_BWD_BLOCKS, or fewer for wide rows) it reads one bl
 the first sums c_q and keeps each block's dot products, the second re-reads the rows (from the cache) for the
 gradients.
 
-Phase 2, the merge of a sublayer's own block, is in `triton_merge.py`.
+Phase 2, the merge of a sublayer's own block, is in `triton_block_merge.py`.
 """
 
 from __future__ import annotations

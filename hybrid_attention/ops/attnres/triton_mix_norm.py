@@ -6,7 +6,7 @@
 The sources are separate [M, D] tensors read through a pointer table (`rows.pointer_table`), never stacked. The
 forward keeps two numbers per row, lse = logsumexp(z) and rho, and on request the rounded mixture h (with its
 rounding residual in 8 bits for half sources) and the logits z of every source (the residual stream's backward,
-`triton_stream.py`, starts from h and reads z). The backward of one AttnRes recomputes z, p and h from the sources
+`triton_stream_bwd.py`, starts from h and reads z). The backward of one AttnRes recomputes z, p and h from the sources
 (docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes every source's gradient into one [S, M, D]
 buffer. One program per row in the forward; in the backward each program loops over rows so that the gradients of u
 and of the norm weight are summed in registers, one partial row per program, and a last small kernel sums the

@@ -87,7 +87,7 @@ STREAM_LOCAL_CONFIGS = [  # (BLOCK_M, num_warps, STAGES)
 
 if triton is not None:
     from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block, source_pointer
-    from hybrid_attention.ops.attnres.triton_full import folded_query
+    from hybrid_attention.ops.attnres.triton_mix_norm import folded_query
 
     @triton.jit
     def _step_terms(v, r, dh, c, lse, z, u, acc, s):
@@ -358,7 +358,7 @@ def stream_bwd_(
 
     Args:
         dx: [..., D] the gradient of the step's output, or None (then dh_step = 0).
-        h, h_res, stats, logits: the step's forward results (`triton_full.full_fwd` with `save_h`, `save_logits`):
+        h, h_res, stats, logits: the step's forward results (`triton_mix_norm.full_fwd` with `save_h`, `save_logits`):
             h [..., D] in the sources' dtype, its int8 rounding residual (half sources; empty otherwise), stats
             [2, ...] (lse, rho), logits [S_step, ...] (z of each source the step read), both in the compute dtype.
         queries, key_weights: [K, D], every step's; norm_weight: [D], this step's.

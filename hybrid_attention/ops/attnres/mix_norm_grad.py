@@ -1,8 +1,8 @@
 """One Full AttnRes fused with the RMSNorm of the sublayer that reads it, differentiable, for training:
 `attn_res_norm_train(sources, ...)`, every source getting its gradient. (A whole residual stream of them, whose
-steps assemble each source's gradient once: `stream_train.py`.)
+steps assemble each source's gradient once: `full_stream.py`.)
 
-The kernels (`triton_full.py`) are custom ops with fake implementations, called from an autograd.Function, so
+The kernels (`triton_mix_norm.py`) are custom ops with fake implementations, called from an autograd.Function, so
 `torch.compile(fullgraph=True)` traces a training step through them. Eager calls the ops' bodies directly (no
 dispatcher round trip per call: `triton_support.eager_or_traced`). The readable reference is
 `rms_norm(naive.attn_res(sources, ...))`.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from hybrid_attention.ops.attnres.rows import check_sources, check_vectors
-from hybrid_attention.ops.attnres.triton_full import full_bwd, full_fwd
+from hybrid_attention.ops.attnres.triton_mix_norm import full_bwd, full_fwd
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import eager_or_traced
 

@@ -1,5 +1,6 @@
 """Block AttnRes for training, phase 2: per sublayer, the merge of its own block's partial sum with phase 1's
-attention over the completed blocks (`triton_block.py`), fused with the sublayer's RMSNorm; forward and backward.
+attention over the completed blocks (`triton_block_partial.py`), fused with the sublayer's RMSNorm; forward and
+backward.
 
 Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
 online-softmax update, then normalise,
@@ -37,7 +38,7 @@ MERGE_BWD_CONFIGS = [(1, 4), (1, 2), (1, 1), (2, 1), (2, 2), (2, 8), (2, 4), (4,
 
 if triton is not None:
     from hybrid_attention.ops.attnres.rows import rms_norm_bwd_rows, row_block
-    from hybrid_attention.ops.attnres.triton_full import folded_query
+    from hybrid_attention.ops.attnres.triton_mix_norm import folded_query
 
     @triton.jit
     def _merge_norm_fwd_kernel(
