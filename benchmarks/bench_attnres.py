@@ -3,7 +3,7 @@ GPU, bf16 sources and float32 parameters (as under bf16 autocast), forward and f
 
 Parts (select with --parts):
   op      one op at D = 1024: Full AttnRes + RMSNorm over S sources (fused `attn_res_norm_train`, the reference
-          `rms_norm(attn_res(list))`, and what a standard residual step costs on the same path,
+          `rms_norm(naive_attn_res(list))`, and what a standard residual step costs on the same path,
           `rms_norm(h + y)` with a float32 h), Block AttnRes phase 1 over N blocks for Q = 4 queries, and phase 2
           (merge + RMSNorm).
   stream  the residual stream of the k3-scaled depth alone (26 sublayers + the final norm, each sublayer a cheap
@@ -35,7 +35,7 @@ from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.stream import block_attn_res_stream, full_attn_res_stream, residual_stream
 from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
-from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
+from hybrid_attention.ops.attnres.naive import naive_attn_res, naive_attn_res_merge, naive_attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 
 D = 1024
@@ -98,7 +98,7 @@ def op_cases(B, T):
         src = sources(S, B, T)
         q, kw, nw = params(D)
         fused = lambda src=src, q=q, kw=kw, nw=nw: attn_res_norm_train(src, q, kw, nw)
-        ref = lambda src=src, q=q, kw=kw, nw=nw: rms_norm(attn_res(src, q, kw), nw, 1e-6)
+        ref = lambda src=src, q=q, kw=kw, nw=nw: rms_norm(naive_attn_res(src, q, kw), nw, 1e-6)
         h = torch.randn(B, T, D, device="cuda").requires_grad_()
         std = lambda h=h, y=src[-1], nw=nw: rms_norm(h + y, nw, 1e-6)
         variants = {
@@ -112,7 +112,9 @@ def op_cases(B, T):
         blk = sources(N, B, T)
         qs, kws = (torch.randn(4, D, device="cuda").requires_grad_() for _ in range(2))
         fused = lambda blk=blk, qs=qs, kws=kws: torch.stack(attn_res_partial_train(blk, qs, kws)[0])
-        ref = lambda blk=blk, qs=qs, kws=kws: torch.stack([attn_res_partial(blk, qs[i], kws[i])[0] for i in range(4)])
+        ref = lambda blk=blk, qs=qs, kws=kws: torch.stack(
+            [naive_attn_res_partial(blk, qs[i], kws[i])[0] for i in range(4)]
+        )
         variants = {
             "fused fwd+bwd": fwd_bwd(fused, [*blk, qs, kws]),
             "reference fwd+bwd": fwd_bwd(ref, [*blk, qs, kws]),
@@ -120,11 +122,11 @@ def op_cases(B, T):
         cases.append((f"phase 1 N={N} Q=4", variants))
     blk = sources(4, B, T)
     with torch.no_grad():
-        out0, lse0 = attn_res_partial(blk[:3], *params(D)[:2])
+        out0, lse0 = naive_attn_res_partial(blk[:3], *params(D)[:2])
     out, lse = out0.requires_grad_(), lse0.requires_grad_()
     q, kw, nw = params(D)
     fused = lambda: attn_res_merge_norm_train(out, lse, blk[3], q, kw, nw)
-    ref = lambda: rms_norm(attn_res_merge(out, lse, blk[3], q, kw), nw, 1e-6)
+    ref = lambda: rms_norm(naive_attn_res_merge(out, lse, blk[3], q, kw), nw, 1e-6)
     inputs = [out, lse, blk[3], q, kw, nw]
     variants = {"fused fwd+bwd": fwd_bwd(fused, inputs), "reference fwd+bwd": fwd_bwd(ref, inputs)}
     cases.append(("phase 2 + norm", variants))

@@ -174,7 +174,7 @@ def op_case(shape, impls, modes):
 
 
 def decode_case(batch, impls, H=16, D=128):
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+    from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
     torch.manual_seed(0)
     q, k, v, z, beta, A_log, dt_bias = op_inputs(batch, 1, H, D)

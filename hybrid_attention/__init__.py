@@ -20,7 +20,7 @@ _EXPORTS = {
     "chunk_kda": "hybrid_attention.ops.kda",
     "recurrent_kda": "hybrid_attention.ops.kda",
     "kda_gate": "hybrid_attention.ops.kda",
-    "attn_res": "hybrid_attention.ops.attnres.naive",
+    "naive_attn_res": "hybrid_attention.ops.attnres.naive",
     "KimiDeltaAttention": "hybrid_attention.layers",
     "GatedMLA": "hybrid_attention.layers",
     "AttnRes": "hybrid_attention.layers",

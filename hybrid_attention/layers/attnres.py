@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from hybrid_attention.layers.norm import RMSNorm
-from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial, attn_res_weights
+from hybrid_attention.ops.attnres.naive import (
+    naive_attn_res,
+    naive_attn_res_merge,
+    naive_attn_res_partial,
+    naive_attn_res_weights,
+)
 
 
 class AttnRes(nn.Module):
@@ -38,22 +43,22 @@ class AttnRes(nn.Module):
     def forward(self, sources: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """sources: S x [B, T, D] (or stacked [S, B, T, D]) -> h [B, T, D] in the sources' dtype."""
         self._check(sources)
-        return attn_res(sources, self.query, self.key_norm.weight, self.eps)
+        return naive_attn_res(sources, self.query, self.key_norm.weight, self.eps)
 
     def weights(self, sources: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Depth-softmax probabilities [S, B, T] (float32, float64 for float64 sources), for inspection."""
         self._check(sources)
-        return attn_res_weights(sources, self.query, self.key_norm.weight, self.eps)
+        return naive_attn_res_weights(sources, self.query, self.key_norm.weight, self.eps)
 
     def partial(self, blocks: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block AttnRes phase 1 over completed blocks -> (out [B, T, D], lse [B, T]) in float32 (float64)."""
         self._check(blocks)
-        return attn_res_partial(blocks, self.query, self.key_norm.weight, self.eps)
+        return naive_attn_res_partial(blocks, self.query, self.key_norm.weight, self.eps)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """Block AttnRes phase 2: fold the block's running sum `partial` [B, T, D] in -> h [B, T, D]."""
         self._check([partial])
-        return attn_res_merge(out, lse, partial, self.query, self.key_norm.weight, self.eps)
+        return naive_attn_res_merge(out, lse, partial, self.query, self.key_norm.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

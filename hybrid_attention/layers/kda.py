@@ -16,7 +16,7 @@ A `KDACache` carries the conv tails and the recurrent state between calls, so a 
 in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
 preallocated buffers can be captured by CUDA graphs; they carry values, not gradients. Decoding one token on CUDA
 (no autograd) runs three Triton kernels around the projections: inputs (`ops.kda.decode_fused`, with the decay's
-up projection), the recurrent step (`ops.kda.triton_recurrent`) and the gated output norm (with the gate's up
+up projection), the recurrent step (`ops.kda.triton_step`) and the gated output norm (with the gate's up
 projection), instead of about 75 small kernels.
 """
 
@@ -225,11 +225,11 @@ class KimiDeltaAttention(nn.Module):
     def _decode_fused(self, x: torch.Tensor, cache: KDACache, decode: PackedProjections | None = None) -> torch.Tensor:
         """One-token decode on CUDA: the same computation as the eager path, with the decay up projection, conv + SiLU
         + L2 norm + gate + beta in one Triton kernel and the gate up projection + gated output norm in another
-        (`ops.kda.decode_fused`); the recurrence is the fused Triton step (`ops.kda.triton_recurrent`, state updated
+        (`ops.kda.decode_fused`); the recurrence is the fused Triton step (`ops.kda.triton_step`, state updated
         in place).
         x [B, 1, hidden] -> [B, 1, hidden]."""
         from hybrid_attention.ops.kda.decode_fused import kda_decode_inputs, kda_gated_output_norm
-        from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+        from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
         q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, decode)
         f_up, gate, dt_bias, lower_bound = self.f_up.weight, self.gate, self.dt_bias, self.lower_bound

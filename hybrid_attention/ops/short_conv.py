@@ -15,7 +15,7 @@ backward cheap: a tiled kernel recomputes the pre-activation from W shifted load
 x per element). The equations are in docs/math.md ("Short convolution").
 
 dw is summed per (batch, segment) in the kernel and over those partials by torch. The PyTorch reference is
-`short_conv_reference`; `ShortConv` uses these kernels on CUDA for every multi-token call (with a decoding cache,
+`naive_short_conv`; `ShortConv` uses these kernels on CUDA for every multi-token call (with a decoding cache,
 its left context is prepended).
 """
 
@@ -35,7 +35,7 @@ SEG = 32  # time steps per program
 FWD_WARPS, BWD_WARPS = 4, 8
 
 
-def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def naive_short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [B, T, C], weight [C, W] -> SiLU(causal depthwise conv) [B, T, C], computed in compute_dtype(x) (float64
     for float64 inputs, else float32), returned in x.dtype."""
     C, W = weight.shape
@@ -164,7 +164,7 @@ class _ShortConvFn(torch.autograd.Function):
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [B, T, C] (fp16 / bf16 / fp32, CUDA or the Triton interpreter), weight [C, W] with W <= 4 -> y [B, T, C]
-    in x.dtype, differentiable in x and weight. Same result as `short_conv_reference` (float32 inside)."""
+    in x.dtype, differentiable in x and weight. Same result as `naive_short_conv` (float32 inside)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"short_conv: x must be [B, T, C] and weight [C, W], got {tuple(x.shape)} and {tuple(weight.shape)}"

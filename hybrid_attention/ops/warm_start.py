@@ -27,7 +27,7 @@ KERNEL_MODULES = (
     "hybrid_attention.ops.gemv",
     "hybrid_attention.ops.kda.decode_fused",
     "hybrid_attention.ops.kda.triton_chunk",
-    "hybrid_attention.ops.kda.triton_recurrent",
+    "hybrid_attention.ops.kda.triton_step",
     "hybrid_attention.ops.mla.append",
     "hybrid_attention.ops.mla.triton_decode",
     "hybrid_attention.ops.rms_norm",

@@ -14,7 +14,7 @@ from hybrid_attention.layers.attnres import AttnRes
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.stream import block_attn_res_stream, full_attn_res_stream
 from hybrid_attention.model import HybridLM
-from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.attnres.naive import naive_attn_res
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_close
 
@@ -67,7 +67,7 @@ def reference_stream(embedding, steps, block_size):
             blocks.append(partial)
             partial = None
         sources = blocks if partial is None else [*blocks, partial]
-        h = sources[0] if res is None else attn_res(sources, res.query, res.key_norm.weight, res.eps)
+        h = sources[0] if res is None else naive_attn_res(sources, res.query, res.key_norm.weight, res.eps)
         x = norm(h)
         if g is None:
             return x

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid_attention.layers.mla import GatedMLA, MLACache
-from hybrid_attention.ops.mla.naive import absorbed_attention, bottom_right_causal_mask
+from hybrid_attention.ops.mla.naive import bottom_right_causal_mask, naive_absorbed_attention
 from tests.helpers import assert_close, poisoned_like
 
 # Odd, distinct sizes so that a wrong view or split cannot line up by accident.
@@ -280,14 +280,14 @@ def test_absorbed_attention_matches_explicit(Tq, Tk, causal):
     q = torch.randn(B, Tq, H, d_c + d_s, dtype=torch.float64)
     rows = torch.randn(B, Tk, d_c + d_s, dtype=torch.float64)
     ref = explicit_absorbed_reference(q, rows, d_c, 0.37, causal)
-    out = absorbed_attention(q, rows, value_dim=d_c, scale=0.37, causal=causal)
-    assert_close("absorbed_attention float64", out, ref, 1e-13)
-    out32 = absorbed_attention(q.float(), rows.float(), value_dim=d_c, scale=0.37, causal=causal)
+    out = naive_absorbed_attention(q, rows, value_dim=d_c, scale=0.37, causal=causal)
+    assert_close("naive_absorbed_attention float64", out, ref, 1e-13)
+    out32 = naive_absorbed_attention(q.float(), rows.float(), value_dim=d_c, scale=0.37, causal=causal)
     assert out32.dtype == torch.float32
-    assert_close("absorbed_attention float32", out32, ref, 1e-5)
-    out16 = absorbed_attention(q.bfloat16(), rows.bfloat16(), value_dim=d_c, scale=0.37, causal=causal)
+    assert_close("naive_absorbed_attention float32", out32, ref, 1e-5)
+    out16 = naive_absorbed_attention(q.bfloat16(), rows.bfloat16(), value_dim=d_c, scale=0.37, causal=causal)
     assert out16.dtype == torch.bfloat16
-    assert_close("absorbed_attention bf16", out16, ref, 1e-2)
+    assert_close("naive_absorbed_attention bf16", out16, ref, 1e-2)
 
 
 def test_bottom_right_causal_mask():
@@ -329,11 +329,11 @@ def test_bad_inputs():
 
     q = torch.randn(2, 3, 4, 12, dtype=torch.float64)
     with pytest.raises(ValueError, match="do not match"):
-        absorbed_attention(q, torch.randn(2, 6, 11, dtype=torch.float64), value_dim=8, scale=0.3)
+        naive_absorbed_attention(q, torch.randn(2, 6, 11, dtype=torch.float64), value_dim=8, scale=0.3)
     with pytest.raises(ValueError, match="Tq <= Tk"):
-        absorbed_attention(q, torch.randn(2, 2, 12, dtype=torch.float64), value_dim=8, scale=0.3)
+        naive_absorbed_attention(q, torch.randn(2, 2, 12, dtype=torch.float64), value_dim=8, scale=0.3)
     with pytest.raises(ValueError, match="value_dim"):
-        absorbed_attention(q, torch.randn(2, 6, 12, dtype=torch.float64), value_dim=13, scale=0.3)
+        naive_absorbed_attention(q, torch.randn(2, 6, 12, dtype=torch.float64), value_dim=13, scale=0.3)
 
 
 def test_sequences_of_different_lengths_decode_together():

@@ -202,8 +202,8 @@ def attn_res_partial_train(
 
     Returns:
         out: Q x [B, T, D] in the blocks' dtype and lse [Q, B, T] in float32 (float64 for float64 blocks):
-        (out[q], lse[q]) equals `attn_res_partial(blocks, queries[q], key_weights[q], eps)`, with out[q] rounded to
-        the blocks' dtype (as the sublayer outputs are; the reference keeps it in the compute dtype).
+        (out[q], lse[q]) equals `naive_attn_res_partial(blocks, queries[q], key_weights[q], eps)`, with out[q] rounded
+        to the blocks' dtype (as the sublayer outputs are; the reference keeps it in the compute dtype).
     """
     name = "attn_res_partial_train"
     blocks = check_sources(name, blocks)
@@ -238,7 +238,7 @@ def attn_res_merge_norm_train(
         dtype: dtype of the result (and of h before the norm); defaults to partial's (required without it).
 
     Returns:
-        [B, T, D]: `rms_norm(attn_res_merge(out, lse, partial, query, key_weight, eps), norm_weight, norm_eps)`.
+        [B, T, D]: `rms_norm(naive_attn_res_merge(out, lse, partial, query, key_weight, eps), norm_weight, norm_eps)`.
     """
     name = "attn_res_merge_norm_train"
     D = out.shape[-1]

@@ -34,7 +34,7 @@ The kernels are custom ops with fake implementations and declared mutations of t
 `torch.compile(fullgraph=True)` traces a whole training step; eager calls the ops' bodies directly. Every sum has a
 fixed order (no atomics): with the same launch shapes (the autotuner's choice, kept for the process), the gradients
 are bitwise the same from run to run. The readable reference for step k is
-`rms_norm(naive.attn_res(sources, queries[k], key_weights[k], eps), norm_weights[k], norm_eps)`.
+`rms_norm(naive.naive_attn_res(sources, queries[k], key_weights[k], eps), norm_weights[k], norm_eps)`.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def attn_res_norm_stream_start(
         norm_eps: this step's RMSNorm epsilon.
 
     Returns:
-        x [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, queries[0], key_weights[0], eps),
+        x [B, T, D] in the sources' dtype, equal to `rms_norm(naive_attn_res(sources, queries[0], key_weights[0], eps),
         norm_weights[0], norm_eps)`, and the carrier for step 1 (`attn_res_norm_step`).
     """
     name = "attn_res_norm_stream_start"

@@ -10,7 +10,7 @@ the newest source (the output of the sublayer just run) can be passed separately
 slot while reading it, so the buffer costs no copy kernel.
 
 `attn_res_norm` dispatches to a Triton kernel (CUDA, or the interpreter on CPU when asked for) or to the PyTorch
-composition of `naive.attn_res` and an RMSNorm, which is the reference. Inference only: there is no backward.
+composition of `naive.naive_attn_res` and an RMSNorm, which is the reference. Inference only: there is no backward.
 Kernel: one program per token row. When a row of every source fits a tile (D <= 16384, always in our models) it
 reads the sources once, BLOCK_S at a time, with an online softmax over the depth (running max and sum, the mixture
 rescaled as the max grows, as flash attention does over keys), then rounds h to the output dtype (as the unfused
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.attnres.naive import naive_attn_res
 from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
@@ -211,7 +211,7 @@ def attn_res_norm(
             `hybrid_attention.ops.backends`).
 
     Returns:
-        [B, T, D] in sources.dtype: `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)`,
+        [B, T, D] in sources.dtype: `rms_norm(naive_attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)`,
         with norms, logits and softmax in float32 (float64 for float64 sources).
     """
     check_backend(backend, "attn_res_norm")
@@ -221,7 +221,7 @@ def attn_res_norm(
     if backend == "torch":
         if latest is not None:
             sources[-1] = latest
-        h = attn_res(sources, query, key_weight, eps)
+        h = naive_attn_res(sources, query, key_weight, eps)
         return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)
     if grad:
         raise ValueError("attn_res_norm: backend='triton' is inference-only; use backend='torch' for gradients")

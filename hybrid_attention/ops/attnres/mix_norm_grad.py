@@ -5,7 +5,7 @@ steps assemble each source's gradient once: `full_stream.py`.)
 The kernels (`triton_mix_norm.py`) are custom ops with fake implementations, called from an autograd.Function, so
 `torch.compile(fullgraph=True)` traces a training step through them. Eager calls the ops' bodies directly (no
 dispatcher round trip per call: `triton_support.eager_or_traced`). The readable reference is
-`rms_norm(naive.attn_res(sources, ...))`.
+`rms_norm(naive.naive_attn_res(sources, ...))`.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def attn_res_norm_train(
             norm_eps is its epsilon.
 
     Returns:
-        [B, T, D] in the sources' dtype, equal to `rms_norm(attn_res(sources, query, key_weight, eps), norm_weight,
-        norm_eps)` with the math in float32 (float64 for float64 sources). The sources' gradients are slices of one
-        [S, B, T, D] buffer.
+        [B, T, D] in the sources' dtype, equal to
+        `rms_norm(naive_attn_res(sources, query, key_weight, eps), norm_weight, norm_eps)` with the math in float32
+        (float64 for float64 sources). The sources' gradients are slices of one [S, B, T, D] buffer.
     """
     name = "attn_res_norm_train"
     sources = check_sources(name, sources)

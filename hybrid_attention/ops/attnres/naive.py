@@ -8,9 +8,9 @@ A sublayer's input is a softmax mixture over depth of earlier outputs ("sources"
 Norms, logits and softmax run in float32 (float64 for float64 inputs); h comes back in the sources' dtype.
 
 Block AttnRes two-phase form (docs/math.md): the pseudo-query w does not depend on the input, so the attention
-over completed blocks can be computed once per block for all its sublayers (`attn_res_partial`, which accepts
+over completed blocks can be computed once per block for all its sublayers (`naive_attn_res_partial`, which accepts
 several queries), and each sublayer then folds in the running partial sum of its own block with an exact
-online-softmax update (`attn_res_merge`).
+online-softmax update (`naive_attn_res_merge`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _logits(v: torch.Tensor, query: torch.Tensor, key_weight: torch.Tensor | Non
     return torch.einsum("qd,...d->q...", w, keys)
 
 
-def attn_res_weights(
+def naive_attn_res_weights(
     sources: torch.Tensor | Sequence[torch.Tensor],
     query: torch.Tensor,
     key_weight: torch.Tensor | None,
@@ -68,12 +68,12 @@ def attn_res_weights(
 ) -> torch.Tensor:
     """Depth-softmax probabilities. sources [S, B, T, D] or S x [B, T, D]; query, key_weight [D]
     (key_weight None = ones) -> p [S, B, T] in float32 (float64 for float64 sources), summing to one over S."""
-    v = _stack(sources, "attn_res_weights")
-    _check_params("attn_res_weights", v.shape[-1], query, key_weight, queries_ok=False)
+    v = _stack(sources, "naive_attn_res_weights")
+    _check_params("naive_attn_res_weights", v.shape[-1], query, key_weight, queries_ok=False)
     return torch.softmax(_logits(v.to(compute_dtype(v)), query, key_weight, eps), dim=0)
 
 
-def attn_res(
+def naive_attn_res(
     sources: torch.Tensor | Sequence[torch.Tensor],
     query: torch.Tensor,
     key_weight: torch.Tensor | None,
@@ -81,14 +81,14 @@ def attn_res(
 ) -> torch.Tensor:
     """Full AttnRes mixture. sources [S, B, T, D] or S x [B, T, D]; query, key_weight [D] -> h [B, T, D]
     in the sources' dtype."""
-    v = _stack(sources, "attn_res")
-    _check_params("attn_res", v.shape[-1], query, key_weight, queries_ok=False)
+    v = _stack(sources, "naive_attn_res")
+    _check_params("naive_attn_res", v.shape[-1], query, key_weight, queries_ok=False)
     vf = v.to(compute_dtype(v))
     p = torch.softmax(_logits(vf, query, key_weight, eps), dim=0)  # (S, B, T)
     return (p.unsqueeze(-1) * vf).sum(0).to(v.dtype)
 
 
-def attn_res_partial(
+def naive_attn_res_partial(
     sources: torch.Tensor | Sequence[torch.Tensor],
     query: torch.Tensor,
     key_weight: torch.Tensor | None,
@@ -106,8 +106,8 @@ def attn_res_partial(
         out: normalised mixture [B, T, D] (or [Q, B, T, D]) and lse: log-sum-exp of the logits [B, T]
         (or [Q, B, T]), both in float32 (float64 for float64 sources) so that the merge stays exact.
     """
-    v = _stack(sources, "attn_res_partial")
-    _check_params("attn_res_partial", v.shape[-1], query, key_weight, queries_ok=True)
+    v = _stack(sources, "naive_attn_res_partial")
+    _check_params("naive_attn_res_partial", v.shape[-1], query, key_weight, queries_ok=True)
     vf = v.to(compute_dtype(v))
     logits = _logits(vf, query, key_weight, eps)  # (S, B, T) or (Q, S, B, T)
     src_dim = 0 if query.ndim == 1 else 1
@@ -117,7 +117,7 @@ def attn_res_partial(
     return out, lse
 
 
-def attn_res_merge(
+def naive_attn_res_merge(
     out: torch.Tensor,
     lse: torch.Tensor,
     partial: torch.Tensor,
@@ -136,13 +136,13 @@ def attn_res_merge(
         query, key_weight: [D], the same as in phase 1.
 
     Returns:
-        h [B, T, D] in `partial.dtype`, equal to `attn_res(completed + [partial], query, key_weight, eps)`.
+        h [B, T, D] in `partial.dtype`, equal to `naive_attn_res(completed + [partial], query, key_weight, eps)`.
     """
     D = partial.shape[-1]
-    _check_params("attn_res_merge", D, query, key_weight, queries_ok=False)
+    _check_params("naive_attn_res_merge", D, query, key_weight, queries_ok=False)
     if out.shape != partial.shape or lse.shape != partial.shape[:-1]:
         raise ValueError(
-            f"attn_res_merge: expected out {tuple(partial.shape)} and lse {tuple(partial.shape[:-1])} to match "
+            f"naive_attn_res_merge: expected out {tuple(partial.shape)} and lse {tuple(partial.shape[:-1])} to match "
             f"partial {tuple(partial.shape)}, got out {tuple(out.shape)} and lse {tuple(lse.shape)}"
         )
     dtype = compute_dtype(partial)

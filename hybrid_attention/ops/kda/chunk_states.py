@@ -8,7 +8,7 @@ the layout of FLA's `return_intermediate_states`. Row j of a sequence is the sta
 (row 0 is the initial state). The states are float32 (float64 for float64 inputs), ready to be an `initial_state`,
 and carry no gradient: they are a cache, and the outputs stay differentiable.
 
-    torch   `chunk_kda_torch(..., return_chunk_states=True)`: the state the chunkwise loop carries, recorded at
+    torch   `naive_chunk_kda(..., return_chunk_states=True)`: the state the chunkwise loop carries, recorded at
             the start of each chunk (the outputs are those of the plain call)
     triton  `chunk_kda_triton(..., return_chunk_states=True)`: the states the forward's state pass already stores for
             the backward (`h` in chunk_fwd.py), kept in the input dtype: for 16-bit inputs they are the state rounded

@@ -1,6 +1,6 @@
 """One KDA decode step as serving engines call it: `kda_decode_step`.
 
-Beyond the fused Triton step (`triton_recurrent.fused_recurrent_kda_step`, one state row per sequence, updated in
+Beyond the fused Triton step (`triton_step.fused_recurrent_kda_step`, one state row per sequence, updated in
 place) it takes:
 
   * a pool of states addressed by indices (`state_indices`, the `ssm_state_indices` of serving engines): sequence b
@@ -26,7 +26,7 @@ from torch import Tensor
 from hybrid_attention.ops.backends import resolve
 from hybrid_attention.ops.kda.common import l2_normalize
 from hybrid_attention.ops.kda.gate import kda_gate
-from hybrid_attention.ops.kda.naive import recurrent_kda
+from hybrid_attention.ops.kda.naive import naive_recurrent_kda
 from hybrid_attention.ops.kda.value_heads import repeat_qk_heads, value_head_groups
 from hybrid_attention.ops.numerics import compute_dtype
 
@@ -106,12 +106,12 @@ def _step(backend, q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound
         raise ValueError(f'{_NAME}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    return recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=S, output_final_state=True)
+    return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=S, output_final_state=True)
 
 
 def _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm, state_indices=None):
     """The fused Triton step on S (a batch of states, or a pool addressed by state_indices), updated in place."""
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+    from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
     return fused_recurrent_kda_step(
         q, k, v, g, beta, S, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,

@@ -32,7 +32,7 @@ from hybrid_attention.ops.numerics import compute_dtype
 Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def recurrent_kda(
+def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -63,7 +63,7 @@ def recurrent_kda(
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def chunk_kda_torch(
+def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -3,7 +3,7 @@
 Gated MLA with NoPE is MQA with one shared KV head (docs/math.md, "Absorbed decode"): the cache holds one row
 [c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
 keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
-output. The fast path is flash decoding in Triton (`triton_decode.py`, its kernels in `kernels/`); `mla_decode_torch`
+output. The fast path is flash decoding in Triton (`triton_decode.py`, its kernels in `kernels/`); `naive_mla_decode`
 is the readable reference (`naive.absorbed_attention` with per-sequence lengths) for machines without Triton/CUDA
 and for autograd.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
-from hybrid_attention.ops.mla.naive import absorbed_attention
+from hybrid_attention.ops.mla.naive import naive_absorbed_attention
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
 
 
@@ -68,7 +68,7 @@ def _check_inputs(
             )
 
 
-def mla_decode_torch(
+def naive_mla_decode(
     q: torch.Tensor,
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -83,7 +83,7 @@ def mla_decode_torch(
     q [B, Tq, H, D], rows [B, max_len, D], seq_lens int32 [B] -> [B, Tq, H, value_dim] in q.dtype.
     """
     _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
-    return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
+    return naive_absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
 
 
 def mla_decode(
@@ -119,7 +119,7 @@ def mla_decode(
     grad = needs_grad(q, rows)
     backend = resolve(backend, q, name="mla_decode", needs_backward=grad)
     if backend == "torch":
-        return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
+        return naive_absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
     if grad:
         raise ValueError(
             "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "

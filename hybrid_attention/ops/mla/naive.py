@@ -29,7 +29,7 @@ def bottom_right_causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
     return pos_k <= pos_q
 
 
-def absorbed_attention(
+def naive_absorbed_attention(
     q: torch.Tensor,
     rows: torch.Tensor,
     *,
@@ -58,22 +58,22 @@ def absorbed_attention(
     """
     if q.ndim != 4 or rows.ndim != 3:
         raise ValueError(
-            f"absorbed_attention: expected q [B, Tq, H, D] and rows [B, Tk, D], "
+            f"naive_absorbed_attention: expected q [B, Tq, H, D] and rows [B, Tk, D], "
             f"got q {tuple(q.shape)} and rows {tuple(rows.shape)}"
         )
     B, Tq, H, D = q.shape
     Tk = rows.shape[1]
     if rows.shape[0] != B or rows.shape[2] != D:
         raise ValueError(
-            f"absorbed_attention: rows {tuple(rows.shape)} do not match q {tuple(q.shape)}; "
+            f"naive_absorbed_attention: rows {tuple(rows.shape)} do not match q {tuple(q.shape)}; "
             f"expected rows [{B}, Tk, {D}]"
         )
     if not 0 < value_dim <= D:
-        raise ValueError(f"absorbed_attention: value_dim must be in [1, {D}], got {value_dim}")
+        raise ValueError(f"naive_absorbed_attention: value_dim must be in [1, {D}], got {value_dim}")
     if Tk == 0:
-        raise ValueError("absorbed_attention: rows is empty (Tk = 0); there is nothing to attend to")
+        raise ValueError("naive_absorbed_attention: rows is empty (Tk = 0); there is nothing to attend to")
     if causal and Tq > Tk:
-        raise ValueError(f"absorbed_attention: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+        raise ValueError(f"naive_absorbed_attention: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
 
     dtype = compute_dtype(q)
     keys = rows.to(dtype)  # (B, Tk, D)

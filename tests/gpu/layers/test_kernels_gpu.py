@@ -14,7 +14,7 @@ import torch
 
 from hybrid_attention.layers import conv, norm
 from hybrid_attention.layers.kda import KimiDeltaAttention
-from hybrid_attention.ops.short_conv import short_conv_reference
+from hybrid_attention.ops.short_conv import naive_short_conv
 from tests.helpers import assert_as_accurate, assert_close, needs_cuda
 
 pytestmark = needs_cuda
@@ -70,5 +70,5 @@ def test_conv_longer_than_the_kernels_taps_runs_eager():
     x = torch.randn(2, 50, 40, device="cuda")
     with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):  # cuDNN's default TF32 rounds to 2^-11
         y = layer(x)
-    reference = short_conv_reference(x.double(), layer.weight.view(40, 5).double())
+    reference = naive_short_conv(x.double(), layer.weight.view(40, 5).double())
     assert_close("5-tap conv", y, reference, 1e-5)

@@ -15,7 +15,7 @@ import torch
 
 from hybrid_attention.ops.attnres import triton_block_merge, triton_block_partial
 from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
-from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
+from hybrid_attention.ops.attnres.naive import naive_attn_res_merge, naive_attn_res_partial
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_close
@@ -76,7 +76,7 @@ def test_partial_backward_every_config(config, N, Q, zero_query, monkeypatch, po
     queries, key_ws = parameters(2, seed=N + Q, rows=Q, zero_query=zero_query)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
     blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
-    ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
+    ref = [naive_attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
     ref_out, ref_lse = [r[0] for r in ref], torch.stack([r[1] for r in ref])
     name = f"partial N={N} Q={Q} zero_query={zero_query} {config_id(config)}"
     assert_close(f"{name} out", torch.stack(out), torch.stack(ref_out), TOL)
@@ -96,13 +96,13 @@ def test_merge_backward_every_config(config, with_partial, zero_query, monkeypat
     (partial,) = sources(1, D, seed=4, shape=(ROWS,))
     query, key_w, norm_w = parameters(3, seed=5, zero_query=zero_query)
     with torch.no_grad():
-        out0, lse0 = attn_res_partial(blocks, query, key_w, EPS)
+        out0, lse0 = naive_attn_res_partial(blocks, query, key_w, EPS)
     out, lse = out0.clone().requires_grad_(), lse0.clone().requires_grad_()
     x = attn_res_merge_norm_train(out, lse, partial if with_partial else None, query, key_w, norm_w, EPS, NORM_EPS,
                                   dtype=F64)  # fmt: skip
     inputs = [out, lse, partial, query, key_w, norm_w]
     o64, l64, p64, q64, k64, n64 = inputs64 = f64(inputs)
-    ref = rms_norm(attn_res_merge(o64, l64, p64, q64, k64, EPS) if with_partial else o64, n64, NORM_EPS)
+    ref = rms_norm(naive_attn_res_merge(o64, l64, p64, q64, k64, EPS) if with_partial else o64, n64, NORM_EPS)
     name = f"merge partial={with_partial} zero_query={zero_query} {config_id(config)}"
     assert_close(name, x, ref, TOL)
     labels = ["out", "lse", "partial", "query", "key_weight", "norm_weight"]

@@ -10,7 +10,7 @@ import torch
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.attnres.mix_norm import _attn_res_norm_triton, attn_res_norm
-from hybrid_attention.ops.attnres.naive import attn_res
+from hybrid_attention.ops.attnres.naive import naive_attn_res
 from hybrid_attention.ops.numerics import rms_norm
 from hybrid_attention.ops.triton_support import interpreting
 from tests.helpers import DEV, assert_close
@@ -34,7 +34,7 @@ def make_sources(S, D, *, slots=None, seed=0):
 
 def composition(sources, query, key_weight, norm_weight, eps=1e-6, norm_eps=1e-5):
     """The unfused float64 reference: AttnRes over the list of sources, then RMSNorm."""
-    h = attn_res(list(sources.double()), query.double(), key_weight.double(), eps)
+    h = naive_attn_res(list(sources.double()), query.double(), key_weight.double(), eps)
     return h if norm_weight is None else rms_norm(h, norm_weight.double(), norm_eps)
 
 

@@ -12,7 +12,7 @@ from hybrid_attention.ops.attnres import triton_mix_norm, triton_stream_bwd
 from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
 from hybrid_attention.ops.attnres.full_stream import attn_res_norm_step, attn_res_norm_stream_start, early_steps
 from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
-from hybrid_attention.ops.attnres.naive import attn_res, attn_res_merge, attn_res_partial
+from hybrid_attention.ops.attnres.naive import naive_attn_res, naive_attn_res_merge, naive_attn_res_partial
 from hybrid_attention.ops.attnres.rows import residual_scale
 from hybrid_attention.ops.attnres.triton_stream_bwd import param_table_rows
 from hybrid_attention.ops.numerics import rms_norm
@@ -79,7 +79,7 @@ def test_full_matches_reference(S, zero_query, poisoned):
     params = [query, key_w, norm_w]
     out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
     src64, params64 = f64(src), f64(params)
-    ref = rms_norm(attn_res(src64, params64[0], params64[1], EPS), params64[2], NORM_EPS)
+    ref = rms_norm(naive_attn_res(src64, params64[0], params64[1], EPS), params64[2], NORM_EPS)
     assert out.dtype == src[0].dtype and out.shape == src[0].shape
     assert_close(f"full S={S}", out, ref, TOL)
     labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
@@ -94,7 +94,9 @@ def test_full_low_precision_sources(dtype, tol):
     query, key_w, norm_w = (t.detach().float() for t in vectors(32, 3, seed=11))
     out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
     ref = rms_norm(
-        attn_res([s.detach().double() for s in src], query.double(), key_w.double(), EPS), norm_w.double(), NORM_EPS
+        naive_attn_res([s.detach().double() for s in src], query.double(), key_w.double(), EPS),
+        norm_w.double(),
+        NORM_EPS,
     )
     assert out.dtype == dtype
     assert_close(f"full {dtype}", out, ref, tol)
@@ -120,7 +122,7 @@ def test_rounding_residual(dtype):
         return
     assert h_res.dtype == torch.int8 and h_res.shape == h.shape
     v64 = [s.double() for s in src]
-    mixture = attn_res(v64, query.double(), key_w.double(), EPS)
+    mixture = naive_attn_res(v64, query.double(), key_w.double(), EPS)
     h64 = h.double()
     step_err = h64.abs() * torch.finfo(dtype).eps / 254
     float32_err = 1e-6 * torch.stack(v64).abs().amax(0)  # the kernel's float32 sums
@@ -145,7 +147,7 @@ def run_chain(src, params, start, used):
 
 def reference_chain(src, params, start, used):
     return tuple(
-        rms_norm(attn_res(src[:l], q, kw, EPS), nw, NORM_EPS)
+        rms_norm(naive_attn_res(src[:l], q, kw, EPS), nw, NORM_EPS)
         for (q, kw, nw), l in zip(params, range(start, len(src) + 1), strict=True)
         if l in used
     )
@@ -223,7 +225,7 @@ def test_every_tile_height(block_s, monkeypatch):
     query, key_w, norm_w = vectors(D, 3, seed=52)
     out = attn_res_norm_train(src, query, key_w, norm_w, EPS, NORM_EPS)
     src64, (q64, k64, n64) = f64(src), f64([query, key_w, norm_w])
-    ref = rms_norm(attn_res(src64, q64, k64, EPS), n64, NORM_EPS)
+    ref = rms_norm(naive_attn_res(src64, q64, k64, EPS), n64, NORM_EPS)
     assert_close(f"BLOCK_S={block_s} one AttnRes", out, ref, TOL)
     labels = [f"source {i}" for i in range(S)] + ["query", "key_weight", "norm_weight"]
     inputs = [*src, query, key_w, norm_w]
@@ -341,7 +343,7 @@ def test_partial_matches_reference(N, Q, zero_query, poisoned):
     queries, key_ws = vectors(D, 2, seed=N + Q, zero_query=zero_query, rows=Q)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
     blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
-    ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
+    ref = [naive_attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
     ref_out, ref_lse = [r[0] for r in ref], torch.stack([r[1] for r in ref])
     assert len(out) == Q and all(o.shape == (*SHAPE, D) for o in out) and lse.shape == (Q, *SHAPE)
     assert_close(f"partial N={N} Q={Q} out", torch.stack(out), torch.stack(ref_out), TOL)
@@ -361,7 +363,7 @@ def test_partial_with_unused_outputs():
     queries, key_ws = vectors(D, 2, seed=18, rows=Q)
     out, lse = attn_res_partial_train(blocks, queries, key_ws, EPS)
     blocks64, (queries64, key_ws64) = f64(blocks), f64([queries, key_ws])
-    ref = [attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
+    ref = [naive_attn_res_partial(blocks64, queries64[q], key_ws64[q], EPS) for q in range(Q)]
     labels = [f"block {i}" for i in range(3)] + ["queries", "key_weights"]
     fused = grads((out[2], lse[0]), [*blocks, queries, key_ws])
     check_grads("partial, outputs 2 and lse 0", fused, grads((ref[2][0], ref[0][1]), [*blocks64, queries64, key_ws64]),
@@ -377,13 +379,13 @@ def test_merge_norm_matches_reference(with_partial, zero_query, poisoned):
     (partial,) = sources(1, D, seed=4)
     query, key_w, norm_w = vectors(D, 3, seed=5, zero_query=zero_query)
     with torch.no_grad():
-        out0, lse0 = attn_res_partial(blocks, query, key_w, EPS)
+        out0, lse0 = naive_attn_res_partial(blocks, query, key_w, EPS)
     out, lse = out0.clone().requires_grad_(), lse0.clone().requires_grad_()
     P = partial if with_partial else None
     x = attn_res_merge_norm_train(out, lse, P, query, key_w, norm_w, EPS, NORM_EPS, dtype=F64)
     inputs = [out, lse, partial, query, key_w, norm_w]
     o64, l64, p64, q64, k64, n64 = inputs64 = f64(inputs)
-    h = attn_res_merge(o64, l64, p64, q64, k64, EPS) if with_partial else o64
+    h = naive_attn_res_merge(o64, l64, p64, q64, k64, EPS) if with_partial else o64
     ref = rms_norm(h, n64, NORM_EPS)
     assert_close(f"merge partial={with_partial}", x, ref, TOL)
     check_grads(
@@ -426,8 +428,11 @@ def test_block_low_precision():
             xs = [attn_res_merge_norm_train(out[q], lse[q], blocks[-1], qs[q], kws[q], nw, EPS, NORM_EPS)
                   for q in range(Q)]  # fmt: skip
         else:
-            parts = [attn_res_partial(blocks[:-1], qs[q], kws[q], EPS) for q in range(Q)]
-            xs = [rms_norm(attn_res_merge(*parts[q], blocks[-1], qs[q], kws[q], EPS), nw, NORM_EPS) for q in range(Q)]
+            parts = [naive_attn_res_partial(blocks[:-1], qs[q], kws[q], EPS) for q in range(Q)]
+            xs = [
+                rms_norm(naive_attn_res_merge(*parts[q], blocks[-1], qs[q], kws[q], EPS), nw, NORM_EPS)
+                for q in range(Q)
+            ]
         loss = sum((x.double() * cot).sum() for x, cot in zip(xs, cots, strict=True))
         results[name] = (torch.stack(xs).detach(), torch.autograd.grad(loss, [*blocks, *params]))
     (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]

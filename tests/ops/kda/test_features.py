@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2_normalize, recurrent_kda, resolve_backend
-from hybrid_attention.ops.kda.naive import recurrent_kda as recurrent_per_head
+from hybrid_attention.ops.kda.naive import naive_recurrent_kda as recurrent_per_head
 from tests.helpers import DEV, assert_close, needs_triton
 
 TOL64 = 1e-12
@@ -144,7 +144,7 @@ def test_gva_head_count_must_divide(fn):
 
 def test_auto_sends_chunk_size_32_to_the_reference(monkeypatch):
     """On a GPU, "auto" runs our kernels at chunk size 64 only; 32 goes to the PyTorch reference, which takes it."""
-    import hybrid_attention.ops.kda as kda
+    import hybrid_attention.ops.kda.chunk as kda
 
     q = torch.zeros(1, 4, 1, 8)
     monkeypatch.setattr(kda, "use_triton", lambda x: True)  # as if q were a CUDA tensor

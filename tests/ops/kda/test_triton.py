@@ -17,7 +17,7 @@ import torch
 from hybrid_attention.ops.kda import chunk_kda, kda_gate, recurrent_kda
 from hybrid_attention.ops.kda.gate import FORM_CODES
 from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
-from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 from hybrid_attention.ops.kda.triton_utils import LOG2E, NARROW_BOUND, WIDE, narrow_span
 from tests.helpers import DEV, assert_close, rel_err, round_bfloat16_like_the_gpu
 from tests.ops.kda.cases import (
@@ -478,7 +478,7 @@ def test_fake_implementations():
     """The fake (meta) implementations of the chunk forward and backward ops and of the decode step op (which
     mutates state)."""
     from hybrid_attention.ops.kda.triton_chunk import _bwd_op, _fwd_op
-    from hybrid_attention.ops.kda.triton_recurrent import _step_op
+    from hybrid_attention.ops.kda.triton_step import _step_op
 
     q, k, v, g, beta, h0, A_log, dt_bias = make_inputs(1, 20, 1, 16, 16, gate=True, seed=13)
     args = (q, k, v, g, beta, h0, None, A_log, dt_bias.view(1, 16), 0.25, -5.0, True, True, True, True)

@@ -1,4 +1,4 @@
-"""Absorbed MLA decode (`mla_decode`, Triton kernel under the interpreter on CPU, and `mla_decode_torch`).
+"""Absorbed MLA decode (`mla_decode`, Triton kernel under the interpreter on CPU, and `naive_mla_decode`).
 
 The reference decompresses the cache per head (K_h = [W_UK,h c ; k_s], V_h = W_UV,h c, float64 softmax); the
 kernel's latent output goes through W_UV,h before comparing, so these tests check absorption end to end too.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.mla.decode import mla_decode, mla_decode_torch
+from hybrid_attention.ops.mla.decode import mla_decode, naive_mla_decode
 from tests.helpers import DEV, assert_close, needs_triton
 from tests.ops.mla.cases import decompressed_reference, make_problem, up_project
 
@@ -45,11 +45,11 @@ def test_triton_matches_decompressed_reference(lens, Tq, num_splits):
 def test_torch_path_matches_decompressed_reference(lens, Tq):
     p = make_problem(lens, Tq, **TINY, seed=7 + Tq)
     o = run(p, backend="torch")
-    assert_close(f"mla_decode_torch lens={lens} Tq={Tq}", up_project(p, o), decompressed_reference(p), 1e-5)
+    assert_close(f"naive_mla_decode lens={lens} Tq={Tq}", up_project(p, o), decompressed_reference(p), 1e-5)
     # In float64 the absorbed form equals the decompressed one up to rounding: absorption is exact.
-    o64 = mla_decode_torch(p["q64"], p["rows"].double(), p["seq_lens"], value_dim=p["d_c"], scale=p["scale"])
+    o64 = naive_mla_decode(p["q64"], p["rows"].double(), p["seq_lens"], value_dim=p["d_c"], scale=p["scale"])
     assert o64.dtype == torch.float64
-    assert_close("mla_decode_torch float64", up_project(p, o64), decompressed_reference(p), 1e-12)
+    assert_close("naive_mla_decode float64", up_project(p, o64), decompressed_reference(p), 1e-12)
 
 
 @needs_triton
@@ -138,7 +138,7 @@ def test_matches_naive_absorbed_attention():
     p = make_problem([37, 6], 3, **TINY, seed=21)
     o = run(p, backend="torch" if not (torch.cuda.is_available() or interpreting()) else "auto")
     for b, L in enumerate([37, 6]):
-        ref = naive.absorbed_attention(
+        ref = naive.naive_absorbed_attention(
             p["q"][b : b + 1], p["rows"][b : b + 1, :L], value_dim=p["d_c"], scale=p["scale"], causal=True
         )
         assert_close(f"naive seq {b}", o[b : b + 1].cpu(), ref, 1e-5)
@@ -196,7 +196,7 @@ def test_bad_inputs_raise():
         with pytest.raises(ValueError, match=match):
             mla_decode(*args, **kwargs)
     with pytest.raises(ValueError, match="seq_lens"):
-        mla_decode_torch(q, rows, lens.long(), **kw)
+        naive_mla_decode(q, rows, lens.long(), **kw)
     if not (torch.cuda.is_available() or interpreting()):
         with pytest.raises(ValueError, match="backend='triton'"):
             mla_decode(q, rows, lens, **kw, backend="triton")

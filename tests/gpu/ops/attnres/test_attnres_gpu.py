@@ -78,7 +78,7 @@ def test_fused_training_full_at_model_sizes(S):
     """Full AttnRes + RMSNorm forward and every gradient at B=8, T=2048, D=1024, bf16 sources: as accurate against
     float64 as the bf16 reference composition."""
     from hybrid_attention.ops.attnres.mix_norm_grad import attn_res_norm_train
-    from hybrid_attention.ops.attnres.naive import attn_res
+    from hybrid_attention.ops.attnres.naive import naive_attn_res
     from hybrid_attention.ops.numerics import rms_norm
 
     B, T, D = 8, 2048, 1024
@@ -94,7 +94,7 @@ def test_fused_training_full_at_model_sizes(S):
         if name == "fused":
             out = attn_res_norm_train(s_in, *p_in, 1e-6, 1e-6)
         else:
-            out = rms_norm(attn_res(s_in, p_in[0], p_in[1], 1e-6), p_in[2], 1e-6)
+            out = rms_norm(naive_attn_res(s_in, p_in[0], p_in[1], 1e-6), p_in[2], 1e-6)
         results[name] = (out.detach(), _grads(out, s_in + p_in, cot))
         del out, s_in, p_in
     (fo, fg), (po, pg), (ro, rg) = results["fused"], results["plain"], results["ref"]
@@ -122,7 +122,7 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
     tuned launch shapes (N past PARTIAL_BWD_BLOCKS: the row-at-a-time phase-1 backward) and with each config
     alone."""
     from hybrid_attention.ops.attnres.block_stream import attn_res_merge_norm_train, attn_res_partial_train
-    from hybrid_attention.ops.attnres.naive import attn_res_merge, attn_res_partial
+    from hybrid_attention.ops.attnres.naive import naive_attn_res_merge, naive_attn_res_partial
     from hybrid_attention.ops.numerics import rms_norm
 
     if config is not None:
@@ -143,8 +143,8 @@ def test_fused_training_block_at_model_sizes(N, config, monkeypatch):
             x = attn_res_merge_norm_train(out[1], lse[1], b_in[-1], qs[1], kws[1], nw, 1e-6, 1e-6)
             extra = out[2].sum() + lse[3].sum()  # the other rows get gradients too
         else:
-            parts = [attn_res_partial(b_in[:-1], qs[i], kws[i], 1e-6) for i in range(Q)]
-            x = rms_norm(attn_res_merge(*parts[1], b_in[-1], qs[1], kws[1], 1e-6), nw, 1e-6)
+            parts = [naive_attn_res_partial(b_in[:-1], qs[i], kws[i], 1e-6) for i in range(Q)]
+            x = rms_norm(naive_attn_res_merge(*parts[1], b_in[-1], qs[1], kws[1], 1e-6), nw, 1e-6)
             extra = parts[2][0].sum() + parts[3][1].sum()
         loss = (x.double() * cot.double()).sum() + extra.double() * 1e-3
         results[name] = (x.detach(), torch.autograd.grad(loss, b_in + p_in))
@@ -160,12 +160,12 @@ def _chain(src, params, ref: bool):
     """Steps l = 2 .. S of a Full AttnRes stream over `src` (step l reads src[:l]); -> every step's output. `ref`:
     the PyTorch composition (each step its own graph node, autograd sums the gradients)."""
     from hybrid_attention.ops.attnres.full_stream import attn_res_norm_step, attn_res_norm_stream_start
-    from hybrid_attention.ops.attnres.naive import attn_res
+    from hybrid_attention.ops.attnres.naive import naive_attn_res
     from hybrid_attention.ops.numerics import rms_norm
 
     if ref:
         return [
-            rms_norm(attn_res(src[:l], q, kw, 1e-6), nw, 1e-6)
+            rms_norm(naive_attn_res(src[:l], q, kw, 1e-6), nw, 1e-6)
             for (q, kw, nw), l in zip(params, range(2, len(src) + 1), strict=True)
         ]
     queries, key_weights, norm_weights = (torch.stack([p[i] for p in params]) for i in range(3))

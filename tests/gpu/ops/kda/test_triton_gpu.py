@@ -228,7 +228,7 @@ def test_poisoned_buffers(monkeypatch):
 
 @pytest.mark.parametrize("B, H, T", [(64, 4, 1), (64, 4, 4), (256, 16, 1)])
 def test_decode_step(B, H, T):
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+    from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
     q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(B, T, H, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=7)
     state = h0.clone()
@@ -241,7 +241,7 @@ def test_decode_step(B, H, T):
 
 def test_prefill_then_decode():
     from hybrid_attention.ops.kda.triton_chunk import chunk_kda_triton
-    from hybrid_attention.ops.kda.triton_recurrent import fused_recurrent_kda_step
+    from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
     q, k, v, z, beta, h0, A_log, dt_bias = make_inputs(4, 203, 4, 128, 128, dtype=BF16, gate=True, l2norm=True, seed=8)
     gate = dict(gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, use_qk_l2norm=True)
