@@ -47,8 +47,9 @@ def _time_us(fn, graph: bool = False) -> float:
 def forward_sweep(sources, queries, key_ws, norm_w, counts, aligns) -> dict:
     import triton.language as tl
 
-    from hybrid_attention.ops.attnres.rows import pointer_table, residual_scale, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.rows import pointer_table, residual_scale, source_bucket
     from hybrid_attention.ops.attnres.triton_mix_norm import FULL_FWD_CONFIGS, _full_fwd_kernel
+    from hybrid_attention.ops.triton_support import split_scalar
 
     out, h = torch.empty_like(sources[0]), torch.empty_like(sources[0])
     h_res = torch.empty_like(sources[0], dtype=torch.int8)  # h's rounding residual, kept for the stream backward
@@ -72,7 +73,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
     import triton.language as tl
 
     from hybrid_attention.ops.attnres.full_stream import early_steps
-    from hybrid_attention.ops.attnres.rows import residual_scale, row_programs, source_bucket, split_scalar
+    from hybrid_attention.ops.attnres.rows import residual_scale, source_bucket
     from hybrid_attention.ops.attnres.triton_stream_bwd import (
         COPY_BLOCK,
         STREAM_BWD_CONFIGS,
@@ -82,6 +83,7 @@ def backward_sweep(sources, queries, key_ws, norm_w, steps, per_sms) -> dict:
         add_dzr_products_,
         param_table_rows,
     )
+    from hybrid_attention.ops.triton_support import row_programs, split_scalar
 
     dev = sources[0].device
     gen = torch.Generator(device=dev).manual_seed(1)

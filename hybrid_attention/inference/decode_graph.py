@@ -22,7 +22,7 @@ import torch
 
 from hybrid_attention.cache import HybridCache
 from hybrid_attention.layers.packed import PackedProjections
-from hybrid_attention.ops.attnres.rows import captured_tables
+from hybrid_attention.ops.cuda_graph import CapturedGraph
 
 
 class DecodeStep:
@@ -62,7 +62,7 @@ class DecodeStep:
         self.cuda_graph = cuda_graph
         self.tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)  # static input
         self.logits: torch.Tensor | None = None  # static output of the graph
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: CapturedGraph | None = None
         # Kept alive here: a captured graph reads these copies.
         self.packed = PackedProjections(model, gemv) if pack_projections else None
         if cuda_graph:
@@ -77,20 +77,12 @@ class DecodeStep:
     @torch.no_grad()
     def _capture(self, warmup_steps: int) -> None:
         model, cache = self.model, self.cache
-        current = torch.cuda.current_stream(self.tokens.device)
-        side = torch.cuda.Stream(self.tokens.device)
-        side.wait_stream(current)
         saved = cache.snapshot()
         try:
-            with torch.cuda.stream(side):
-                for _ in range(warmup_steps):
-                    model(self.tokens, cache=cache, decode=self.packed)
-            current.wait_stream(side)
-            cache.restore(saved)
-            graph = torch.cuda.CUDAGraph()
-            with captured_tables() as tables, torch.cuda.graph(graph):
-                self.logits = model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
-            self.graph, self.tables = graph, tables  # the AttnRes pointer tables the graph reads live with it
+            step = lambda: model(self.tokens, cache=cache, decode=self.packed).logits[:, -1]  # (B, vocab)
+            reset = lambda: cache.restore(saved)
+            self.graph = CapturedGraph(step, self.tokens.device, warmup_steps=warmup_steps, reset=reset)
+            self.logits = self.graph.output
         finally:
             # Warm-up really ran; capture only recorded (but advanced the host counts once): back to the snapshot.
             torch.cuda.current_stream(self.tokens.device).synchronize()

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_utils import autotune
-from hybrid_attention.ops.triton_support import as_rows, interpreting, triton_runs_on
+from hybrid_attention.ops.triton_support import as_rows, autotune, interpreting, triton_runs_on
 
 MAX_ROWS = 64  # beyond this cuBLAS' tiled GEMM is the right tool
 

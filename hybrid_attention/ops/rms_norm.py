@@ -26,12 +26,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybrid_attention.ops.attnres.rows import compute_tl_dtype, next_power_of_2, row_programs, split_scalar
 from hybrid_attention.ops.numerics import compute_dtype
 from hybrid_attention.ops.triton_support import (
     as_rows,
+    compute_tl_dtype,
     eager_or_traced,
     interpreting,
+    next_power_of_2,
+    row_programs,
+    split_scalar,
     triton_available,
     triton_runs_on,
 )

@@ -24,9 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from hybrid_attention.ops.act_mul import _act_mul_kernel
-from hybrid_attention.ops.attnres.rows import compute_tl_dtype
 from hybrid_attention.ops.triton_support import (
     as_rows,
+    compute_tl_dtype,
     eager_or_traced,
     interpreting,
     triton_available,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import captured_tables
+from hybrid_attention.ops.cuda_graph import CapturedGraph
 from hybrid_attention.training.distributed import full
 
 ADAM = (torch.optim.Adam, torch.optim.AdamW)
@@ -78,12 +78,11 @@ class TrainStep:
             _check_capturable(self.params, optimizers)
         self.loss_of, self.optimizers, self.grad_accum, self.clip = loss_of, list(optimizers), grad_accum, clip
         self.autocast, self.cuda_graph, self.warmup_steps = autocast, cuda_graph, warmup_steps
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: CapturedGraph | None = None
         self.batches: torch.Tensor | None = None  # static input of the graph
         self.loss_sum: torch.Tensor | None = None  # static outputs of the graph
         self.grad_norm: torch.Tensor | None = None
         self._lrs: list[tuple[torch.Tensor, dict]] = []  # (device learning rate the graph reads, its param group)
-        self._tables = None  # the pointer tables the graph reads (`rows.CapturedTables`), kept alive with it
         optimized = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
         self._unoptimized = [p for p in self.params if id(p) not in optimized]  # clipped: their gradients reset too
 
@@ -150,22 +149,21 @@ class TrainStep:
                 group["lr"] = lr
                 if "capturable" in group:  # Adam's flag for a device learning rate (StackedMuon takes it as it is)
                     group["capturable"] = True
-            self._zero_grad()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")  # the warm-up runs uncaptured
-                for _ in range(self.warmup_steps):
-                    self._accumulate_and_step(self.batches)
-                    self._zero_grad()
-            current.wait_stream(side)
-            saved.restore()
-            graph = torch.cuda.CUDAGraph()
+
+            def step():
+                self._zero_grad()  # sets .grad to None: host work only, nothing the graph records
+                return self._accumulate_and_step(self.batches)
+
+            def reset():
+                self._zero_grad()
+                saved.restore()
+
             # The first backward allocates the gradients in the graph's pool; each replay's first backward overwrites
             # them, so the graph needs no zeroing (and .grad keeps pointing at them between replays).
-            with captured_tables() as tables, torch.cuda.graph(graph):
-                self.loss_sum, self.grad_norm = self._accumulate_and_step(self.batches)
-            self.graph, self._tables = graph, tables
+            self.graph = CapturedGraph(
+                step, self.device, warmup_steps=self.warmup_steps, reset=reset, warmup_context=_quiet_capturable
+            )
+            self.loss_sum, self.grad_norm = self.graph.output
         except BaseException:
             current.synchronize()
             self._zero_grad()
@@ -176,6 +174,14 @@ class TrainStep:
                 group["lr"] = lr
                 if "capturable" in group:
                     group["capturable"] = capturable
+
+
+@contextlib.contextmanager
+def _quiet_capturable():
+    """The warm-up runs uncaptured with capturable optimizers, about which they warn."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+        yield
 
 
 def _check_capturable(params: list[torch.Tensor], optimizers) -> None:

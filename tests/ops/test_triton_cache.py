@@ -72,7 +72,7 @@ def test_an_earlier_hook_that_skips_compilation_is_respected(monkeypatch):
 def test_autotuned_kernels_keep_their_choices_on_disk(monkeypatch):
     assert "cache_results" in inspect.signature(triton.autotune).parameters  # Triton >= 3.3, as pyproject requires
     assert AUTOTUNE_OPTIONS == {"cache_results": True}
-    from hybrid_attention.ops.kda.triton_utils import autotune
+    from hybrid_attention.ops.triton_support import autotune
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a compiled-mode tuner (built, never launched here)
 

@@ -9,14 +9,13 @@ cast to a pointer of the sources' element type inside the kernel (works compiled
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from hybrid_attention.ops.numerics import HALF_DTYPES
-from hybrid_attention.ops.triton_support import interpreting, sm_count, triton_available, triton_runs_on
+from hybrid_attention.ops.triton_support import interpreting, next_power_of_2, triton_available, triton_runs_on
 
 try:
     import triton
@@ -28,7 +27,6 @@ except ImportError:  # the reference path still works
 
 MAX_ROW = 16384  # widest D held in registers: every training kernel keeps whole rows (our models use 1024)
 MAX_TILE = 8192  # most elements of one [BLOCK_S, BLOCK_D] source tile a tuned config may hold
-BWD_PROGRAMS_PER_SM = 4  # backward programs loop over rows to sum parameter gradients in registers
 TABLE_CACHE = 1024  # pointer tables kept: a training step asks for the same ones every step
 
 
@@ -77,11 +75,6 @@ def residual_scale(dtype: torch.dtype) -> float:
     [-127, 127]: an int8 that gives h back to about 2^-7 of its rounding. The backward needs the unrounded h in
     dh . h, a sum that cancels against the sources' dh . v_i (docs/math.md, "AttnRes backward")."""
     return 127.0 / torch.finfo(dtype).eps if dtype in HALF_DTYPES else 0.0
-
-
-def compute_tl_dtype(dtype: torch.dtype):
-    """float64 math for float64 tensors (interpreter tests), float32 for everything else."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -191,27 +184,6 @@ def tables_built() -> int:
 def tile_warps(elements: int) -> int:
     """4 warps up to [4, 1024] tiles (Q = 4 queries at D = 1024): more warps lower how many programs stay resident."""
     return 4 if elements <= 4096 else 8
-
-
-def row_programs(M: int, device: torch.device, per_sm: int = BWD_PROGRAMS_PER_SM) -> int:
-    """Programs for a backward kernel over M rows: enough to fill the GPU, few enough that the per-program partial
-    parameter gradients [programs, D] stay small."""
-    if device.type == "cuda":
-        return max(1, min(M, per_sm * sm_count(device)))
-    return max(1, min(M, 4))
-
-
-@functools.cache
-def split_scalar(x: float) -> tuple[float, float]:
-    """x as hi + lo, two float32 kernel arguments: float64 kernels (interpreter tests) add them back and see x to
-    about 48 bits, where one float32 argument would round an epsilon by 1e-8 relative (visible at small norms)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(x) - hi
-
-
-def next_power_of_2(n: int) -> int:
-    """Plain Python (triton.next_power_of_2 is a jit function, slow to call from the host for every launch)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def block_d(D: int) -> int:

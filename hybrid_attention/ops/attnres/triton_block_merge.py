@@ -17,14 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.attnres.rows import (
-    block_d,
-    compute_tl_dtype,
-    row_programs,
-    split_scalar,
-    tile_warps,
-    tuned_over_row_blocks,
-)
+from hybrid_attention.ops.attnres.rows import block_d, tile_warps, tuned_over_row_blocks
+from hybrid_attention.ops.triton_support import compute_tl_dtype, row_programs, split_scalar
 
 try:
     import triton

@@ -28,16 +28,13 @@ import torch
 from hybrid_attention.ops.attnres.rows import (
     MAX_TILE,
     block_d,
-    compute_tl_dtype,
-    next_power_of_2,
     pointer_table,
-    row_programs,
-    split_scalar,
     table_alignment,
     tile_warps,
     tuned_over_configs,
 )
 from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.triton_support import compute_tl_dtype, next_power_of_2, row_programs, split_scalar
 
 try:
     import triton

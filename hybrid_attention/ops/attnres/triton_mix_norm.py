@@ -19,16 +19,14 @@ import torch
 
 from hybrid_attention.ops.attnres.rows import (
     block_d,
-    compute_tl_dtype,
     pointer_table,
     residual_scale,
-    row_programs,
     source_bucket,
-    split_scalar,
     table_alignment,
     tuned_over_sources,
 )
 from hybrid_attention.ops.numerics import compute_dtype
+from hybrid_attention.ops.triton_support import compute_tl_dtype, row_programs, split_scalar
 
 try:
     import triton

@@ -38,17 +38,14 @@ import torch
 
 from hybrid_attention.ops.attnres.rows import (
     block_d,
-    compute_tl_dtype,
     residual_scale,
-    row_programs,
     source_bucket,
     source_table,
-    split_scalar,
     table_alignment,
     tuned_over_row_blocks,
 )
 from hybrid_attention.ops.numerics import HALF_DTYPES
-from hybrid_attention.ops.triton_support import interpreting
+from hybrid_attention.ops.triton_support import compute_tl_dtype, interpreting, row_programs, split_scalar
 
 try:
     import triton

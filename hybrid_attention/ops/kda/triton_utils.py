@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.triton_cache import AUTOTUNE_OPTIONS, register_tuner
 from hybrid_attention.ops.triton_support import interpreting
 
 CHUNK = 64
@@ -49,22 +48,6 @@ def empty(like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> 
     """Every buffer of these kernels comes from here, through `torch.empty` looked up at call time, so a test can
     poison them all (monkeypatch torch.empty to fill NaN) and catch any element a kernel forgets to write."""
     return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
-
-
-def autotune(options: list[dict], warps_stages: list[tuple[int, int]], key: list[str]):
-    """triton.autotune over a few configs. Only the first config is used under the interpreter (it would run
-    them all, slowly). A config that does not fit the GPU (registers, shared memory) is skipped by the autotuner.
-    Every config stays listed in the returned tuner's `all_configs`, so tests can run each one alone (also under the
-    interpreter). The choices are kept on disk across processes, and `first_configs_only` reaches the tuner
-    (`ops/triton_cache.py`)."""
-    configs = [triton.Config(o, num_warps=w, num_stages=s) for o, (w, s) in zip(options, warps_stages, strict=True)]
-
-    def decorate(fn):
-        tuner = triton.autotune(configs=configs[:1] if interpreting() else configs, key=key, **AUTOTUNE_OPTIONS)(fn)
-        tuner.all_configs = configs
-        return register_tuner(tuner)
-
-    return decorate
 
 
 def tuning_width(pairs: int) -> int:

@@ -108,11 +108,11 @@ def test_graphed_step_equals_eager(case):
         eager_opt.load_state_dict(opt.state_dict())  # a checkpoint of a graphed run loads into an eager one
     # The AttnRes kernels read pointer tables built under capture: the graph keeps them, the eager cache never has them.
     if case == "standard":
-        assert step._tables.tables == []
+        assert step.graph.kept.tables == []
     else:
-        assert step._tables.tables, "no pointer table was built under capture"
+        assert step.graph.kept.tables, "no pointer table was built under capture"
         cached = {id(t) for t in rows._tables.values()}
-        assert all(id(table) not in cached and host.is_pinned() for host, table in step._tables.tables)
+        assert all(id(table) not in cached and host.is_pinned() for host, table in step.graph.kept.tables)
     # The outputs are static buffers: the next replay overwrites them in place.
     loss = step.loss_sum
     step.step(torch.zeros(ACCUM, B, T, dtype=torch.long, device="cuda"))

@@ -27,7 +27,6 @@ import triton.language as tl
 from hybrid_attention.ops.kda.triton_utils import (
     WIDE,
     anchor_factors,
-    autotune,
     chunk_info,
     dot_operand,
     fitting_prefix,
@@ -43,6 +42,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_rows,
     store_tile,
 )
+from hybrid_attention.ops.triton_support import autotune
 
 
 @triton.jit

@@ -13,14 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_utils import (
-    autotune,
-    chunk_info,
-    load_lower,
-    load_raw,
-    mm,
-    store_tile,
-)
+from hybrid_attention.ops.kda.triton_utils import chunk_info, load_lower, load_raw, mm, store_tile
+from hybrid_attention.ops.triton_support import autotune
 
 
 @autotune([{"BV": 64}, {"BV": 128}], [(4, 2), (8, 2)], ["K", "V"])

@@ -33,7 +33,6 @@ from hybrid_attention.ops.kda.triton_utils import (
     WIDE,
     all_finite,
     anchor_factors,
-    autotune,
     chunk_info,
     finite,
     first_bad_row,
@@ -51,6 +50,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_rows,
     store_tile,
 )
+from hybrid_attention.ops.triton_support import autotune
 
 
 @triton.jit

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
-    autotune,
     chunk_info,
     load_lower,
     load_raw,
@@ -29,6 +28,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_rows,
     store_tile,
 )
+from hybrid_attention.ops.triton_support import autotune
 
 
 # The V tile is fixed (reduction_tile) and only warps and stages are tuned: the sums over V then run in one order

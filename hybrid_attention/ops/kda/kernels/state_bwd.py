@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
-    autotune,
     chunk_decay,
     load_lower,
     load_raw,
@@ -28,6 +27,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_state,
     store_tile,
 )
+from hybrid_attention.ops.triton_support import autotune
 
 
 # With 4 warps and 2 pipeline stages this kernel miscomputes on an H200 with triton 3.6 (BV 16: dh0 off by 6e-2 at

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from hybrid_attention.ops.kda.triton_utils import (
-    autotune,
     chunk_decay,
     load_lower,
     load_raw,
@@ -30,6 +29,7 @@ from hybrid_attention.ops.kda.triton_utils import (
     store_state,
     store_tile,
 )
+from hybrid_attention.ops.triton_support import autotune
 
 
 # Wide V tiles with few stages suit many (sequence, head) pairs; with few pairs the pass is as long as one program's
