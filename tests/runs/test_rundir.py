@@ -19,8 +19,9 @@ from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import manifest, run_config
 from hybrid_attention.runs.rundir import RunLock
+from hybrid_attention.training.checkpointer import TrainingDiverged
 from hybrid_attention.training.config import TrainConfig
-from hybrid_attention.training.loop import TrainingDiverged, train
+from hybrid_attention.training.loop import train
 from tests.helpers import run_cli
 
 ARGS = ["--steps", 4, "--batch-size", 2, "--seq-len", 32, "--eval-every", 2, "--eval-batches", 1, "--log-every", 1]
