@@ -129,6 +129,9 @@ def env_corpus(
             f"(folders: {', '.join(map(str, roots)) or 'none'})"
         )
     return Corpus(
-        train=[t for _, t in docs[False]], val=[t for _, t in docs[True]], source=source,
-        train_names=[n for n, _ in docs[False]], val_names=[n for n, _ in docs[True]],
-    )  # fmt: skip
+        train=[t for _, t in docs[False]],
+        val=[t for _, t in docs[True]],
+        source=source,
+        train_names=[n for n, _ in docs[False]],
+        val_names=[n for n, _ in docs[True]],
+    )

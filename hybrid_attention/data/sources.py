@@ -153,9 +153,12 @@ def _finish(docs: list[tuple[str, str]], val_fraction: float, source: str) -> Co
             raise ValueError(f"the data source {source} is too small to split into train and validation")
         return Corpus(train=head, val=tail, source=f"{source}, split by text")
     return Corpus(
-        train=[t for _, t in train], val=[t for _, t in val], source=source,
-        train_names=[n for n, _ in train], val_names=[n for n, _ in val],
-    )  # fmt: skip
+        train=[t for _, t in train],
+        val=[t for _, t in val],
+        source=source,
+        train_names=[n for n, _ in train],
+        val_names=[n for n, _ in val],
+    )
 
 
 def _split_text(text: str, val_fraction: float) -> tuple[list[str], list[str]]:

@@ -33,9 +33,10 @@ from hybrid_attention.model import HybridLM
 # transformers 5.17 names the cache argument `past_key_values`; later versions rename it `cache` (the old name still
 # accepted for a while). Both are accepted here; this is the one generate passes.
 CACHE_KWARG = (
-    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
-)  # fmt: skip
+)
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 

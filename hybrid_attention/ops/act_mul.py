@@ -19,8 +19,9 @@ ACTS = ("silu", "sigmoid")
 
 
 @triton.jit
-def _act_mul_kernel(a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr,
-                    CDT: tl.constexpr = tl.float32):  # fmt: skip
+def _act_mul_kernel(
+    a, b, y, width, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr, CDT: tl.constexpr = tl.float32
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width

@@ -51,8 +51,9 @@ def _gated_norm_fwd_kernel(x, gate, w, y, n_rows, eps, D: tl.constexpr, BD: tl.c
 
 
 @triton.jit
-def _gated_norm_bwd_kernel(x, gate, w, dy, dx, dgate, dw_part, n_rows, eps, D: tl.constexpr, BD: tl.constexpr,
-                           BR: tl.constexpr):  # fmt: skip
+def _gated_norm_bwd_kernel(
+    x, gate, w, dy, dx, dgate, dw_part, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr
+):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     dt = x.dtype.element_ty
@@ -99,9 +100,20 @@ class _GatedNormFn(torch.autograd.Function):
         dx, dgate = torch.empty_like(x), torch.empty_like(gate)
         dw_part = torch.empty(grid[0], D, device=x.device, dtype=torch.float32)
         _gated_norm_bwd_kernel[grid](
-            x, gate, weight, dy.contiguous(), dx, dgate, dw_part, n_rows, ctx.eps,
-            D=D, BD=triton.next_power_of_2(D), BR=ROWS, num_warps=4,
-        )  # fmt: skip
+            x,
+            gate,
+            weight,
+            dy.contiguous(),
+            dx,
+            dgate,
+            dw_part,
+            n_rows,
+            ctx.eps,
+            D=D,
+            BD=triton.next_power_of_2(D),
+            BR=ROWS,
+            num_warps=4,
+        )
         return dx, dgate, dw_part.sum(0).to(weight.dtype), None
 
 

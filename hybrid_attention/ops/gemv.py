@@ -27,11 +27,22 @@ MAX_ROWS = 64  # beyond this cuBLAS' tiled GEMM is the right tool
 )
 @triton.jit
 def _gemv_kernel(
-    x, w, b, y,  # x [M, K] (row stride stride_x), w [N, K] (row stride stride_w), b [N], y [M, N] contiguous
-    M, N, K, stride_x, stride_w,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    x,
+    w,
+    b,
+    y,  # x [M, K] (row stride stride_x), w [N, K] (row stride stride_w), b [N], y [M, N] contiguous
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -75,8 +86,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M > 0 and N > 0:
         grid = lambda meta: (triton.cdiv(N, meta["BN"]),)  # noqa: E731
         _gemv_kernel[grid](
-            x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0), weight.stride(0),
-            HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(M)),
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", EMU=interpreting() and x.dtype == torch.bfloat16,
-        )  # fmt: skip
+            x2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            weight.stride(0),
+            HAS_BIAS=bias is not None,
+            BM=max(16, triton.next_power_of_2(M)),
+            PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            EMU=interpreting() and x.dtype == torch.bfloat16,
+        )
     return y.view(*x.shape[:-1], N)

@@ -52,8 +52,20 @@ def _warps(width: int) -> int:
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x, w, y, rstd_out, n_rows, stride_x, eps_hi, eps_lo, D: tl.constexpr, BD: tl.constexpr,
-                         BR: tl.constexpr, CDT: tl.constexpr):  # fmt: skip
+def _rms_norm_fwd_kernel(
+    x,
+    w,
+    y,
+    rstd_out,
+    n_rows,
+    stride_x,
+    eps_hi,
+    eps_lo,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BR: tl.constexpr,
+    CDT: tl.constexpr,
+):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, BD)
     row_ok = rows < n_rows
@@ -68,8 +80,22 @@ def _rms_norm_fwd_kernel(x, w, y, rstd_out, n_rows, stride_x, eps_hi, eps_lo, D:
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(dy, x, w, rstd_in, dx, dw_part, n_rows, rows_per_program, stride_dy, stride_x,
-                         D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, CDT: tl.constexpr):  # fmt: skip
+def _rms_norm_bwd_kernel(
+    dy,
+    x,
+    w,
+    rstd_in,
+    dx,
+    dw_part,
+    n_rows,
+    rows_per_program,
+    stride_dy,
+    stride_x,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BR: tl.constexpr,
+    CDT: tl.constexpr,
+):
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -102,9 +128,19 @@ def _forward(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> tuple
     if n:
         br = rows_per_block(D)
         _rms_norm_fwd_kernel[(triton.cdiv(n, br),)](
-            x2, weight, y, rstd, n, x2.stride(0), *split_scalar(eps), D=D, BD=next_power_of_2(D), BR=br,
-            CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
-        )  # fmt: skip
+            x2,
+            weight,
+            y,
+            rstd,
+            n,
+            x2.stride(0),
+            *split_scalar(eps),
+            D=D,
+            BD=next_power_of_2(D),
+            BR=br,
+            CDT=compute_tl_dtype(x.dtype),
+            num_warps=_warps(D),
+        )
     return y, rstd
 
 
@@ -122,9 +158,22 @@ def _backward_kernels(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
     programs = triton.cdiv(n, rows_per_program)
     dw_part = torch.empty(programs, D, device=x.device, dtype=rstd.dtype)
     _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dx, dw_part, n, rows_per_program, dy2.stride(0), x2.stride(0), D=D,
-        BD=next_power_of_2(D), BR=br, CDT=compute_tl_dtype(x.dtype), num_warps=_warps(D),
-    )  # fmt: skip
+        dy2,
+        x2,
+        weight,
+        rstd,
+        dx,
+        dw_part,
+        n,
+        rows_per_program,
+        dy2.stride(0),
+        x2.stride(0),
+        D=D,
+        BD=next_power_of_2(D),
+        BR=br,
+        CDT=compute_tl_dtype(x.dtype),
+        num_warps=_warps(D),
+    )
     return dx, dw_part.sum(0).to(weight.dtype)
 
 

@@ -37,8 +37,9 @@ BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu, dy, dgu, y, width, stride_gu, stride_dy, STORE_Y: tl.constexpr, BLOCK: tl.constexpr,
-                       CDT: tl.constexpr):  # fmt: skip
+def _swiglu_bwd_kernel(
+    gu, dy, dgu, y, width, stride_gu, stride_dy, STORE_Y: tl.constexpr, BLOCK: tl.constexpr, CDT: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -67,9 +68,16 @@ def _product(gate_up: Tensor) -> Tensor:
     y = gate_up.new_empty(*gate_up.shape[:-1], width)
     if y.numel():
         _act_mul_kernel[_grid(gu.shape[0], width)](
-            gu, gu[:, width:], y, width, gu.stride(0), gu.stride(0), SILU=True, BLOCK=BLOCK,
+            gu,
+            gu[:, width:],
+            y,
+            width,
+            gu.stride(0),
+            gu.stride(0),
+            SILU=True,
+            BLOCK=BLOCK,
             CDT=compute_tl_dtype(gate_up.dtype),
-        )  # fmt: skip
+        )
     return y
 
 
@@ -81,9 +89,17 @@ def _product_bwd(dy: Tensor, gate_up: Tensor, keep_y: bool) -> tuple[Tensor, Ten
     y = gate_up.new_empty(*gate_up.shape[:-1], width) if keep_y else gate_up.new_empty(0)
     if dgu.numel():
         _swiglu_bwd_kernel[_grid(gu.shape[0], width)](
-            gu, g, dgu, y, width, gu.stride(0), g.stride(0), STORE_Y=keep_y, BLOCK=BLOCK,
+            gu,
+            g,
+            dgu,
+            y,
+            width,
+            gu.stride(0),
+            g.stride(0),
+            STORE_Y=keep_y,
+            BLOCK=BLOCK,
             CDT=compute_tl_dtype(gate_up.dtype),
-        )  # fmt: skip
+        )
     return dgu, y
 
 

@@ -29,9 +29,15 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
 }
 _METADATA_TYPES = (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
-    "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-)  # fmt: skip
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
 _ALLOWED.update(
     {(dcp_metadata.__name__, n): getattr(dcp_metadata, n) for n in _METADATA_TYPES if hasattr(dcp_metadata, n)}
 )

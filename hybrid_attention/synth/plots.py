@@ -29,8 +29,13 @@ def plot_accuracy(out: str | Path, rows: list[dict]) -> Path:
             if (t, n) != (task, seq_len):
                 continue
             curve = sorted((r for r in rows if row_key(r) == row_key(final)), key=lambda r: r["step"])
-            ax.plot([r["step"] for r in curve], [r["accuracy"] for r in curve], "o-", ms=3,
-                    label=f"{model} (lr {final['lr']:g})")  # fmt: skip
+            ax.plot(
+                [r["step"] for r in curve],
+                [r["accuracy"] for r in curve],
+                "o-",
+                ms=3,
+                label=f"{model} (lr {final['lr']:g})",
+            )
         ax.set_title(f"{task}, length {seq_len}")
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("step")

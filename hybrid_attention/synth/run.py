@@ -132,8 +132,14 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     are small enough that an eager step is bound by the host's launches, so a graph runs them several times faster;
     it computes the same steps."""
     task = s.task(spec.task, spec.seq_len)
-    config = model_config(spec.model, task.vocab_size, num_layers=s.num_layers, num_heads=s.num_heads,
-                          head_dim=s.head_dim, residual=s.residual)  # fmt: skip
+    config = model_config(
+        spec.model,
+        task.vocab_size,
+        num_layers=s.num_layers,
+        num_heads=s.num_heads,
+        head_dim=s.head_dim,
+        residual=s.residual,
+    )
     torch.manual_seed(s.seed)
     model = HybridLM(config, kda_backend=s.kda_backend).to(device)
     optimizers = build_optimizers(model, optimizer=s.optimizer, lr=spec.lr, weight_decay=s.weight_decay)
@@ -142,11 +148,11 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
     autocast = autocast_for(device, dtype)
     # One micro-batch per step, its inputs and labels stacked: [1, 2, B, T].
     loss_of = lambda xy: model(xy[0], labels=xy[1], return_logits=False).loss  # noqa: E731
-    train_step = TrainStep(loss_of, params, optimizers, clip=s.clip if s.clip > 0 else math.inf, autocast=autocast,
-                           cuda_graph=cuda_graph)  # fmt: skip
+    train_step = TrainStep(
+        loss_of, params, optimizers, clip=s.clip if s.clip > 0 else math.inf, autocast=autocast, cuda_graph=cuda_graph
+    )
     eval_every = s.eval_every or max(1, spec.steps // 20)
-    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer,
-            "settings": asdict(s)}  # fmt: skip
+    base = {**asdict(spec), "seed": s.seed, "batch_size": s.batch_size, "optimizer": s.optimizer, "settings": asdict(s)}
     row, start = None, time.perf_counter()
     model.train()
     with flush_denormals():
@@ -161,8 +167,14 @@ def train_run(spec: RunSpec, s: Settings, *, device, dtype: str = "auto", log_di
             diverged = not math.isfinite(value)
             seconds = time.perf_counter() - start
             accuracy = 0.0 if diverged else evaluate(model, task, s, device, autocast)
-            row = {**base, "step": step, "loss": value if not diverged else None, "accuracy": accuracy,
-                   "seconds": seconds, "s_per_step": seconds / step}  # fmt: skip
+            row = {
+                **base,
+                "step": step,
+                "loss": value if not diverged else None,
+                "accuracy": accuracy,
+                "seconds": seconds,
+                "s_per_step": seconds / step,
+            }
             final = step == spec.steps or diverged
             if final:
                 row.update(final=1, diverged=int(diverged))
@@ -208,8 +220,17 @@ def estimate_seconds(spec: RunSpec, finished: list[dict], batch_size: int) -> fl
     return spec.steps * per_token * spec.seq_len * batch_size
 
 
-def run_grid(runs: list[RunSpec], s: Settings, out: str | Path, *, device, dtype="auto", budget_s=None, echo=print,
-             cuda_graph=False):  # fmt: skip
+def run_grid(
+    runs: list[RunSpec],
+    s: Settings,
+    out: str | Path,
+    *,
+    device,
+    dtype="auto",
+    budget_s=None,
+    echo=print,
+    cuda_graph=False,
+):
     """Run `runs` in order into `out`; skip finished ones and, past `budget_s` seconds (estimated from the runs
     done so far), the ones that would not fit. Returns (final rows of every finished run, the skipped specs).
     `cuda_graph` as in `train_run` (a speed option: not one of the settings a resumed grid must keep)."""

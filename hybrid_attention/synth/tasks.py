@@ -58,18 +58,23 @@ class Task:
         if self.pairs is not None:
             most = (self.seq_len - 2) // 2  # the pairs and at least one query
             if not is_int(self.pairs) or not 2 <= self.pairs <= most:
-                raise ValueError(f"mqar at seq_len {self.seq_len}: pairs must be an integer in [2, {most}], "
-                                 f"got {self.pairs!r}")  # fmt: skip
+                raise ValueError(
+                    f"mqar at seq_len {self.seq_len}: pairs must be an integer in [2, {most}], got {self.pairs!r}"
+                )
         if self.queries is not None:
             # Queries ask distinct keys, one per two-token slot after the pairs.
             most = min(self.num_pairs, self.num_query_slots)
             if not is_int(self.queries) or not 1 <= self.queries <= most:
-                raise ValueError(f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {most}] "
-                                 f"(the key-value pairs, and the slots after them), got {self.queries!r}")  # fmt: skip
+                raise ValueError(
+                    f"mqar at seq_len {self.seq_len}: queries must be an integer in [1, {most}] "
+                    f"(the key-value pairs, and the slots after them), got {self.queries!r}"
+                )
         elif self.name == "mqar" and self.num_queries > self.num_query_slots:
-            raise ValueError(f"mqar at seq_len {self.seq_len}: {self.num_pairs} pairs leave "
-                             f"{self.num_query_slots} query slots, fewer than the "
-                             f"{self.num_queries} queries (half the pairs); pass fewer pairs or queries")  # fmt: skip
+            raise ValueError(
+                f"mqar at seq_len {self.seq_len}: {self.num_pairs} pairs leave "
+                f"{self.num_query_slots} query slots, fewer than the "
+                f"{self.num_queries} queries (half the pairs); pass fewer pairs or queries"
+            )
 
     @property
     def num_pairs(self) -> int:

@@ -47,9 +47,14 @@ def _partial_forward(blocks, queries, key_weights, eps):
 def _partial_backward_kernels(dout, dlse, blocks, queries, key_weights, lse, eps):
     shape, Q = blocks[0].shape, queries.shape[0]
     dblk, du = partial_bwd(
-        _flat([d.contiguous() for d in dout]), dlse.contiguous().view(Q, -1), _flat(blocks),
-        queries, key_weights, lse.view(Q, -1), eps,
-    )  # fmt: skip
+        _flat([d.contiguous() for d in dout]),
+        dlse.contiguous().view(Q, -1),
+        _flat(blocks),
+        queries,
+        key_weights,
+        lse.view(Q, -1),
+        eps,
+    )
     return dblk.view(len(blocks), *shape), du
 
 
@@ -59,7 +64,7 @@ def _partial_backward_kernels(dout, dlse, blocks, queries, key_weights, lse, eps
 @torch.library.custom_op("hybrid_attention::attn_res_partial_fwd", mutates_args=())
 def _partial_fwd_op(
     blocks: list[Tensor], queries: Tensor, key_weights: Tensor, eps: float
-) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+) -> tuple[list[Tensor], Tensor]:
     """(out: Q x [..., D] in the blocks' dtype, lse [Q, ...] in the compute dtype)."""
     return _partial_forward(blocks, queries, key_weights, eps)
 
@@ -73,9 +78,14 @@ def _(blocks, queries, key_weights, eps):
 
 @torch.library.custom_op("hybrid_attention::attn_res_partial_bwd", mutates_args=())
 def _partial_bwd_op(
-    dout: list[Tensor], dlse: Tensor, blocks: list[Tensor], queries: Tensor, key_weights: Tensor, lse: Tensor,
+    dout: list[Tensor],
+    dlse: Tensor,
+    blocks: list[Tensor],
+    queries: Tensor,
+    key_weights: Tensor,
+    lse: Tensor,
     eps: float,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """(d blocks [N, ..., D] in the blocks' dtype, dL/du [Q, D] with u = queries * key_weights)."""
     return _partial_backward_kernels(dout, dlse, blocks, queries, key_weights, lse, eps)
 
@@ -114,9 +124,16 @@ def _merge_forward(out, lse, partial, query, key_weight, norm_weight, eps, norm_
     shape, D = out.shape, out.shape[-1]
     flat_partial = None if partial is None else partial.contiguous().view(-1, D)
     x, rho = merge_norm_fwd(
-        out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query, key_weight, norm_weight, eps,
-        norm_eps, dtype,
-    )  # fmt: skip
+        out.contiguous().view(-1, D),
+        lse.contiguous().view(-1),
+        flat_partial,
+        query,
+        key_weight,
+        norm_weight,
+        eps,
+        norm_eps,
+        dtype,
+    )
     return x.view(shape), rho.view(shape[:-1])
 
 
@@ -124,9 +141,16 @@ def _merge_backward_kernels(dx, out, lse, partial, query, key_weight, norm_weigh
     shape, D = out.shape, out.shape[-1]
     flat_partial = None if partial is None else partial.contiguous().view(-1, D)
     dout, dlse, dpartial, du, dnw = merge_norm_bwd(
-        dx.contiguous().view(-1, D), out.contiguous().view(-1, D), lse.contiguous().view(-1), flat_partial, query,
-        key_weight, norm_weight, rho.view(-1), eps,
-    )  # fmt: skip
+        dx.contiguous().view(-1, D),
+        out.contiguous().view(-1, D),
+        lse.contiguous().view(-1),
+        flat_partial,
+        query,
+        key_weight,
+        norm_weight,
+        rho.view(-1),
+        eps,
+    )
     if partial is None:
         return dout.view(shape), _distinct_empty(lse), _distinct_empty(out), _distinct_empty(out), dnw
     return dout.view(shape), dlse.view(shape[:-1]), dpartial.view(shape), du, dnw
@@ -134,9 +158,16 @@ def _merge_backward_kernels(dx, out, lse, partial, query, key_weight, norm_weigh
 
 @torch.library.custom_op("hybrid_attention::attn_res_merge_norm_fwd", mutates_args=())
 def _merge_fwd_op(
-    out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor, norm_weight: Tensor,
-    eps: float, norm_eps: float, dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor | None,
+    query: Tensor,
+    key_weight: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    norm_eps: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
     """(x [..., D] in `dtype`, rho [...] in the compute dtype)."""
     return _merge_forward(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype)
 
@@ -148,9 +179,16 @@ def _(out, lse, partial, query, key_weight, norm_weight, eps, norm_eps, dtype):
 
 @torch.library.custom_op("hybrid_attention::attn_res_merge_norm_bwd", mutates_args=())
 def _merge_bwd_op(
-    dx: Tensor, out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_weight: Tensor,
-    norm_weight: Tensor, rho: Tensor, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    dx: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor | None,
+    query: Tensor,
+    key_weight: Tensor,
+    norm_weight: Tensor,
+    rho: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d out, d lse, d partial, dL/du [D], d norm_weight [D]); without `partial` the 2nd to 4th are empty."""
     return _merge_backward_kernels(dx, out, lse, partial, query, key_weight, norm_weight, rho, eps)
 

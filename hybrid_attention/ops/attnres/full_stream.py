@@ -93,16 +93,41 @@ def _(sources, query, key_weight, norm_weight, eps, norm_eps):
 
 @torch.library.custom_op("hybrid_attention::attn_res_stream_bwd", mutates_args=("dh_early", "dh_late", "rows", "cols"))
 def _bwd_op(
-    dx: Tensor | None, h: Tensor, h_res: Tensor, stats: Tensor, logits: Tensor, queries: Tensor,
-    key_weights: Tensor, norm_weight: Tensor, sources: list[Tensor], dh_early: Tensor, dh_late: Tensor, rows: Tensor,
-    cols: Tensor, step: int, eps: float,
-) -> Tensor:  # fmt: skip
+    dx: Tensor | None,
+    h: Tensor,
+    h_res: Tensor,
+    stats: Tensor,
+    logits: Tensor,
+    queries: Tensor,
+    key_weights: Tensor,
+    norm_weight: Tensor,
+    sources: list[Tensor],
+    dh_early: Tensor,
+    dh_late: Tensor,
+    rows: Tensor,
+    cols: Tensor,
+    step: int,
+    eps: float,
+) -> Tensor:
     """Writes step `step`'s entries of the tables and adds to the dL/du partial sums; -> the gradients of `sources`
     [n, ..., D] in their dtype."""
     return _stream_bwd(
-        dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh_early, dh_late, rows, cols, step,
+        dx,
+        h,
+        h_res,
+        stats,
+        logits,
+        queries,
+        key_weights,
+        norm_weight,
+        sources,
+        dh_early,
+        dh_late,
+        rows,
+        cols,
+        step,
         eps,
-    )  # fmt: skip
+    )
 
 
 def _stream_bwd(dx, *args):
@@ -281,7 +306,13 @@ def attn_res_norm_step(sources: Sequence[Tensor], carrier: Carrier, norm_eps: fl
     if not newest.is_contiguous():
         raise ValueError(f"{name}: the newest source must be contiguous (its strides are {newest.stride()})")
     x, *tables = _StreamStep.apply(
-        *carrier.tables, carrier.queries, carrier.key_weights, carrier.norm_weights, carrier.eps, float(norm_eps),
-        step, *sources,
-    )  # fmt: skip
+        *carrier.tables,
+        carrier.queries,
+        carrier.key_weights,
+        carrier.norm_weights,
+        carrier.eps,
+        float(norm_eps),
+        step,
+        *sources,
+    )
     return x, carrier._replace(step=step, sources=len(sources), tables=tuple(tables))

@@ -41,9 +41,14 @@ def _backward_kernels(dout, sources, query, key_weight, norm_weight, stats, eps)
 
 @torch.library.custom_op("hybrid_attention::attn_res_norm_bwd", mutates_args=())
 def _bwd_op(
-    dout: Tensor, sources: list[Tensor], query: Tensor, key_weight: Tensor, norm_weight: Tensor, stats: Tensor,
+    dout: Tensor,
+    sources: list[Tensor],
+    query: Tensor,
+    key_weight: Tensor,
+    norm_weight: Tensor,
+    stats: Tensor,
     eps: float,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """(the sources' gradients [S, ..., D] in their dtype, the gradients of query, key_weight and norm_weight as one
     [3, D] tensor in the query's dtype)."""
     return _backward_kernels(dout, sources, query, key_weight, norm_weight, stats, eps)

@@ -150,10 +150,22 @@ def merge_norm_fwd(out, lse, partial, query, key_weight, norm_weight, eps, norm_
     if M > 0:
         bd = block_d(D)
         _merge_norm_fwd_kernel[(M,)](
-            out, lse, partial if partial is not None else out, query, key_weight, norm_weight, x, rho, D,
-            *split_scalar(eps), *split_scalar(norm_eps), HAS_PARTIAL=partial is not None,
-            CDT=compute_tl_dtype(lse.dtype), BLOCK_D=bd, num_warps=tile_warps(bd),
-        )  # fmt: skip
+            out,
+            lse,
+            partial if partial is not None else out,
+            query,
+            key_weight,
+            norm_weight,
+            x,
+            rho,
+            D,
+            *split_scalar(eps),
+            *split_scalar(norm_eps),
+            HAS_PARTIAL=partial is not None,
+            CDT=compute_tl_dtype(lse.dtype),
+            BLOCK_D=bd,
+            num_warps=tile_warps(bd),
+        )
     return x, rho
 
 
@@ -169,8 +181,24 @@ def merge_norm_bwd(dx, out, lse, partial, query, key_weight, norm_weight, rho, e
     dnw = torch.empty(programs, D, device=out.device, dtype=lse.dtype)
     if M > 0:
         _merge_norm_bwd_kernel[(programs,)](
-            out, lse, partial if has_partial else out, query, key_weight, norm_weight, rho, dx, dout,
-            dlse if has_partial else lse, dpartial if has_partial else out, du, dnw, M, D, *split_scalar(eps),
-            HAS_PARTIAL=has_partial, CDT=compute_tl_dtype(lse.dtype), BLOCK_D=block_d(D),
-        )  # fmt: skip
+            out,
+            lse,
+            partial if has_partial else out,
+            query,
+            key_weight,
+            norm_weight,
+            rho,
+            dx,
+            dout,
+            dlse if has_partial else lse,
+            dpartial if has_partial else out,
+            du,
+            dnw,
+            M,
+            D,
+            *split_scalar(eps),
+            HAS_PARTIAL=has_partial,
+            CDT=compute_tl_dtype(lse.dtype),
+            BLOCK_D=block_d(D),
+        )
     return dout, dlse, dpartial, du.sum(0) if has_partial else None, dnw.sum(0)

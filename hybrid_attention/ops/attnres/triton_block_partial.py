@@ -100,8 +100,7 @@ if triton is not None:
         tl.store(lse_ptr + offs_q.to(tl.int64) * M + row, run_max + tl.log(run_sum), mask=q_ok)
 
     @triton.jit
-    def _blocks_tile(table, N, base, offs_n, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
-                     ALIGN: tl.constexpr):  # fmt: skip
+    def _blocks_tile(table, N, base, offs_n, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr, ALIGN: tl.constexpr):
         """The N blocks at the row offset `base`, gathered through the pointer table into one [BLOCK_N, BLOCK_D]
         tile in the compute dtype (zero past N); -> (tile, which of its rows are blocks)."""
         n_ok = offs_n < N
@@ -110,8 +109,9 @@ if triton is not None:
         return b.to(CDT), n_ok
 
     @triton.jit
-    def _query_rows(folded, dout_table, q, D, base, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr,
-                    ALIGN: tl.constexpr):  # fmt: skip
+    def _query_rows(
+        folded, dout_table, q, D, base, offs_d, d_ok, ELEM: tl.constexpr, CDT: tl.constexpr, ALIGN: tl.constexpr
+    ):
         """Query q's u_q and the row of dout_q at `base`, both [BLOCK_D] in the compute dtype."""
         u = tl.load(folded + q * D + offs_d, mask=d_ok, other=0.0)
         dout = tl.multiple_of(tl.load(dout_table + q).to(tl.pointer_type(ELEM)), ALIGN)
@@ -284,10 +284,23 @@ def partial_fwd(blocks, queries, key_weights, eps):
     if M > 0:
         bq, bd = next_power_of_2(Q), block_d(D)
         _partial_fwd_kernel[(M,)](
-            pointer_table(blocks), blocks[0], queries, key_weights, pointer_table(out), lse, N, Q, M, D,
-            *split_scalar(eps), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment([*blocks, *out]), BLOCK_Q=bq,
-            BLOCK_D=bd, num_warps=tile_warps(bq * bd),
-        )  # fmt: skip
+            pointer_table(blocks),
+            blocks[0],
+            queries,
+            key_weights,
+            pointer_table(out),
+            lse,
+            N,
+            Q,
+            M,
+            D,
+            *split_scalar(eps),
+            CDT=compute_tl_dtype(cdt),
+            ALIGN=table_alignment([*blocks, *out]),
+            BLOCK_Q=bq,
+            BLOCK_D=bd,
+            num_warps=tile_warps(bq * bd),
+        )
     return out, lse
 
 
@@ -305,8 +318,21 @@ def partial_bwd(dout, dlse, blocks, queries, key_weights, lse, eps):
     bn, bq, bd = next_power_of_2(N), next_power_of_2(Q), block_d(D)
     align = table_alignment([*blocks, *dout])
     common = dict(CDT=compute_tl_dtype(cdt), ALIGN=align, BLOCK_N=bn, BLOCK_Q=bq, BLOCK_D=bd)
-    args = (pointer_table(blocks), blocks[0], queries.to(cdt) * key_weights.to(cdt), lse, pointer_table(dout), dlse,
-            dblk, du, N, Q, M, D, *split_scalar(eps))  # fmt: skip
+    args = (
+        pointer_table(blocks),
+        blocks[0],
+        queries.to(cdt) * key_weights.to(cdt),
+        lse,
+        pointer_table(dout),
+        dlse,
+        dblk,
+        du,
+        N,
+        Q,
+        M,
+        D,
+        *split_scalar(eps),
+    )
     if bn <= min(PARTIAL_BWD_BLOCKS, MAX_TILE // bd):
         _partial_bwd_kernel[(programs,)](*args, **common)
     else:

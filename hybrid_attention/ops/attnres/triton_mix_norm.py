@@ -263,10 +263,29 @@ def full_fwd(sources, query, key_weight, norm_weight, eps, norm_eps, save_h=Fals
     logits = torch.empty(S, *s0.shape[:-1], device=s0.device, dtype=cdt) if save_logits else stats
     if M > 0:
         _full_fwd_kernel[(M,)](
-            pointer_table(sources), s0, query, key_weight, norm_weight, out, h, h_res, stats, logits, M, S, D,
-            *split_scalar(eps), *split_scalar(norm_eps), source_bucket(S), SAVE_H=save_h, SAVE_Z=save_logits,
-            RES_SCALE=res_scale, CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), BLOCK_D=block_d(D),
-        )  # fmt: skip
+            pointer_table(sources),
+            s0,
+            query,
+            key_weight,
+            norm_weight,
+            out,
+            h,
+            h_res,
+            stats,
+            logits,
+            M,
+            S,
+            D,
+            *split_scalar(eps),
+            *split_scalar(norm_eps),
+            source_bucket(S),
+            SAVE_H=save_h,
+            SAVE_Z=save_logits,
+            RES_SCALE=res_scale,
+            CDT=compute_tl_dtype(cdt),
+            ALIGN=table_alignment(sources),
+            BLOCK_D=block_d(D),
+        )
     result = (out, h, h_res, stats) if save_h else (out, stats)
     return (*result, logits) if save_logits else result
 
@@ -285,10 +304,25 @@ def full_bwd(dout, sources, query, key_weight, norm_weight, stats, eps):
     if M == 0:
         return dsrc, grads.zero_()
     _full_bwd_kernel[(programs,)](
-        pointer_table(sources), s0, query, key_weight, norm_weight, dout, stats, dsrc, part[0], part[1], M, S, D,
-        *split_scalar(eps), source_bucket(S), CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources),
+        pointer_table(sources),
+        s0,
+        query,
+        key_weight,
+        norm_weight,
+        dout,
+        stats,
+        dsrc,
+        part[0],
+        part[1],
+        M,
+        S,
+        D,
+        *split_scalar(eps),
+        source_bucket(S),
+        CDT=compute_tl_dtype(cdt),
+        ALIGN=table_alignment(sources),
         BLOCK_D=block_d(D),
-    )  # fmt: skip
+    )
     bd = min(PARAM_BLOCK, block_d(D))
     _param_grads_kernel[(-(-D // bd),)](
         part[0], part[1], query, key_weight, grads, programs, D, BLOCK_P=PARAM_ROWS, BLOCK_D=bd, num_warps=4

@@ -342,10 +342,26 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None):
     dot = 0 if cdt == torch.float64 else 1 if s0.dtype in HALF_DTYPES and not interpreting() else 2
     width = max(16, min(DU_COLUMNS, block_d(D)))
     _du_kernel[(du_part.shape[0], -(-D // width), -(-(K - step) // DU_STEPS))](
-        table, dzr, du_part, M, D, K, step, n, split_rows, H=dzr.shape[1], DIRECT=n == 1, DOT=dot,
-        CDT=compute_tl_dtype(cdt), ALIGN=table_alignment(sources), STAGES=DU_STAGES, BLOCK_M=DU_ROWS,
-        BLOCK_D=width, BLOCK_K=DU_STEPS, num_warps=DU_WARPS,
-    )  # fmt: skip
+        table,
+        dzr,
+        du_part,
+        M,
+        D,
+        K,
+        step,
+        n,
+        split_rows,
+        H=dzr.shape[1],
+        DIRECT=n == 1,
+        DOT=dot,
+        CDT=compute_tl_dtype(cdt),
+        ALIGN=table_alignment(sources),
+        STAGES=DU_STAGES,
+        BLOCK_M=DU_ROWS,
+        BLOCK_D=width,
+        BLOCK_K=DU_STEPS,
+        num_warps=DU_WARPS,
+    )
 
 
 def stream_bwd_(
@@ -384,16 +400,55 @@ def stream_bwd_(
     k_split = K - dh_late.shape[0]
     dh_step = dh_late[step - k_split] if step >= k_split else dh_early[step]
     _stream_local_kernel[(local_programs,)](
-        h if dx is None else dx, h, h_res, stats, queries, key_weights, norm_weight, logits, dh_step, rows, cols,
-        cols[1 + splits :], M, D, R, K, step, read * M, HAS_DX=dx is not None, RES_SCALE=residual_scale(s0.dtype),
-        CDT=tl_cdt, COPY_BLOCK=COPY_BLOCK, BLOCK_D=width,
-    )  # fmt: skip
+        h if dx is None else dx,
+        h,
+        h_res,
+        stats,
+        queries,
+        key_weights,
+        norm_weight,
+        logits,
+        dh_step,
+        rows,
+        cols,
+        cols[1 + splits :],
+        M,
+        D,
+        R,
+        K,
+        step,
+        read * M,
+        HAS_DX=dx is not None,
+        RES_SCALE=residual_scale(s0.dtype),
+        CDT=tl_cdt,
+        COPY_BLOCK=COPY_BLOCK,
+        BLOCK_D=width,
+    )
     table = source_table(sources)  # every step but the first has one source: no pointer table
     dzr = torch.empty(n, 2 if split_dzr else 1, K - step, M, device=s0.device, dtype=s0.dtype if split_dzr else cdt)
     _stream_bwd_kernel[(row_programs(M, s0.device, STREAM_BWD_PROGRAMS_PER_SM),)](
-        table, dv, dh_early, dh_late, rows, cols, dzr, M, D, R, K, step, k_split, read - n, n, *split_scalar(eps),
+        table,
+        dv,
+        dh_early,
+        dh_late,
+        rows,
+        cols,
+        dzr,
+        M,
+        D,
+        R,
+        K,
+        step,
+        k_split,
+        read - n,
+        n,
+        *split_scalar(eps),
         source_bucket(K - step),
-        DIRECT=n == 1, SPLIT_DZR=split_dzr, CDT=tl_cdt, ALIGN=table_alignment(sources), BLOCK_D=width,
-    )  # fmt: skip
+        DIRECT=n == 1,
+        SPLIT_DZR=split_dzr,
+        CDT=tl_cdt,
+        ALIGN=table_alignment(sources),
+        BLOCK_D=width,
+    )
     add_dzr_products_(sources, dzr, cols[1 : 1 + splits], step, table)
     return dv

@@ -126,5 +126,6 @@ def chunk_kda(
         return naive_chunk_kda(q, k, v, g, beta, **kwargs, return_chunk_states=return_chunk_states)
     from hybrid_attention.ops.kda.fla_backend import chunk_kda_fla
 
-    return chunk_kda_fla(q, k, v, g, beta, use_beta_sigmoid=use_beta_sigmoid, return_chunk_states=return_chunk_states,
-                         **kwargs)  # fmt: skip
+    return chunk_kda_fla(
+        q, k, v, g, beta, use_beta_sigmoid=use_beta_sigmoid, return_chunk_states=return_chunk_states, **kwargs
+    )

@@ -46,11 +46,39 @@ def regate(q, k, g, beta, a_log, dt_bias, saved, layout, *, scale, lower_bound, 
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     # Eight warps: the [64, 128] float32 tiles of W, qg and kg spill registers on four.
     _regate_kernel[(layout.n_chunks, H)](
-        q, k, g, beta, a_log, dt_bias, saved["tm"], saved["rq"], saved["rk"], saved["fbad"], w, qg, kg,
-        cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
-        H=H, K=K, BKW=gated_tile_width(K), VARLEN=layout.varlen, GATE=gate,
-        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, IO=IO, PREC=PREC, EMU=EMU, num_warps=8,
-    )  # fmt: skip
+        q,
+        k,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        saved["tm"],
+        saved["rq"],
+        saved["rk"],
+        saved["fbad"],
+        w,
+        qg,
+        kg,
+        cu,
+        chunk_seq,
+        chunk_tok,
+        scale,
+        lower_bound,
+        T,
+        NT,
+        T_tot,
+        H=H,
+        K=K,
+        BKW=gated_tile_width(K),
+        VARLEN=layout.varlen,
+        GATE=gate,
+        NARROW=narrow_span(gate, lower_bound),
+        L2NORM=l2norm,
+        IO=IO,
+        PREC=PREC,
+        EMU=EMU,
+        num_warps=8,
+    )
     return w, qg, kg
 
 
@@ -69,12 +97,33 @@ def state_bwd(saved, gated, do, dht, h0_needed, layout, *, K, V, dtypes):
     cu, _, _, chunk_off, T, NT = layout.args()
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N, H)
     _state_bwd_kernel[grid](
-        gated[1], gated[2], gated[0], saved["aqk"], saved["glast"], do, dht if dht is not None else none,
-        dh0, dhbuf, dvnew,
-        cu, chunk_off, T, NT, T_tot, tuning_width(N * H),
-        H=H, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), VARLEN=layout.varlen, HAS_DHT=dht is not None,
-        HAS_H0=h0_needed, IO=IO, PREC=PREC, EMU=EMU,
-    )  # fmt: skip
+        gated[1],
+        gated[2],
+        gated[0],
+        saved["aqk"],
+        saved["glast"],
+        do,
+        dht if dht is not None else none,
+        dh0,
+        dhbuf,
+        dvnew,
+        cu,
+        chunk_off,
+        T,
+        NT,
+        T_tot,
+        tuning_width(N * H),
+        H=H,
+        K=K,
+        V=V,
+        BK=max(16, triton.next_power_of_2(K)),
+        VARLEN=layout.varlen,
+        HAS_DHT=dht is not None,
+        HAS_H0=h0_needed,
+        IO=IO,
+        PREC=PREC,
+        EMU=EMU,
+    )
     return dh0, dhbuf, dvnew
 
 
@@ -89,11 +138,32 @@ def score_grad(saved, do, dvnew, v, beta, dbeta_v, layout, *, scale, dtypes):
     dak = empty(v, H, T_tot, 64, dtype=adt)
     cu, chunk_seq, chunk_tok, _, T, NT = layout.args()
     _score_grad_kernel[(layout.n_chunks, H)](
-        do, saved["vnew"], dvnew, v, beta, saved["tm"], saved["akk"],
-        dv, dbeta_v, daq, dak,
-        cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
-        H=H, V=V, BV=reduction_tile(V), VARLEN=layout.varlen, IO=IO, PREC=PREC, EMU=EMU,
-    )  # fmt: skip
+        do,
+        saved["vnew"],
+        dvnew,
+        v,
+        beta,
+        saved["tm"],
+        saved["akk"],
+        dv,
+        dbeta_v,
+        daq,
+        dak,
+        cu,
+        chunk_seq,
+        chunk_tok,
+        scale,
+        T,
+        NT,
+        T_tot,
+        H=H,
+        V=V,
+        BV=reduction_tile(V),
+        VARLEN=layout.varlen,
+        IO=IO,
+        PREC=PREC,
+        EMU=EMU,
+    )
     return dv, daq, dak
 
 
@@ -108,8 +178,9 @@ def _l2norm_bwd(x, rstd, dy):
     return dx
 
 
-def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound,
-            gate, l2norm):  # fmt: skip
+def kda_bwd(
+    do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, *, scale, lower_bound, gate, l2norm
+):
     """All three backward stages. do [B, T, H, V], dht [N, H, K, V] f32 or None; inputs as `kda_fwd`.
 
     Returns dq, dk, dv, dg (dz with the gate), dbeta in the dtypes of their inputs, dh0 [N, H, K, V] f32
@@ -127,8 +198,22 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     prec, emu, a32 = dot_setup(io)
     dtypes = (TL_DTYPES[io], tl.float32 if a32 else TL_DTYPES[io], prec, emu)
     none = empty(q, 0, dtype=torch.float32)
-    gated = regate(q, k, g, beta, a_log if gate else none, dt_bias if gate else none, saved, layout, scale=scale,
-                   lower_bound=lower_bound, gate=gate, l2norm=l2norm, io=io, dtypes=dtypes)  # fmt: skip
+    gated = regate(
+        q,
+        k,
+        g,
+        beta,
+        a_log if gate else none,
+        dt_bias if gate else none,
+        saved,
+        layout,
+        scale=scale,
+        lower_bound=lower_bound,
+        gate=gate,
+        l2norm=l2norm,
+        io=io,
+        dtypes=dtypes,
+    )
     dh0, dhbuf, dvnew = state_bwd(saved, gated, do, dht, h0_needed, layout, K=K, V=V, dtypes=dtypes)
     del gated  # only the state walk reads them
 
@@ -146,15 +231,52 @@ def kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, sa
     dalog, dbias = parts(), parts()
     cu, chunk_seq, chunk_tok, _, Tn, NT = layout.args()
     _dqkg_kernel[(layout.n_chunks * NK, H)](
-        q, k, g, beta, a_log if gate else none, dt_bias if gate else none,
-        saved["rq"] if l2norm else none, saved["rk"] if l2norm else none,
-        do, saved["vnew"], dvnew, saved["h"], dhbuf, saved["tm"], daq, dak,
-        dq, dk, dg, dbeta, dalog, dbias,
-        cu, chunk_seq, chunk_tok, scale, lower_bound, Tn, NT, T_tot,
-        H=H, K=K, V=V, BK=BK, NK=NK, BV=reduction_tile(V), VARLEN=layout.varlen, GATE=gate,
-        NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, FUSE_L2=fuse_l2,
-        IO=dtypes[0], ADT=dtypes[1], PREC=prec, EMU=emu,
-    )  # fmt: skip
+        q,
+        k,
+        g,
+        beta,
+        a_log if gate else none,
+        dt_bias if gate else none,
+        saved["rq"] if l2norm else none,
+        saved["rk"] if l2norm else none,
+        do,
+        saved["vnew"],
+        dvnew,
+        saved["h"],
+        dhbuf,
+        saved["tm"],
+        daq,
+        dak,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        dalog,
+        dbias,
+        cu,
+        chunk_seq,
+        chunk_tok,
+        scale,
+        lower_bound,
+        Tn,
+        NT,
+        T_tot,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        NK=NK,
+        BV=reduction_tile(V),
+        VARLEN=layout.varlen,
+        GATE=gate,
+        NARROW=narrow_span(gate, lower_bound),
+        L2NORM=l2norm,
+        FUSE_L2=fuse_l2,
+        IO=dtypes[0],
+        ADT=dtypes[1],
+        PREC=prec,
+        EMU=emu,
+    )
     if l2norm and not fuse_l2:
         dq = _l2norm_bwd(q, saved["rq"], dq)
         dk = _l2norm_bwd(k, saved["rk"], dk)

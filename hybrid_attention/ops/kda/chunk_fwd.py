@@ -69,8 +69,25 @@ def allocate_fwd(q, v, n_seq, n_chunks, *, final, save, l2norm):
     return o, ht, saved
 
 
-def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_bound, gate, l2norm, save, dtypes,
-             checked_everywhere=False):  # fmt: skip
+def prep_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    a_log,
+    dt_bias,
+    out,
+    layout,
+    *,
+    scale,
+    lower_bound,
+    gate,
+    l2norm,
+    save,
+    dtypes,
+    checked_everywhere=False,
+):
     """Launch the prep kernels: the plain path for every chunk, then the checked path for the chunks it flags (every
     chunk with `checked_everywhere`, which tests use to compare the two paths). q, k, g [T_total, H, K];
     v [T_total, H, V]; beta [T_total, H] (contiguous). `out` holds the preallocated outputs w, u, qg, kg, aqk, tm,
@@ -86,23 +103,73 @@ def prep_fwd(q, k, v, g, beta, a_log, dt_bias, out, layout, *, scale, lower_boun
     lscr = empty(q, layout.n_chunks, H, 64, 64, dtype=torch.float32)  # L, for the inverse (kernels/prep.py)
     redo = empty(q, layout.n_chunks, H, dtype=torch.int8)
     meta = dict(
-        H=H, K=K, V=V, BKA=BKA, BKW=BKW, BV=BV,
-        VARLEN=layout.varlen, GATE=gate, NARROW=narrow_span(gate, lower_bound), L2NORM=l2norm, SAVE=save,
-        IO=IO, ADT=ADT, PREC=PREC, EMU=EMU,
-    )  # fmt: skip
+        H=H,
+        K=K,
+        V=V,
+        BKA=BKA,
+        BKW=BKW,
+        BV=BV,
+        VARLEN=layout.varlen,
+        GATE=gate,
+        NARROW=narrow_span(gate, lower_bound),
+        L2NORM=l2norm,
+        SAVE=save,
+        IO=IO,
+        ADT=ADT,
+        PREC=PREC,
+        EMU=EMU,
+    )
     _prep_kernel[(layout.n_chunks, H)](
-        q, k, v, g, beta, a_log, dt_bias, *outputs, lscr, redo, cu, chunk_seq, chunk_tok,
-        scale, lower_bound, T, NT, T_tot, **meta,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        *outputs,
+        lscr,
+        redo,
+        cu,
+        chunk_seq,
+        chunk_tok,
+        scale,
+        lower_bound,
+        T,
+        NT,
+        T_tot,
+        **meta,
+    )
     if checked_everywhere:
         redo.fill_(1)
     # The checked path, only for the chunks whose inputs the plain one cannot take (docs/kernels.md, "Non-finite
     # inputs"); without a host sync the launch always happens, and costs one flag load per program when none is set.
     n_flags = layout.n_chunks * H
     _prep_redo_kernel[(triton.cdiv(n_flags, REDO_FLAGS),)](
-        q, k, v, g, beta, a_log, dt_bias, *outputs, lscr, redo, cu, chunk_seq, chunk_tok,
-        scale, lower_bound, T, NT, T_tot, n_flags, **meta, FLAGS=REDO_FLAGS, num_warps=4, num_stages=1,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        *outputs,
+        lscr,
+        redo,
+        cu,
+        chunk_seq,
+        chunk_tok,
+        scale,
+        lower_bound,
+        T,
+        NT,
+        T_tot,
+        n_flags,
+        **meta,
+        FLAGS=REDO_FLAGS,
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bound, gate, l2norm, final, save):
@@ -125,8 +192,23 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     none = empty(q, 0, dtype=torch.float32)
     if not gate:
         a_log, dt_bias = none, none
-    prep_fwd(q, k, v, g, beta, a_log, dt_bias, saved, layout, scale=scale, lower_bound=lower_bound, gate=gate,
-             l2norm=l2norm, save=save, dtypes=(io, tl.float32 if a32 else io, prec, emu))  # fmt: skip
+    prep_fwd(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        saved,
+        layout,
+        scale=scale,
+        lower_bound=lower_bound,
+        gate=gate,
+        l2norm=l2norm,
+        save=save,
+        dtypes=(io, tl.float32 if a32 else io, prec, emu),
+    )
 
     cu, chunk_seq, chunk_tok, chunk_off, Tn, NT = layout.args()
     width = tuning_width(layout.n_seq * H)
@@ -137,18 +219,59 @@ def kda_fwd(q, k, v, g, beta, a_log, dt_bias, h0, cu_seqlens, *, scale, lower_bo
     BK = max(16, triton.next_power_of_2(K))
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), layout.n_seq, H)
     _state_fwd_kernel[grid](
-        saved["w"], saved["u"], saved["qg"], saved["kg"], saved["aqk"], saved["glast"],
-        none if h0 is None else h0, o, ht, hbuf, vnew,
-        cu, chunk_off, Tn, NT, T_tot, width,
-        H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, HAS_H0=h0 is not None,
-        STORE_HT=final, SAVE=save or split, OUT=not split, IO=io, PREC=prec, EMU=emu,
-    )  # fmt: skip
+        saved["w"],
+        saved["u"],
+        saved["qg"],
+        saved["kg"],
+        saved["aqk"],
+        saved["glast"],
+        none if h0 is None else h0,
+        o,
+        ht,
+        hbuf,
+        vnew,
+        cu,
+        chunk_off,
+        Tn,
+        NT,
+        T_tot,
+        width,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        VARLEN=layout.varlen,
+        HAS_H0=h0 is not None,
+        STORE_HT=final,
+        SAVE=save or split,
+        OUT=not split,
+        IO=io,
+        PREC=prec,
+        EMU=emu,
+    )
     if split:
         grid = lambda meta: (layout.n_chunks, H, triton.cdiv(V, meta["BV"]))
         _output_kernel[grid](
-            saved["qg"], saved["aqk"], hbuf, vnew, o, cu, chunk_seq, chunk_tok, Tn, NT, T_tot,
-            H=H, K=K, V=V, BK=BK, VARLEN=layout.varlen, IO=io, PREC=prec, EMU=emu,
-        )  # fmt: skip
+            saved["qg"],
+            saved["aqk"],
+            hbuf,
+            vnew,
+            o,
+            cu,
+            chunk_seq,
+            chunk_tok,
+            Tn,
+            NT,
+            T_tot,
+            H=H,
+            K=K,
+            V=V,
+            BK=BK,
+            VARLEN=layout.varlen,
+            IO=io,
+            PREC=prec,
+            EMU=emu,
+        )
     for name in SCRATCH:
         del saved[name]
     return o, ht, saved

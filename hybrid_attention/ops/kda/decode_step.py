@@ -80,8 +80,9 @@ def kda_decode_step(
             return o
         _check_pool(state, state_indices, q, v)
         if backend == "triton":
-            return _triton_step(q, k, v, g, beta, state, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm,
-                                state_indices.long())  # fmt: skip
+            return _triton_step(
+                q, k, v, g, beta, state, scale, gate, A_log, dt_bias, lower_bound, use_qk_l2norm, state_indices.long()
+            )
         rows, valid, first = _pool_rows(state_indices)
         o, new = step(state.index_select(0, rows))
         # Padding slots write their anchor row's result: the first valid slot's new row, or (none valid) the row as
@@ -114,9 +115,20 @@ def _triton_step(q, k, v, g, beta, S, scale, gate, A_log, dt_bias, lower_bound, 
     from hybrid_attention.ops.kda.triton_step import fused_recurrent_kda_step
 
     return fused_recurrent_kda_step(
-        q, k, v, g, beta, S, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_qk_l2norm=use_qk_l2norm, state_indices=state_indices,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        S,
+        scale=scale,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm,
+        state_indices=state_indices,
+    )
 
 
 def _check_pool(state: Tensor, idx: Tensor, q: Tensor, v: Tensor) -> None:

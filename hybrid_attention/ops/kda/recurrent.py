@@ -27,6 +27,13 @@ def recurrent_kda(
     """
     q, k = repeat_qk_heads(q, k, value_head_groups(q, k, v, name="recurrent_kda"))
     return naive_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    )

@@ -33,20 +33,48 @@ FwdOutputs = tuple[(Tensor,) * (2 + len(_SAVED))]  # o, final state, saved: the 
 def _forward(
     q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save
 ):
-    o, ht, saved = kda_fwd(q, k, v, g, beta, a_log, dt_bias, initial_state, cu_seqlens, scale=scale,
-                           lower_bound=lower_bound, gate=gate, l2norm=l2norm, final=final, save=save)  # fmt: skip
+    o, ht, saved = kda_fwd(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        initial_state,
+        cu_seqlens,
+        scale=scale,
+        lower_bound=lower_bound,
+        gate=gate,
+        l2norm=l2norm,
+        final=final,
+        save=save,
+    )
     return (o, ht, *(saved[name] for name in _SAVED))
 
 
 @torch.library.custom_op("hybrid_attention::kda_chunk_fwd", mutates_args=())
 def _fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-    cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None,
-    scale: float, lower_bound: float, gate: int, l2norm: bool, final: bool, save: bool,
-) -> FwdOutputs:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    a_log: Tensor | None,
+    dt_bias: Tensor | None,
+    scale: float,
+    lower_bound: float,
+    gate: int,
+    l2norm: bool,
+    final: bool,
+    save: bool,
+) -> FwdOutputs:
     """(o, final state, *saved for the backward in _SAVED order)."""
-    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm,
-                    final, save)  # fmt: skip
+    return _forward(
+        q, k, v, g, beta, initial_state, cu_seqlens, a_log, dt_bias, scale, lower_bound, gate, l2norm, final, save
+    )
 
 
 @_fwd_op.register_fake
@@ -62,21 +90,51 @@ def _backward_kernels(
     do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate, l2norm, h0_needed
 ):
     saved = dict(zip(_SAVED, saved, strict=True))
-    grads = kda_bwd(do, dht, q, k, v, g, beta, a_log, dt_bias, h0_needed, cu_seqlens, saved, scale=scale,
-                    lower_bound=lower_bound, gate=gate, l2norm=l2norm)  # fmt: skip
+    grads = kda_bwd(
+        do,
+        dht,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        h0_needed,
+        cu_seqlens,
+        saved,
+        scale=scale,
+        lower_bound=lower_bound,
+        gate=gate,
+        l2norm=l2norm,
+    )
     # Custom op outputs may not alias each other: the empty placeholders must be distinct tensors.
     return tuple(x if x.numel() else empty(x, 0) for x in grads)
 
 
 @torch.library.custom_op("hybrid_attention::kda_chunk_bwd", mutates_args=())
 def _bwd_op(
-    do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    cu_seqlens: Tensor | None, a_log: Tensor | None, dt_bias: Tensor | None, saved: list[Tensor],
-    scale: float, lower_bound: float, gate: int, l2norm: bool, h0_needed: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor | None,
+    a_log: Tensor | None,
+    dt_bias: Tensor | None,
+    saved: list[Tensor],
+    scale: float,
+    lower_bound: float,
+    gate: int,
+    l2norm: bool,
+    h0_needed: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta, d initial_state, d A_log, d dt_bias); unused slots are empty tensors."""
-    return _backward_kernels(do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate,
-                             l2norm, h0_needed)  # fmt: skip
+    return _backward_kernels(
+        do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower_bound, gate, l2norm, h0_needed
+    )
 
 
 @_bwd_op.register_fake
@@ -89,8 +147,16 @@ def _(do, dht, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved, scale, lower
     dh0 = empty(q, n_seq, H, K, V, dtype=f32) if h0_needed else none()
     da_log = empty(q, H, dtype=f32) if gate else none()
     ddt = empty(q, H, K, dtype=f32) if gate else none()
-    return (empty(q, *q.shape), empty(k, *k.shape), empty(v, *v.shape), empty(g, *g.shape), empty(beta, *beta.shape),
-            dh0, da_log, ddt)  # fmt: skip
+    return (
+        empty(q, *q.shape),
+        empty(k, *k.shape),
+        empty(v, *v.shape),
+        empty(g, *g.shape),
+        empty(beta, *beta.shape),
+        dh0,
+        da_log,
+        ddt,
+    )
 
 
 _fwd_call = eager_or_traced(_fwd_op, _forward)
@@ -122,9 +188,23 @@ class _ChunkKDA(torch.autograd.Function):
         if do is None:  # only the final state was used
             do = torch.zeros_like(v)
         dq, dk, dv, dg, dbeta, dh0, da_log, ddt = _bwd_call(
-            do, dht if final else None, q, k, v, g, beta, cu_seqlens, a_log, dt_bias, saved,
-            scale, lower_bound, gate, l2norm, has_h0,
-        )  # fmt: skip
+            do,
+            dht if final else None,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens,
+            a_log,
+            dt_bias,
+            saved,
+            scale,
+            lower_bound,
+            gate,
+            l2norm,
+            has_h0,
+        )
         if gate:
             da_log, ddt = da_log.to(a_log.dtype), ddt.to(dt_bias.dtype)
         else:
@@ -153,8 +233,9 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, gate, A_log,
         if A_log is not None or dt_bias is not None or lower_bound is not None:
             raise ValueError(f'{_NAME}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
         return 0, 0.0
-    lb = check_gate(gate, A_log, dt_bias, lower_bound, H=q.shape[2], K=K, name=_NAME, device=q.device,
-                    allowed=FUSED_FORMS)  # fmt: skip
+    lb = check_gate(
+        gate, A_log, dt_bias, lower_bound, H=q.shape[2], K=K, name=_NAME, device=q.device, allowed=FUSED_FORMS
+    )
     return FORM_CODES[gate], lb
 
 
@@ -204,8 +285,23 @@ def chunk_kda_triton(
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     # The chunk states are the `h` the forward saves for the backward: keep the saved tensors to return them.
     save = grad or return_chunk_states
-    o, ht, *saved = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, A_log if gate else None, dt, scale,
-                                    lb, gate, bool(use_qk_l2norm), bool(output_final_state), save)  # fmt: skip
+    o, ht, *saved = _ChunkKDA.apply(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        cu_seqlens,
+        A_log if gate else None,
+        dt,
+        scale,
+        lb,
+        gate,
+        bool(use_qk_l2norm),
+        bool(output_final_state),
+        save,
+    )
     ht = ht if output_final_state else None
     if not return_chunk_states:
         return o, ht

@@ -17,11 +17,28 @@ from hybrid_attention.ops.triton_support import triton_runs_on
 
 @triton.jit
 def _step_kernel(
-    q, k, v, g, beta, a_log, dt_bias, state, o,  # q, k, g [B, T, H, K]; v, o [B, T, H, V]; state [B or P, H, K, V] f32
-    rows, scale, lower_bound, T,  # rows: int64 [B], the state row of each sequence (read only with INDEXED)
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, L2NORM: tl.constexpr, INDEXED: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    a_log,
+    dt_bias,
+    state,
+    o,  # q, k, g [B, T, H, K]; v, o [B, T, H, V]; state [B or P, H, K, V] f32
+    rows,
+    scale,
+    lower_bound,
+    T,  # rows: int64 [B], the state row of each sequence (read only with INDEXED)
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GATE: tl.constexpr,
+    L2NORM: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
     iv = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -71,10 +88,20 @@ def value_tile(V: int) -> int:
 
 
 def _launch_step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
-    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    a_log: Tensor | None,
+    dt_bias: Tensor | None,
+    scale: float,
+    lower_bound: float,
+    gate: int,
+    l2norm: bool,
     state_indices: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """The kernel launch (also the custom op's body); arguments checked by fused_recurrent_kda_step."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -83,19 +110,48 @@ def _launch_step(
     BV = value_tile(V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     _step_kernel[(triton.cdiv(V, BV), B, H)](
-        q, k, v, g, beta, a_log if gate else state, dt_bias if gate else state, state, o,  # state: an unused pointer
-        state if state_indices is None else state_indices, scale, lower_bound, T,
-        H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, L2NORM=l2norm, INDEXED=state_indices is not None,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log if gate else state,
+        dt_bias if gate else state,
+        state,
+        o,  # state: an unused pointer
+        state if state_indices is None else state_indices,
+        scale,
+        lower_bound,
+        T,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        GATE=gate,
+        L2NORM=l2norm,
+        INDEXED=state_indices is not None,
         num_warps=4 if BK <= 128 else 8,
-    )  # fmt: skip
+    )
     return o
 
 
 @torch.library.custom_op("hybrid_attention::kda_recurrent_step", mutates_args=("state",))
 def _step_op(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, a_log: Tensor | None,
-    dt_bias: Tensor | None, scale: float, lower_bound: float, gate: int, l2norm: bool, state_indices: Tensor | None,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    a_log: Tensor | None,
+    dt_bias: Tensor | None,
+    scale: float,
+    lower_bound: float,
+    gate: int,
+    l2norm: bool,
+    state_indices: Tensor | None,
+) -> Tensor:
     return _launch_step(q, k, v, g, beta, state, a_log, dt_bias, scale, lower_bound, gate, l2norm, state_indices)
 
 
@@ -175,12 +231,14 @@ def fused_recurrent_kda_step(
             raise ValueError(f'{name}: A_log, dt_bias and lower_bound need gate="bounded" or "softplus"')
         lb = 0.0
     else:
-        lb = check_gate(gate, A_log, dt_bias, lower_bound, H=H, K=K, name=name, device=state.device,
-                        allowed=FUSED_FORMS)  # fmt: skip
+        lb = check_gate(
+            gate, A_log, dt_bias, lower_bound, H=H, K=K, name=name, device=state.device, allowed=FUSED_FORMS
+        )
         A_log, dt_bias = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
     scale = resolve_scale(scale, K, name=name)
     # The custom op's dispatch costs tens of microseconds of host time per call, as long as the whole step at small
     # batches, so eager calls launch the kernel directly; traced calls need the op.
     step = _step_op if torch.compiler.is_compiling() else _launch_step
-    return step(q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm),
-                state_indices)  # fmt: skip
+    return step(
+        q, k, v, g, beta, state, A_log, dt_bias, scale, lb, FORM_CODES[gate], bool(use_qk_l2norm), state_indices
+    )

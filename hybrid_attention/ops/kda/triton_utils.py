@@ -164,8 +164,9 @@ def load_lower(ptr, row0, nrows, VECTOR: tl.constexpr = True):
     rows_ok = (r < nrows)[:, None]
     offs = r[:, None] * 64 + r[None, :]
     if VECTOR:
-        x = tl.load(_row_base(ptr, row0, 64) + offs, mask=((r[None, :] // 16) <= (r[:, None] // 16)) & rows_ok,
-                    other=0.0)  # fmt: skip
+        x = tl.load(
+            _row_base(ptr, row0, 64) + offs, mask=((r[None, :] // 16) <= (r[:, None] // 16)) & rows_ok, other=0.0
+        )
         return tl.where((r < nrows)[None, :], x, tl.zeros_like(x))
     mask = ((r[None, :] // 16) <= (r[:, None] // 16)) & rows_ok & (r < nrows)[None, :]
     return tl.load(_row_base(ptr, row0, 64) + offs, mask=mask, other=0.0)
@@ -221,8 +222,9 @@ def fast_rcp(x):
     if INTERPRET:  # the interpreter runs no PTX
         return 1.0 / x
     else:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
@@ -232,8 +234,22 @@ def floor_step(g2):
 
 
 @triton.jit
-def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-               NARROW: tl.constexpr, R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+def gate_parts(
+    g,
+    a_log,
+    dt_bias,
+    h,
+    lower_bound,
+    row0,
+    nrows,
+    stride,
+    col0,
+    K,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+):
     """(log2 decay, d g / d u, d g / d A_log) of a tile, u = z + dt_bias (the last two for GATE only). Steps are
     raised to STEP_FLOOR, except with NARROW (`narrow_span`), where every step is at least lower_bound, far above it.
 
@@ -268,8 +284,22 @@ def gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, 
 
 
 @triton.jit
-def load_gate(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE: tl.constexpr,
-              NARROW: tl.constexpr, R: tl.constexpr, C: tl.constexpr):  # fmt: skip
+def load_gate(
+    g,
+    a_log,
+    dt_bias,
+    h,
+    lower_bound,
+    row0,
+    nrows,
+    stride,
+    col0,
+    K,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+):
     """The log2 decay of a [R, C] tile; with GATE, g holds raw logits z and the gate is applied here (gate_parts).
     Zero outside the valid rows and columns."""
     decay, _, _ = gate_parts(g, a_log, dt_bias, h, lower_bound, row0, nrows, stride, col0, K, GATE, NARROW, R, C)
@@ -330,8 +360,9 @@ def state_slice(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.c
 
 
 @triton.jit
-def load_state(ptr, idx, offs, mask, HAS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr):  # fmt: skip
+def load_state(
+    ptr, idx, offs, mask, HAS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+):
     """Slice `offs` of state idx of a [*, K, V] float32 buffer, or zeros when there is none (HAS false)."""
     if HAS:
         return tl.load(ptr + idx.to(tl.int64) * K * V + offs, mask=mask, other=0.0)

@@ -83,8 +83,9 @@ def _exact_diag_grads(dq_s, dk_s, dg_s, dA, dAk, qn, kn, G, wide):
 
 
 @triton.jit
-def _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: tl.constexpr, PREC: tl.constexpr,
-                 EMU: tl.constexpr):  # fmt: skip
+def _score_grads(
+    dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr
+):
     """Add the score gradients of the pairs (t, i), t in `rows`, i <= t in `cols` ([64] masks), anchored at ca
     ([1, BK]) by `anchor_factors` (the pairs whose clamped column factor would be wrong are dropped from dA_f,
     dAk_f). dA_f, dAk_f [64, 64] enter unmasked: the same dot operands for every anchor."""
@@ -108,14 +109,52 @@ def _score_grads(dq_s, dk_s, dg_s, dA_f, dAk_f, qn, kn, G, rows, cols, ca, ADT: 
 @autotune([{}, {}], [(8, 2), (8, 3)], ["K", "V", "GATE", "NARROW", "L2NORM"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _dqkg_kernel(
-    q, k, g, beta, a_log, dt_bias, rq, rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
-    do, vnew, dvnew, hbuf, dhbuf, tm, daq, dak,  # dO, D, dD, S0, dS1, T, dAqk, dAkk (dtype ADT)
-    dq, dk, dg, dbeta, dalog, dbias,  # dq, dk, dg [T_total, H, K]; dbeta [NK + 1, T_total, H]; partials [chunks, H, K]
-    cu, chunk_seq, chunk_tok, scale, lower_bound, T, NT, T_tot,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, FUSE_L2: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    g,
+    beta,
+    a_log,
+    dt_bias,
+    rq,
+    rk,  # inputs as the forward; rq, rk [T_total, H] 1/||q||, 1/||k||
+    do,
+    vnew,
+    dvnew,
+    hbuf,
+    dhbuf,
+    tm,
+    daq,
+    dak,  # dO, D, dD, S0, dS1, T, dAqk, dAkk (dtype ADT)
+    dq,
+    dk,
+    dg,
+    dbeta,
+    dalog,
+    dbias,  # dq, dk, dg [T_total, H, K]; dbeta [NK + 1, T_total, H]; partials [chunks, H, K]
+    cu,
+    chunk_seq,
+    chunk_tok,
+    scale,
+    lower_bound,
+    T,
+    NT,
+    T_tot,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    NK: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    L2NORM: tl.constexpr,
+    FUSE_L2: tl.constexpr,
+    IO: tl.constexpr,
+    ADT: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     # Chunks on grid axis 0 (the only one without a 65535 cap); the K tiles of one chunk run side by side
     # so that their shared dO, D, dD and T reads hit L2. Every tile is a whole chunk ([64, BK] or [64, 64]):
     # the 16-token sub-chunks appear only as row masks, so the dots are M = 64 and few values stay live.

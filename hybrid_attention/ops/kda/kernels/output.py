@@ -20,11 +20,27 @@ from hybrid_attention.ops.triton_support import autotune
 @autotune([{"BV": 64}, {"BV": 128}], [(4, 2), (8, 2)], ["K", "V"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _output_kernel(
-    qg, aqk, hbuf, vnew, o,  # qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]
-    cu, chunk_seq, chunk_tok, T, NT, T_tot,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
-    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    qg,
+    aqk,
+    hbuf,
+    vnew,
+    o,  # qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]
+    cu,
+    chunk_seq,
+    chunk_tok,
+    T,
+    NT,
+    T_tot,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    IO: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     """O = qg S + Aqk D for one (chunk, head, V tile), from the S and D that the walk stored."""
     c = tl.program_id(0)
     h = tl.program_id(1)

@@ -99,8 +99,9 @@ def _exact_pairs(aq, ak, q, k, G, wide):
 
 
 @triton.jit
-def _scores(aq, ak, q, k, G, BK: tl.constexpr, NARROW: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr,
-            EMU: tl.constexpr):  # fmt: skip
+def _scores(
+    aq, ak, q, k, G, BK: tl.constexpr, NARROW: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr
+):
     """Add one K tile to Aqk and Akk ([64, 64], not yet masked to the lower triangle; q, k, G [64, BKA] float32).
 
     The rows t < f, the chunk's prefix whose span from the chunk's start (-G_t) is at most WIDE on this tile (G
@@ -157,13 +158,48 @@ def _clean(x, row0, f, CHECKED: tl.constexpr):
 
 @triton.jit
 def _prep_chunk(
-    c, h, t0, eos,
-    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, scale, lower_bound, T_tot,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, CHECKED: tl.constexpr,
-):  # fmt: skip
+    c,
+    h,
+    t0,
+    eos,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    a_log,
+    dt_bias,
+    w,
+    u,
+    qg,
+    kg,
+    aqk,
+    tm,
+    glast,
+    rq,
+    rk,
+    akk,
+    fbad,
+    lscr,
+    scale,
+    lower_bound,
+    T_tot,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BKA: tl.constexpr,
+    BKW: tl.constexpr,
+    BV: tl.constexpr,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    L2NORM: tl.constexpr,
+    SAVE: tl.constexpr,
+    IO: tl.constexpr,
+    ADT: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+    CHECKED: tl.constexpr,
+):
     """Every output of chunk c (first token t0, its sequence ending at eos), head h. Returns whether the chunk needs
     the checked path: a non-finite k, g, beta or v, beta outside [0, 1] or g > 0 on one of its rows (or a U tile whose
     sum overflows). The plain path (CHECKED false) computes the outputs as if every input were usable; the checked
@@ -283,8 +319,39 @@ def _prep_chunk(
     # ---- W = T Diag(beta) (k 2^G), qg, kg, Gam, per K tile (kernels/regate.py, which the backward runs again) ----
     rqn = rows_or_one(rq + h, t0, n0, H, L2NORM)  # stored above; visible to every thread after the barrier
     rkn = rows_or_one(rk + h, t0, n0, H, L2NORM)
-    gated_tiles(c, h, t0, n0, q, k, g, a_log, dt_bias, w, qg, kg, glast, tmat, b, rqn, rkn, fb_all, scale,
-                lower_bound, T_tot, H, K, BKW, GATE, NARROW, IO, PREC, EMU, CHECKED, STORE_GAM=True)  # fmt: skip
+    gated_tiles(
+        c,
+        h,
+        t0,
+        n0,
+        q,
+        k,
+        g,
+        a_log,
+        dt_bias,
+        w,
+        qg,
+        kg,
+        glast,
+        tmat,
+        b,
+        rqn,
+        rkn,
+        fb_all,
+        scale,
+        lower_bound,
+        T_tot,
+        H,
+        K,
+        BKW,
+        GATE,
+        NARROW,
+        IO,
+        PREC,
+        EMU,
+        CHECKED,
+        STORE_GAM=True,
+    )
     if SAVE:  # the backward masks the same rows when it computes the gated tiles again
         tl.store(fbad + c * H + h, fb_all.to(tl.int32))
     return needs_check
@@ -295,17 +362,50 @@ def _prep_chunk(
 @autotune([{}, {}, {}], [(4, 2), (4, 1), (2, 1)], ["K", "V", "GATE", "NARROW", "L2NORM", "SAVE"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _prep_kernel(
-    q, k, v, g, beta, a_log, dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
-    w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad,  # outputs (see the module docstring)
+    q,
+    k,
+    v,
+    g,
+    beta,
+    a_log,
+    dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
+    w,
+    u,
+    qg,
+    kg,
+    aqk,
+    tm,
+    glast,
+    rq,
+    rk,
+    akk,
+    fbad,  # outputs (see the module docstring)
     lscr,  # float32 scratch [chunks, H, 64, 64]: L
     redo,  # int8 [chunks, H]: 1 where the chunk needs the checked path
-    cu, chunk_seq, chunk_tok,
-    scale, lower_bound, T, NT, T_tot,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    cu,
+    chunk_seq,
+    chunk_tok,
+    scale,
+    lower_bound,
+    T,
+    NT,
+    T_tot,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BKA: tl.constexpr,
+    BKW: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    L2NORM: tl.constexpr,
+    SAVE: tl.constexpr,
+    IO: tl.constexpr,
+    ADT: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     """The plain path for every chunk, one program per (chunk, head), and the flag that sends it to the checked
     path."""
     c = tl.program_id(0)
@@ -315,22 +415,99 @@ def _prep_kernel(
         tl.store(redo + c * H + h, tl.zeros([], dtype=tl.int8))
         return
     bad = _prep_chunk(
-        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, scale,
-        lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE, IO, ADT, PREC, EMU, CHECKED=False,
-    )  # fmt: skip
+        c,
+        h,
+        t0,
+        eos,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        w,
+        u,
+        qg,
+        kg,
+        aqk,
+        tm,
+        glast,
+        rq,
+        rk,
+        akk,
+        fbad,
+        lscr,
+        scale,
+        lower_bound,
+        T_tot,
+        H,
+        K,
+        V,
+        BKA,
+        BKW,
+        BV,
+        GATE,
+        NARROW,
+        L2NORM,
+        SAVE,
+        IO,
+        ADT,
+        PREC,
+        EMU,
+        CHECKED=False,
+    )
     tl.store(redo + c * H + h, bad.to(tl.int8))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "n_flags"])
 def _prep_redo_kernel(
-    q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk, akk, fbad, lscr, redo,
-    cu, chunk_seq, chunk_tok,
-    scale, lower_bound, T, NT, T_tot, n_flags,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKA: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, GATE: tl.constexpr, NARROW: tl.constexpr, L2NORM: tl.constexpr, SAVE: tl.constexpr,
-    IO: tl.constexpr, ADT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, FLAGS: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    a_log,
+    dt_bias,
+    w,
+    u,
+    qg,
+    kg,
+    aqk,
+    tm,
+    glast,
+    rq,
+    rk,
+    akk,
+    fbad,
+    lscr,
+    redo,
+    cu,
+    chunk_seq,
+    chunk_tok,
+    scale,
+    lower_bound,
+    T,
+    NT,
+    T_tot,
+    n_flags,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BKA: tl.constexpr,
+    BKW: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    GATE: tl.constexpr,
+    NARROW: tl.constexpr,
+    L2NORM: tl.constexpr,
+    SAVE: tl.constexpr,
+    IO: tl.constexpr,
+    ADT: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+    FLAGS: tl.constexpr,
+):
     """The checked path for the flagged (chunk, head) pairs only: each program reads FLAGS flags at once and redoes
     the pairs they mark, so that with none flagged (the common case) the launch costs one small load per program."""
     i0 = tl.program_id(0) * FLAGS
@@ -343,7 +520,45 @@ def _prep_redo_kernel(
                 seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)
                 if seq >= 0:  # a spare grid slot (varlen) holds no chunk, whatever its flag says
                     _prep_chunk(
-                        c, h, t0, eos, q, k, v, g, beta, a_log, dt_bias, w, u, qg, kg, aqk, tm, glast, rq, rk,
-                        akk, fbad, lscr, scale, lower_bound, T_tot, H, K, V, BKA, BKW, BV, GATE, NARROW, L2NORM, SAVE,
-                        IO, ADT, PREC, EMU, CHECKED=True,
-                    )  # fmt: skip
+                        c,
+                        h,
+                        t0,
+                        eos,
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        a_log,
+                        dt_bias,
+                        w,
+                        u,
+                        qg,
+                        kg,
+                        aqk,
+                        tm,
+                        glast,
+                        rq,
+                        rk,
+                        akk,
+                        fbad,
+                        lscr,
+                        scale,
+                        lower_bound,
+                        T_tot,
+                        H,
+                        K,
+                        V,
+                        BKA,
+                        BKW,
+                        BV,
+                        GATE,
+                        NARROW,
+                        L2NORM,
+                        SAVE,
+                        IO,
+                        ADT,
+                        PREC,
+                        EMU,
+                        CHECKED=True,
+                    )

@@ -36,12 +36,32 @@ from hybrid_attention.ops.triton_support import autotune
 @autotune([{}, {}], [(4, 3), (4, 2)], ["V"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot"])
 def _score_grad_kernel(
-    do, vnew, dvnew, v, beta, tm, akk,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk
-    dv, dbeta, daq, dak,  # dv [T_total, H, V]; dbeta [T_total, H] f32; dAqk, dAkk [H, T_total, 64] (ADT)
-    cu, chunk_seq, chunk_tok, scale, T, NT, T_tot,
-    H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
-    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    do,
+    vnew,
+    dvnew,
+    v,
+    beta,
+    tm,
+    akk,  # dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk
+    dv,
+    dbeta,
+    daq,
+    dak,  # dv [T_total, H, V]; dbeta [T_total, H] f32; dAqk, dAkk [H, T_total, 64] (ADT)
+    cu,
+    chunk_seq,
+    chunk_tok,
+    scale,
+    T,
+    NT,
+    T_tot,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    IO: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     c = tl.program_id(0)
     h = tl.program_id(1)
     seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)

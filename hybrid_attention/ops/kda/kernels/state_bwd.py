@@ -36,13 +36,34 @@ from hybrid_attention.ops.triton_support import autotune
 @autotune([{"BV": 32}, {"BV": 64}], [(4, 1), (8, 2)], ["K", "V", "HAS_DHT", "HAS_H0", "WIDTH"])
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_bwd_kernel(
-    qg, kg, w, aqk, glast, do, dht,  # saved prep outputs, dO [T_total, H, V], dht [N, H, K, V] f32
-    dh0, dhbuf, dvnew,  # dh0 [N, H, K, V] f32, dhbuf [chunks, H, K, V] (dS1 per chunk), dvnew [H, T_total, V]
-    cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    qg,
+    kg,
+    w,
+    aqk,
+    glast,
+    do,
+    dht,  # saved prep outputs, dO [T_total, H, V], dht [N, H, K, V] f32
+    dh0,
+    dhbuf,
+    dvnew,  # dh0 [N, H, K, V] f32, dhbuf [chunks, H, K, V] (dS1 per chunk), dvnew [H, T_total, V]
+    cu,
+    chunk_off,
+    T,
+    NT,
+    T_tot,
+    WIDTH,  # WIDTH: autotuning key only
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_DHT: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    IO: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)

@@ -42,13 +42,37 @@ from hybrid_attention.ops.triton_support import autotune
 )
 @triton.jit(do_not_specialize=["T", "NT", "T_tot", "WIDTH"])
 def _state_fwd_kernel(
-    w, u, qg, kg, aqk, glast, h0,  # prep outputs; h0 [N, H, K, V] float32
-    o, ht, hbuf, vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
-    cu, chunk_off, T, NT, T_tot, WIDTH,  # WIDTH: autotuning key only (see above)
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, OUT: tl.constexpr,
-    IO: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    w,
+    u,
+    qg,
+    kg,
+    aqk,
+    glast,
+    h0,  # prep outputs; h0 [N, H, K, V] float32
+    o,
+    ht,
+    hbuf,
+    vnew,  # o [T_total, H, V]; ht [N, H, K, V] f32; hbuf [chunks, H, K, V]; vnew [H, T_total, V]
+    cu,
+    chunk_off,
+    T,
+    NT,
+    T_tot,
+    WIDTH,  # WIDTH: autotuning key only (see above)
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    SAVE: tl.constexpr,
+    OUT: tl.constexpr,
+    IO: tl.constexpr,
+    PREC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     # SAVE: store S per chunk and D (the backward, or the output pass, reads them); OUT: compute O here.
     iv = tl.program_id(0)
     n = tl.program_id(1)
