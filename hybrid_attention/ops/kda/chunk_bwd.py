@@ -1,16 +1,5 @@
-"""KDA chunk backward driver: allocates the gradients, picks the grids and launches the stages in order.
-
-    0. W, qg, kg again (kernels/regate.py), one program per (chunk, head): the forward does not keep them
-    1. reverse state walk (kernels/state_bwd.py), one program per (V tile, sequence, head): dS1 per chunk, dD and
-       d initial_state
-    2. score gradients (kernels/score_grad.py), one program per (chunk, head): dv, beta's v and Akk parts, dAqk
-       and Diag(beta) dL
-    3. dq, dk, dg (kernels/dqkg.py), one program per (K tile, chunk, head), with the gate's dA_log, d dt_bias sums
-       and beta's k~ part
-    4. the l2norm backward (kernels/l2norm_bwd.py), only with the fused l2norm when K spans several K tiles
-
-Inputs are [B, T, H, *] as in the forward (chunk_fwd.py), plus the tensors it saved; docs/kernels.md lists what each
-stage reads and writes.
+"""KDA chunk backward driver: allocates the gradients, picks the grids and launches stages 0-4 in order (regate, reverse
+state walk, score gradients, dq/dk/dg, l2norm); docs/kernels.md, "Stages", lists what each reads and writes.
 """
 
 from __future__ import annotations

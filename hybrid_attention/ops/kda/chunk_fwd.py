@@ -1,12 +1,5 @@
-"""KDA chunk forward driver: allocates the outputs, picks the grids and launches the stages in order.
-
-    1. prep (kernels/prep.py), one program per (chunk, head): Aqk, T, W, U, qg, kg, Gam and, when saving, Akk
-    2. state walk (kernels/state_fwd.py), one program per (V tile, sequence, head): O, the final state and, when
-       saving, S per chunk and D
-    3. output pass (kernels/output.py), only when `split_output` says so: O for every chunk in parallel
-
-Inputs are [B, T, H, *] (packed sequences: B = 1 and cu_seqlens); the stages work on [T_total, H, *] and head-major
-[H, T_total, *] buffers. docs/kernels.md lists what each stage reads and writes.
+"""KDA chunk forward driver: allocates the outputs, picks the grids and launches the stages in order (prep, state walk
+and, when `split_output` says so, the output pass); docs/kernels.md, "Stages", lists what each reads and writes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""Input checks and small helpers shared by every KDA backend (torch reference, Triton, FLA).
-
-Shapes follow FLA's `chunk_kda`:
-
-    q, k  [B, T, H, K]      v  [B, T, H, V]      g  [B, T, H, K] (natural-log decay, <= 0)
-    beta  [B, T, H]         initial_state  [N, H, K, V]      cu_seqlens  [N + 1] (int)
-
-Without `cu_seqlens`, N == B. With `cu_seqlens`, B must be 1 and the N sequences lie back to back along T.
-
-Dtype rules:
-  * q, k and v share one floating dtype (float16, bfloat16, float32 or float64);
-  * g and beta are each either that dtype or float32 (gates are usually kept in float32);
-  * initial_state is float32, or float64 when q is float64; the recurrent state is never half precision;
-  * cu_seqlens is int32 or int64.
-Computation happens in float64 for float64 inputs and in float32 otherwise (`compute_dtype`).
+"""Input checks and small helpers shared by every KDA backend (torch reference, Triton, FLA); the shape and dtype
+rules are in docs/kernels.md, "The KDA ops".
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
-"""Fused one-token KDA decode pieces around the recurrence: inputs (decay up projection + conv + SiLU + L2 norm +
-gate + beta) and the gated output norm (with the gate's up projection). Inference only, used by
-`KimiDeltaAttention` when it decodes one token on CUDA.
-
-Per head, for the token's projections (the KDA layer of `layers/kda.py`; docs/math.md, "KDA recurrence"):
-
-    q, k, v = SiLU(conv_step(W_q x)), SiLU(conv_step(W_k x)), SiLU(conv_step(W_v x))   conv tails updated in place
-    q, k    = q / ||q||, k / ||k||                     (float32, eps 1e-6 inside the root)
-    z       = W_f_up (W_f_down x)                      (this head's [D, R] slice of W_f_up, in the kernel)
-    g       = kda_gate(z, A_log, dt_bias, ...), bounded or softplus       beta = sigmoid(b)
-    ...       the recurrence (ops.kda: recurrent_kda) ...
-    y       = RMSNorm_head(o) * sigmoid(W_g_up (W_g_down x) + bias)
-
-Eager PyTorch runs these as about 60 small kernels per layer and token; here they are two, and the two low-rank
-up projections (two more small GEMV launches each) live inside them: each program reads its
-head's [D, R] slice. Rounding follows the eager layer step by step (the up projections' outputs, the conv output, the
-SiLU output and the normalised q/k are rounded to the activation dtype, the RMSNorm output before the gate), so the
-two paths agree to float32 precision in float32 and to bf16 rounding in bf16. q, k, v come back in float32 holding
-those rounded values, which is what the recurrence computes in anyway (it saves three casts). Both kernels run one
-program per (sequence, head); the head dim must fit one block.
+"""Fused one-token KDA decode pieces around the recurrence: the inputs (decay up projection, conv, SiLU, L2 norm, gate,
+beta) and the gated output norm, inference only (docs/kernels.md, "Decode step").
 """
 
 from __future__ import annotations

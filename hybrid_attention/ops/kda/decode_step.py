@@ -1,21 +1,5 @@
-"""One KDA decode step as serving engines call it: `kda_decode_step`.
-
-Beyond the fused Triton step (`triton_step.fused_recurrent_kda_step`, one state row per sequence, updated in
-place) it takes:
-
-  * a pool of states addressed by indices (`state_indices`, the `ssm_state_indices` of serving engines): sequence b
-    reads and writes row state[state_indices[b]] of a pool [P, Hv, K, V]; a negative index marks a padding slot,
-    whose outputs are 0 and which reads and writes no row of its own;
-  * more value heads than query/key heads (ops/kda/value_heads.py);
-  * beta as logits (`use_beta_sigmoid`: beta = sigmoid(logits), computed here);
-  * the PyTorch reference as a backend ("torch": `recurrent_kda`), the spec the kernel is tested against.
-
-The Triton step reads the index itself: each program loads its sequence's row number and reads and writes that
-row of the pool, so the state moves once. The PyTorch reference gathers the addressed rows into a batch, steps it,
-and writes it back with one `index_copy_` (padding slots step a copy of the first valid slot's row and write back
-that slot's result, so every write to one row carries the same value whatever order the writes land in). Neither
-reads an index back to the host, so both can be captured in a CUDA graph (the reference's eager value check of g
-and beta, one host sync, is skipped while capturing).
+"""One KDA decode step as serving engines call it, `kda_decode_step`: a pool of states addressed by indices, more value
+heads than query/key heads, beta as logits, the reference as a backend (docs/kernels.md, "Decode step").
 """
 
 from __future__ import annotations

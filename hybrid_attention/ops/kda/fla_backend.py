@@ -1,12 +1,5 @@
-"""`chunk_kda(..., backend="fla")`: the same op computed by flash-linear-attention's Triton kernels.
-
-Used as a speed and accuracy baseline (benchmarks, GPU tests). Needs the optional extra
-`pip install "hybrid-attention[fla]"` (fla-core==0.6.0) and CUDA tensors. Only arguments with the same
-meaning as ours are passed: a pre-computed `g` (no in-kernel gate or l2norm), our scale, the float32 initial
-state, `output_final_state`, `cu_seqlens` as int64, `chunk_size`, beta logits (`use_beta_sigmoid_in_kernel`) and
-more value heads than query/key heads (FLA takes them natively). FLA's default `safe_gate=False` path is exact for
-any g <= 0, like ours. FLA returns the chunk states (`return_intermediate_states`) in inference mode only, so they
-come from here only when no gradient is needed.
+"""`chunk_kda(..., backend="fla")`: the same op computed by flash-linear-attention's Triton kernels, a speed and
+accuracy baseline (the `fla` extra; docs/kernels.md, "The KDA ops").
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The KDA decay gates (docs/math.md, "Decay gates"): the per-step log decay g <= 0 from raw gate logits z.
-
-    "bounded"   g = lower_bound * sigmoid(exp(A_log_h) * (z_hc + dt_bias_hc))     per channel, in (lower_bound, 0)
-    "softplus"  g = -exp(A_log_h) * softplus(z_hc + dt_bias_hc)                     per channel, in (-inf, 0)
-    "head"      g = -exp(A_log_h) * softplus(z_h + dt_bias_h)                        one decay per head
-
-"bounded" is the Kimi Linear report's safe gate, "softplus" the unbounded gate of released Kimi Linear checkpoints,
-"head" Gated DeltaNet's scalar gate (one value per head, broadcast over the K channels by the caller).
-`check_gate` is the one place that validates a gate's form, lower bound and parameters; every op and layer that
-takes a gate calls it. Every backend is exact for any g <= 0, so the lower bound only has to be finite and < 0.
+"""The KDA decay gates, "bounded", "softplus" and "head": the per-step log decay g <= 0 from raw gate logits z, and the
+one check of a gate's parameters (docs/math.md, "Decay gates"; docs/kernels.md, "The KDA ops").
 """
 
 from __future__ import annotations
@@ -91,7 +83,7 @@ def kda_gate(
         dt_bias: [H*K] per-channel bias, viewed as [H, K] ([H] for "head").
         lower_bound: the most negative decay per step of the "bounded" form (finite, < 0; None means -5);
             must be None for the other forms.
-        form: "bounded", "softplus" or "head" (see the module docstring).
+        form: "bounded", "softplus" or "head" (docs/math.md, "Decay gates").
     Returns:
         g: the shape of z, float32 (float64 when z is float64), <= 0; in [lower_bound, 0] for "bounded".
     Computed in float32/float64 whatever the input dtype, so bf16 logits do not coarsen the decay.

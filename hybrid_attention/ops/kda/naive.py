@@ -1,17 +1,5 @@
-"""Reference Kimi Delta Attention in plain PyTorch: the recurrence (ground truth) and the chunkwise form.
-
-This file is the spec the Triton kernels are tested against; each line maps to an equation in
-docs/math.md ("KDA recurrence" and "Chunkwise form"). Per head, with S of shape [K, V]:
-
-    S_t = Diag(exp(g_t)) S_{t-1}                     decay each key channel
-    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T         delta rule on the decayed state
-    o_t = scale * S_t^T q_t
-
-Both functions compute in float32 (float64 for float64 inputs), return `o` in `v.dtype` and the final
-state in the compute dtype. Varlen inputs (`cu_seqlens`) are processed one sequence at a time, so no
-chunk ever straddles two sequences. Notable choice in the chunkwise form: every decay factor between two
-tokens is exp(G_t - G_i) with the exponent built as a sum of g over (i, t] and masked to -inf above the
-diagonal before exp, so it is exact for any g <= 0 (even -1000) and never overflows; exp(-G) is never formed.
+"""Reference Kimi Delta Attention in plain PyTorch: the recurrence (ground truth) and the chunkwise form, the spec the
+Triton kernels are tested against (docs/math.md, "KDA recurrence" and "Chunkwise form").
 """
 
 from __future__ import annotations

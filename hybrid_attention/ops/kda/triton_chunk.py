@@ -1,15 +1,5 @@
-"""Chunkwise KDA on our Triton kernels: `chunk_kda_triton`, differentiable and `torch.compile`-traceable.
-
-The forward and backward are torch custom ops (`hybrid_attention::kda_chunk_fwd` / `kda_chunk_bwd`) with fake
-(meta) implementations, called from an autograd.Function, so a compiled model sees one opaque node each way; eager
-calls the ops' bodies directly (`triton_support.eager_or_traced`).
-The drivers chunk_fwd.py (forward, 2 kernels, +1 output pass for few long sequences) and chunk_bwd.py (backward,
-3 kernels, +1 with the fused l2norm) launch the kernels of kernels/; docs/kernels.md explains the organisation and
-what is saved.
-
-Optional fusions: the gate (gate="bounded" or "softplus" with A_log, dt_bias and, bounded, lower_bound; g is then
-the raw logit z) and the q/k L2 norm (use_qk_l2norm=True, x / sqrt(|x|^2 + 1e-6)). Exact for any decay g <= 0
-(triton_utils: anchored sub-chunk dots where the decay's span allows, pair by pair where it does not).
+"""Chunkwise KDA on our Triton kernels, `chunk_kda_triton`: differentiable, `torch.compile`-traceable through custom
+ops, exact for any decay (docs/kernels.md).
 """
 
 from __future__ import annotations

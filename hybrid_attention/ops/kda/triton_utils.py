@@ -1,21 +1,5 @@
-"""Shared pieces of the Triton KDA kernels: tile loads/stores, the gate, the 16x16 inverse, chunk layout.
-
-Conventions used by every kernel (docs/kernels.md has the full story):
-  * Chunks of C = 64 tokens, split into four 16-token sub-chunks a = 0..3. Gates are handled in log2 units
-    (g * log2(e)) so every decay is an exp2; G is the inclusive cumulative sum of g inside the chunk.
-  * Pairwise decays exp(G_t - G_i) are split into a row factor exp2(G_t - c_a + SHIFT) and a column factor
-    exp2(c_a - SHIFT - G_i), where c_a is the cumulative gate just before sub-chunk a starts (it depends on
-    earlier tokens only, so the kernels are causal to the last bit) and SHIFT centres the range; the rows of a
-    chunk's prefix whose span from the chunk's start fits share the anchor 0. Where a row's span from its anchor,
-    c_a - G_t, is at most WIDE = 2 SHIFT (always for g >= -5 per step inside a sub-chunk), both factors stay within
-    2^(+-58) for every pair of that row: far from float32 (and bfloat16) overflow. Rows with a wider span take their
-    diagonal-block pairs one by one from exp2(G_t - G_i) with the exponent <= 0, so any decay g <= 0 is exact;
-    off-diagonal blocks only get smaller. Steps below 2^STEP_FLOOR are taken at the floor.
-  * From the first token of a chunk with a non-finite k, g, beta or v, a g > 0 or a beta outside [0, 1], the
-    chunk's outputs and the state after it are NaN (the prep writes NaN into qg and Gam); dots by lower triangular
-    matrices take zeros in those rows (W and U are zero there), so no earlier row ever meets them (0 * NaN).
-  * Sequences are flattened to [T_total, H, *]; cu_seqlens (or B equal lengths) say where each starts.
-    Chunks never straddle sequences; rows past a sequence end are masked to zero (g = 0, k = q = v = 0).
+"""Shared pieces of the Triton KDA kernels: tile loads and stores, the gate, the 16x16 inverse, the sub-chunk anchors
+and the chunk layout (docs/kernels.md, "Numerics").
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""More value heads than query/key heads (grouped value attention, GVA) for the KDA ops.
-
-    q, k  [B, T, Hqk, K]      v  [B, T, Hv, V]      g  [B, T, Hv, K]      beta  [B, T, Hv]      state  [N, Hv, K, V]
-
-with Hv a multiple of Hqk: value head j reads query/key head j // (Hv // Hqk) (FLA's convention), and the decay,
-beta, the state and the output belong to the value head. Each value head is then an ordinary KDA head, so the
-reference and the Triton kernels run on q and k repeated to Hv heads (`repeat_qk_heads`); autograd sums the
-gradients of the copies back onto the shared heads. The repeat costs memory traffic for q and k only: the work
-per value head is the same with or without sharing, because every value head has its own decay and so its own
-key-key products.
+"""More value heads than query/key heads (grouped value attention, GVA) for the KDA ops (docs/kernels.md, "The KDA
+ops").
 """
 
 from __future__ import annotations

@@ -1,22 +1,5 @@
-"""KDA chunk backward, stage 3: dq, dk, dg (or dz, dA_log, dt_bias with the fused gate) and beta's k-part,
-one program per (K tile, chunk, head).
-
-With S0 / dS1 the states / state gradients at the chunk's start / end (stage 1) and R = T^T dD (stage 2):
-
-    dqg = dO S0^T     dkg = D dS1^T     dK~ = -beta * (T^T (dD S0^T))     (V-contractions, per K tile)
-    q~ = q * 2^G, k~ = k * 2^G, kg = k * 2^(Gam - G)  ->  dq, dk and dG by the chain rule
-    Aqk, Akk blocks (a, b) = rows (q, k) * 2^(G_a - c_a + SHIFT) times columns k_b * 2^(c_a - SHIFT - G_b)
-      ->  dq, dk from dAqk, dAkk = beta * dL; each pair (t, i) adds x to dG_t and -x to dG_i, with x taken from
-          the dots' own rounded operands so that the pairs cancel exactly in the reverse cumsum
-    dg = reverse cumulative sum of dG over the chunk + the exclusive cumulative sum of the -G state terms
-         + d Gam's state-decay part (Gam is the sum of the whole chunk's g)
-    Rows whose span exceeds WIDE take their diagonal-block pairs one by one (_exact_diag_grads). The rows of the
-    chunk's prefix whose span from the chunk's start fits in WIDE (every row where the chunk's whole decay fits) share
-    the anchor 0: one set of dots for all of them instead of one per sub-chunk.
-
-The anchors c_a cancel in every product, so they carry no gradient. The l2norm backward needs a full-K dot per
-row: when one K tile holds the row (FUSE_L2) it is done here, otherwise dq, dk leave this kernel in float32 and
-the row kernel of kernels/l2norm_bwd.py finishes them.
+"""KDA chunk backward, stage 3: dq, dk, dg (or dz, dA_log, dt_bias with the fused gate) and beta's k-part, one program
+per (K tile, chunk, head); docs/kernels.md, "Stages".
 """
 
 from __future__ import annotations
@@ -155,6 +138,8 @@ def _dqkg_kernel(
     PREC: tl.constexpr,
     EMU: tl.constexpr,
 ):
+    """dq, dk, dg (or dz and the gate's partial sums) and beta's k~ part of one (K tile, chunk, head), from the
+    V contractions dO S0^T, D dS1^T, dD S0^T and the anchored score gradients (docs/kernels.md, "Stages")."""
     # Chunks on grid axis 0 (the only one without a 65535 cap); the K tiles of one chunk run side by side
     # so that their shared dO, D, dD and T reads hit L2. Every tile is a whole chunk ([64, BK] or [64, 64]):
     # the 16-token sub-chunks appear only as row masks, so the dots are M = 64 and few values stay live.

@@ -1,11 +1,5 @@
-"""KDA chunk forward, stage 3 (optional): the output pass, O = qg S + Aqk D for every chunk in parallel.
-
-The state walk (kernels/state_fwd.py) takes most of the forward when there are few (sequence, head) pairs (one
-64K-token sequence of 16 heads), and O is about half of every walk step. The walk then stores S per chunk and D and
-leaves O out; this kernel, one program per (chunk, head, V tile), computes it. Both ways multiply the same rounded
-operands (the dots round S and D to the io dtype, the stores too).
-
-Inputs: qg [H, T_total, K], Aqk [H, T_total, 64], S [chunks, H, K, V], D [H, T_total, V]; output O [T_total, H, V].
+"""KDA chunk forward, stage 3 (optional): the output pass, O = qg S + Aqk D for every chunk in parallel, for few long
+sequences (docs/kernels.md, "Long sequences").
 """
 
 from __future__ import annotations

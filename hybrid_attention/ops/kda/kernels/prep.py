@@ -1,25 +1,5 @@
-"""KDA chunk forward, stage 1: the chunk-local "prep" kernel (one program per chunk and head, all in parallel).
-
-For a chunk of 64 tokens (docs/math.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
-
-    Akk[t, i] = sum_c k_tc k_ic 2^(G_tc - G_ic) (i < t)   Aqk[t, i] = scale * sum_c q_tc k_ic 2^(G_tc - G_ic) (i <= t)
-    T = (I + Diag(beta) Akk)^{-1}       W = T Diag(beta) (k * 2^G)       U = T Diag(beta) v
-    qg = scale * q * 2^G      kg = k * 2^(Gam - G)
-
-Written out: Aqk and T ([rows, 64] per head; T always, the W / U phase reads it back), W, U, qg, kg (head-major
-[H, T_total, *]), Gam per chunk, with the fused l2norm 1 / ||q|| and 1 / ||k|| per row, and when saving for the
-backward the strictly lower Akk ([rows, 64]). A float32 scratch [chunks, H, 64, 64] holds L = Diag(beta) Akk.
-Aqk and Akk are whole [64, 64] tiles, two M = 64 dots per K tile and anchor (`_scores`): the chunk's start for the
-rows of its prefix whose decay fits, c_a (the cumulative gate before sub-chunk a, see triton_utils) for the rows of
-sub-chunk a after it. The inverse is forward substitution inside the four diagonal blocks (float32, their rows read
-back from the scratch) and products of 16 x 16 blocks below them.
-Optional fusions: the bounded gate from raw logits (GATE) and the q/k L2 norm (L2NORM; the score dots take the raw
-q and k, and the tiles are scaled by the norms afterwards, summed from the same loads).
-
-Two kernels share the body `_prep_chunk`: `_prep_kernel`, the plain path for every chunk, which also flags the
-chunks whose inputs it cannot take (a non-finite k, g, beta or v; beta outside [0, 1]; g > 0), and
-`_prep_redo_kernel`, the checked path, which computes the flagged chunks again with the masks that keep the rows
-before the first bad one exact (docs/kernels.md, "Non-finite inputs").
+"""KDA chunk forward, stage 1: the chunk-local "prep" kernel, one program per chunk and head (Aqk, T, W, U, qg, kg,
+Gam), as a plain path and a checked path for bad inputs (docs/kernels.md, "Stages" and "Numerics").
 """
 
 from __future__ import annotations
@@ -369,6 +349,8 @@ def _prep_kernel(
     beta,
     a_log,
     dt_bias,  # inputs [T_total, H, *] (beta [T_total, H]); a_log [H], dt_bias [H, K]
+    # outputs: W, qg, kg [H, T_total, K]; U [H, T_total, V]; Aqk, T, Akk [H, T_total, 64]; Gam [chunks, H, K] f32;
+    # 1/||q||, 1/||k|| [T_total, H]; the first bad row [chunks, H] int32
     w,
     u,
     qg,
@@ -379,7 +361,7 @@ def _prep_kernel(
     rq,
     rk,
     akk,
-    fbad,  # outputs (see the module docstring)
+    fbad,
     lscr,  # float32 scratch [chunks, H, 64, 64]: L
     redo,  # int8 [chunks, H]: 1 where the chunk needs the checked path
     cu,

@@ -1,17 +1,5 @@
-"""KDA chunk: the gated tiles W, qg and kg of a chunk, written by the forward's prep kernel and written again by the
-backward (`_regate_kernel`) instead of being kept between them.
-
-For a chunk of 64 tokens (docs/math.md, "Chunkwise form"; G = in-chunk cumulative log2 gate, Gam = G at its end):
-
-    W = T Diag(beta) (k * 2^G)      qg = scale * q * 2^G      kg = k * 2^(Gam - G)
-
-Only the reverse state walk of the backward reads them, so the backward recomputes them from what it keeps anyway
-(q, k, the gate's input, beta, T and the l2norm's 1 / ||x||) with the same code as the forward, which makes them
-equal to the forward's bit for bit where the compiler lays out the same operations. That frees three
-[H, T_total, K] tensors per layer between the forward and the backward for one more pass over q, k and g.
-
-In a chunk with a bad input (the checked path of kernels/prep.py), rows from `fb`, the first bad row, are masked as
-the forward masked them: W is zero there and qg NaN. The forward keeps fb per chunk and head (64 when none).
+"""KDA chunk: the gated tiles W, qg and kg of a chunk, written by the forward's prep kernel and again by the backward
+(`_regate_kernel`) instead of being kept between them (docs/kernels.md, "Kept, and recomputed").
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""KDA chunk backward, stage 2: the per-chunk score gradients, one program per (chunk, head), all in parallel.
-
-With dD from the reverse state walk (kernels/state_bwd.py), D and T saved by the forward:
-
-    R   = T^T dD      dv = beta * R
-    dAqk = dO D^T      dM = -R D^T                         (dM is the gradient of M = I + Diag(beta) Akk)
-
-The last line uses D = T Diag(beta) (V - K~ S0): since W and U enter only through D, the gradient of the
-inverse collapses from -T^T dT T^T to -R D^T (docs/kernels.md has the derivation).
-
-Inputs: dO, v [T_total, H, V]; D, dD [H, T_total, V]; beta [T_total, H]; T, Akk [H, T_total, 64]. Outputs: dv
-[T_total, H, V]; beta's parts of the gradient from v and from M, rowsum(dL * Akk) with dL the strictly lower part of
-dM, into dbeta [T_total, H] float32; the score gradients dAqk and Diag(beta) dL [H, T_total, 64] for stage 3.
+"""KDA chunk backward, stage 2: the per-chunk score gradients (dv, dAqk, Diag(beta) dL and beta's parts), one program
+per (chunk, head); docs/kernels.md, "The backward through the inverse collapses".
 """
 
 from __future__ import annotations
@@ -62,6 +51,8 @@ def _score_grad_kernel(
     PREC: tl.constexpr,
     EMU: tl.constexpr,
 ):
+    """One (chunk, head): R = T^T dD, dv = beta R, dAqk = dO D^T, dM = -R D^T (M = I + Diag(beta) Akk), and beta's
+    parts rowsum(R * v) and rowsum(dL * Akk), dL the strictly lower part of dM. T, Akk [H, T_total, 64]."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     seq, t0, eos = chunk_info(c, cu, chunk_seq, chunk_tok, T, NT, VARLEN)

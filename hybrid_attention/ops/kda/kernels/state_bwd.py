@@ -1,14 +1,5 @@
-"""KDA chunk backward, stage 1: the reverse state walk.
-
-Per chunk (forward: D = U - W S0, O = qg S0 + Aqk D, S1 = Diag(2^Gam) S0 + kg^T D), with dS1 the gradient of the
-state at the chunk's end, one program per (V tile, sequence, head) walks the sequence's chunks in reverse:
-
-    dD  = Aqk^T dO + kg dS1
-    dS0 = Diag(2^Gam) dS1 + qg^T dO - W^T dD              (dS0 of the first chunk is d initial_state)
-
-Inputs: the saved qg, kg, W [H, T_total, K], Aqk [H, T_total, 64], Gam [chunks, H, K] float32; dO [T_total, H, V];
-the final state's gradient [N, H, K, V] float32 (HAS_DHT). Outputs: dS1 per chunk [chunks, H, K, V], dD
-[H, T_total, V] and d initial_state [N, H, K, V] float32 (HAS_H0).
+"""KDA chunk backward, stage 1: the reverse state walk, one program per (V tile, sequence, head) over the sequence's
+chunks in reverse (docs/kernels.md, "Stages").
 """
 
 from __future__ import annotations
@@ -64,6 +55,8 @@ def _state_bwd_kernel(
     PREC: tl.constexpr,
     EMU: tl.constexpr,
 ):
+    """Walk the chunks of one (V tile, sequence, head) in reverse: dD = Aqk^T dO + kg dS1,
+    dS0 = Diag(2^Gam) dS1 + qg^T dO - W^T dD. qg, kg, W [H, T_total, K]; Aqk [H, T_total, 64]; Gam [chunks, H, K]."""
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)

@@ -1,15 +1,5 @@
-"""KDA chunk forward, stage 2: the state walk over each sequence's chunks.
-
-One program per (V tile, sequence, head) walks the sequence's chunks in order, keeping the [K, BV] state S in
-float32 registers (docs/math.md, "Chunkwise form", with the outputs of the prep kernel, kernels/prep.py):
-
-    D = U - W S          O = qg S + Aqk D          S <- Diag(2^Gam) S + kg^T D
-
-Inputs, head-major [H, T_total, *]: W, qg, kg [.., K], U [.., V], Aqk [.., 64]; Gam [chunks, H, K] float32; the
-initial state [N, H, K, V] float32. Outputs: O [T_total, H, V], the final state [N, H, K, V] float32 (STORE_HT), and
-for the backward or the output pass (SAVE) S at the start of every chunk [chunks, H, K, V] and D [H, T_total, V].
-Everything chunk-local was done by the parallel prep kernel, so this pass is four dots per chunk. With OUT false the
-walk leaves O to the output pass (kernels/output.py).
+"""KDA chunk forward, stage 2: the state walk, one program per (V tile, sequence, head) over the sequence's chunks in
+order, the state in float32 registers (docs/kernels.md, "Stages").
 """
 
 from __future__ import annotations
@@ -73,6 +63,8 @@ def _state_fwd_kernel(
     PREC: tl.constexpr,
     EMU: tl.constexpr,
 ):
+    """Walk the chunks of one (V tile, sequence, head) in order: D = U - W S, O = qg S + Aqk D,
+    S <- Diag(2^Gam) S + kg^T D. Head-major W, qg, kg [H, T_total, K], U [H, T_total, V], Aqk [H, T_total, 64]."""
     # SAVE: store S per chunk and D (the backward, or the output pass, reads them); OUT: compute O here.
     iv = tl.program_id(0)
     n = tl.program_id(1)
