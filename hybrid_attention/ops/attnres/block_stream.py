@@ -1,17 +1,6 @@
-"""Differentiable fused Block AttnRes for training: both phases, the second fused with the RMSNorm of the sublayer that
-reads the mixture. The kernels are torch custom ops with fake implementations, called from autograd.Functions, so
-`torch.compile(model, fullgraph=True)` traces a training step through them as opaque nodes; eager calls the ops'
-bodies directly (`triton_support.eager_or_traced`). (Full AttnRes: one AttnRes in `mix_norm_grad.py`, a whole stream of
-them in `full_stream.py`.)
-
-- `attn_res_partial_train(blocks, queries, key_weights)`: Block AttnRes phase 1 for all sublayers of a block.
-- `attn_res_merge_norm_train(out, lse, partial, ...)`: phase 2 (the exact merge of the block's partial sum) and the
-  RMSNorm; kernels in `triton_block_partial.py` (phase 1) and `triton_block_merge.py` (phase 2).
-
-Sources are a list of separate tensors, each stored once by whoever produced it: the kernels read them through a
-pointer table and autograd saves the same tensors (references, no copies), so nothing grows with depth per call.
-The forwards save per-row statistics only (log-sum-exp, reciprocal norms); the backwards recompute the rest. Every
-source, query, key-norm weight and norm weight gets its gradient. The readable references are in `naive.py`.
+"""Differentiable fused Block AttnRes for training: phase 1 for all sublayers of a block (`attn_res_partial_train`) and
+phase 2 fused with the RMSNorm that reads the mixture (`attn_res_merge_norm_train`); docs/kernels.md, "Attention
+Residuals kernels".
 """
 
 from __future__ import annotations

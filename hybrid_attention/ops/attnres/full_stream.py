@@ -1,40 +1,6 @@
-"""A Full AttnRes residual stream for training: each step is RMSNorm(AttnRes(sources)) fused into one Triton kernel
-forward and two backward, and each source's gradient is assembled once, complete, by one kernel.
-
-- `attn_res_norm_stream_start(sources, queries, key_weights, norm_weights, ...)`: the stream's first step, over any
-  sources, with the pseudo-queries, key-norm weights and RMSNorm weights of all its K steps.
-- `attn_res_norm_step(sources, carrier, ...)`: each later step, over the previous step's sources and one more.
-
-Step k reads the sources v_0 .. v_{n_k - 1}. Its forward (`triton_mix_norm.py`) reads each source once and keeps lse,
-rho, the rounded mixture h (with its rounding residual in 8 bits for half sources) and the logits z of its sources
-(n_k numbers per row). Backwards run from the last step down, and step k's runs after every later reader of its
-newest source and before the sublayer that produced it: that is when the source's gradient can be finished. So step
-k's backward (`triton_stream_bwd.py`) does its own RMSNorm backward from h, stores its dh and per-row numbers in tables
-shared by the stream, and assembles the complete gradient of its newest source (of all its sources for k = 0) from
-those tables, reading the source once and one dh row per later step (docs/math.md, "AttnRes backward"). Older
-sources get nothing from step k: autograd sums no gradients.
-
-The tables travel between the backwards as gradients: every step returns, besides x, four placeholders (zero
-strides, no memory) that the next step takes as inputs; their gradients are the tables of dh, [k_split, ..., D] for
-the early steps and [K - k_split, ..., D] for the last quarter (`early_steps`), rows [K, 2 + S, ...] (c, lse, the
-logits of the stream's S sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and of dL/d
-norm_weight). The first backward to run allocates all but the early dh table for the K steps (rows of steps that
-never run backward stay zero and add nothing); the first backward of an early step allocates that one, when the
-later layers' saved tensors are freed, so that the whole dh never sits on the memory peak at the backward's start.
-Each later backward fills its entries in place and hands the tables on, with the same shapes: hence the step count K
-is fixed at the start, by the queries [K, D], and with it S (each step reads one more source).
-
-dL/du_k gathers terms from every source step k reads, so it is complete only in the stream start's backward, the last
-to run. The pseudo-queries, key-norm weights and RMSNorm weights therefore enter every step as three stacked [K, D]
-tensors (each step reads its own row), and only the start returns their gradients, summing every step's partial rows
-at once (the norm weights' too: one sum for the stream instead of one per step); the stack's backward hands each
-parameter its row. Unused steps' parameters get zero gradients (not None) this way.
-
-The kernels are custom ops with fake implementations and declared mutations of the tables, so
-`torch.compile(fullgraph=True)` traces a whole training step; eager calls the ops' bodies directly. Every sum has a
-fixed order (no atomics): with the same launch shapes (the autotuner's choice, kept for the process), the gradients
-are bitwise the same from run to run. The readable reference for step k is
-`rms_norm(naive.naive_attn_res(sources, queries[k], key_weights[k], eps), norm_weights[k], norm_eps)`.
+"""A Full AttnRes residual stream for training: each step RMSNorm(AttnRes(sources)) in fused kernels, each source's
+gradient assembled once, complete, through tables shared by the stream's backwards (docs/kernels.md, "Training, a
+Full AttnRes stream").
 """
 
 from __future__ import annotations

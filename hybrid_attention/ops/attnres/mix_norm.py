@@ -1,22 +1,5 @@
-"""Fused inference AttnRes: the depth softmax over stacked sources and the next sublayer's RMSNorm in one kernel.
-
-    h   = sum_i softmax_i(w . (gamma * v_i / rms(v_i))) v_i           (docs/math.md, "Attention Residuals")
-    out = norm_weight * h / rms(h)                                    (the PreNorm of the sublayer that reads h)
-
-Only the normalised `out` is ever used by a Full-AttnRes model (the sublayer sees PreNorm(h), the head sees
-FinalNorm(h_final)), so fusing the two saves a round trip and about twenty small kernels per sublayer when decoding.
-The sources are read from one preallocated `[S, B, T, D]` buffer (a view of its first S slots), never restacked;
-the newest source (the output of the sublayer just run) can be passed separately, and the kernel stores it into its
-slot while reading it, so the buffer costs no copy kernel.
-
-`attn_res_norm` dispatches to a Triton kernel (CUDA, or the interpreter on CPU when asked for) or to the PyTorch
-composition of `naive.naive_attn_res` and an RMSNorm, which is the reference. Inference only: there is no backward.
-Kernel: one program per token row. When a row of every source fits a tile (D <= 16384, always in our models) it
-reads the sources once, BLOCK_S at a time, with an online softmax over the depth (running max and sum, the mixture
-rescaled as the max grows, as flash attention does over keys), then rounds h to the output dtype (as the unfused
-composition rounds h before the norm) and applies the RMSNorm from registers. Wider rows go in D-chunks with every
-source in the tile: pass 1 accumulates each source's sum of squares and its dot product with w * gamma, then the
-softmax over the S logits, pass 2 the mixture, pass 3 the RMSNorm scaling of what pass 2 wrote.
+"""Fused inference AttnRes, `attn_res_norm`: the depth softmax over a preallocated sources buffer and the next
+sublayer's RMSNorm in one kernel, no backward (docs/kernels.md, "Inference: `attn_res_norm`").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """One Full AttnRes fused with the RMSNorm of the sublayer that reads it, differentiable, for training:
-`attn_res_norm_train(sources, ...)`, every source getting its gradient. (A whole residual stream of them, whose
-steps assemble each source's gradient once: `full_stream.py`.)
-
-The kernels (`triton_mix_norm.py`) are custom ops with fake implementations, called from an autograd.Function, so
-`torch.compile(fullgraph=True)` traces a training step through them. Eager calls the ops' bodies directly (no
-dispatcher round trip per call: `triton_support.eager_or_traced`). The readable reference is
-`rms_norm(naive.naive_attn_res(sources, ...))`.
+`attn_res_norm_train(sources, ...)`, every source getting its gradient (docs/kernels.md, "Attention Residuals kernels").
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""Readable reference for Attention Residuals (docs/math.md, "Attention Residuals"; arXiv 2603.15031).
-
-A sublayer's input is a softmax mixture over depth of earlier outputs ("sources") v_0 .. v_{S-1}:
-
-    logits_i = w . (gamma * v_i / rms(v_i))        (no 1/sqrt(d); gamma is the key-norm weight)
-    h = sum_i softmax_i(logits) v_i
-
-Norms, logits and softmax run in float32 (float64 for float64 inputs); h comes back in the sources' dtype.
-
-Block AttnRes two-phase form (docs/math.md): the pseudo-query w does not depend on the input, so the attention
-over completed blocks can be computed once per block for all its sublayers (`naive_attn_res_partial`, which accepts
-several queries), and each sublayer then folds in the running partial sum of its own block with an exact
-online-softmax update (`naive_attn_res_merge`).
+"""Readable reference for Attention Residuals and Block AttnRes's two phases, the spec the kernels are tested against
+(docs/math.md, "Attention Residuals"; arXiv 2603.15031).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """What the AttnRes training kernels share: the pointer tables that let one kernel read a list of separate source
-tensors (each stored once, never stacked), the compute dtype, the grid of the row-looping backward kernels, and the
-autotuning of their launch shapes.
-
-A kernel reads source i of row m at `table[i] + m * D`: `table` is an int64 tensor of the sources' data pointers,
-cast to a pointer of the sources' element type inside the kernel (works compiled and under the interpreter).
+tensors, the compute dtype, the grid of the row-looping backward kernels and the autotuning of their launch shapes.
 """
 
 from __future__ import annotations
@@ -142,7 +138,7 @@ def table_alignment(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [S] of the tensors' data pointers, on their device.
+    """int64 [S] of the tensors' data pointers, on their device: a kernel reads source i of row m at `table[i] + m * D`.
 
     Tables are kept by their contents (device and pointers), least recently used dropped first: a training step
     allocates its activations at the same addresses every step, so after the first step no table is built and no

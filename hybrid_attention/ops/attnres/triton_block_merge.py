@@ -1,16 +1,5 @@
-"""Block AttnRes for training, phase 2: per sublayer, the merge of its own block's partial sum with phase 1's
-attention over the completed blocks (`triton_block_partial.py`), fused with the sublayer's RMSNorm; forward and
-backward.
-
-Phase 2, per sublayer, fused with its RMSNorm: fold the partial sum P of the sublayer's own block in with an
-online-softmax update, then normalise,
-
-    s = r_P (u . P),  alpha = sigmoid(s - lse),  h = out + alpha (P - out),  x = norm_weight * h * rho
-
-(a sublayer that opens its block has no P: h = out). The backward recomputes z, p and alpha from the inputs and
-the two saved per-row numbers (docs/math.md, "AttnRes backward"). One program per row forward; in the backward
-each program loops over blocks of BLOCK_M rows ([BLOCK_M, BLOCK_D] tiles, a tuned height) and sums the parameter
-gradients per row in registers, adding the rows up once at the end: one partial row per program.
+"""Block AttnRes for training, phase 2: the merge of a sublayer's own block's partial sum with phase 1's attention over
+the completed blocks, fused with its RMSNorm; forward and backward Triton kernels (docs/kernels.md, "Phase 2").
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
-"""Block AttnRes for training, two-phase: the Triton kernels of phase 1, forward and backward.
-
-Phase 1, once per block for all its Q sublayers (docs/math.md, "Attention Residuals"): over the completed block
-sums b_0 .. b_{N-1} (separate [M, D] tensors read through a pointer table, never stacked), per query q
-
-    z_qk = r_k (u_q . b_k),  out_q = sum_k softmax_k(z_q) b_k,  lse_q = logsumexp_k(z_q)      (u_q = w_q * gamma_q)
-
-out_q stored in the blocks' dtype, like every other activation kept for the backward (the merge of phase 2 is exact
-in real arithmetic; storing out_q rounds it once, as storing h would), lse_q in the compute dtype. Each out_q is its
-own [M, D] tensor (written, and its gradient read, through pointer tables), so that each sublayer's phase 2 takes
-one and hands back its gradient without a stack of them being copied. The phase-1 backward never reads out_q: per
-row it gathers all N blocks through the pointer table into one [BLOCK_N, BLOCK_D] tile, read once, and for each
-query (unrolled) forms the dot products u_q . b_k and dout_q . b_k of every block at once, then
-c_q = sum_k p_qk (dout_q . b_k) (so the gradient is that of the unrounded out_q), dz_qk = p_qk (dout_q . b_k - c_q +
-dlse_q), and adds the query's share to the blocks' gradient tile, stored with one 2-D store once all queries are in;
-dL/du_q = sum_rows sum_k dz_qk r_k b_k is summed in registers, one partial [Q, D] per program. With more blocks
-than one tile holds (PARTIAL_BWD_BLOCKS, or fewer for wide rows) it reads one block row at a time, in two passes:
-the first sums c_q and keeps each block's dot products, the second re-reads the rows (from the cache) for the
-gradients.
-
-Phase 2, the merge of a sublayer's own block, is in `triton_block_merge.py`.
+"""Block AttnRes for training, phase 1: the Triton kernels, forward and backward, of the attention of all of a block's
+sublayers over the completed block sums (docs/kernels.md, "Phase 1").
 """
 
 from __future__ import annotations

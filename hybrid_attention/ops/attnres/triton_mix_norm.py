@@ -1,16 +1,5 @@
-"""Full AttnRes fused with the next sublayer's RMSNorm, for training: forward and backward Triton kernels.
-
-    z_i = r_i (u . v_i),  r_i = rsqrt(mean(v_i^2) + eps),  u = w * gamma      (docs/math.md, "Attention Residuals")
-    h = sum_i softmax_i(z) v_i,   x = norm_weight * h * rho,   rho = rsqrt(mean(h^2) + norm_eps)
-
-The sources are separate [M, D] tensors read through a pointer table (`rows.pointer_table`), never stacked. The
-forward keeps two numbers per row, lse = logsumexp(z) and rho, and on request the rounded mixture h (with its
-rounding residual in 8 bits for half sources) and the logits z of every source (the residual stream's backward,
-`triton_stream_bwd.py`, starts from h and reads z). The backward of one AttnRes recomputes z, p and h from the sources
-(docs/math.md, "AttnRes backward"): pass 1 rebuilds h, pass 2 writes every source's gradient into one [S, M, D]
-buffer. One program per row in the forward; in the backward each program loops over rows so that the gradients of u
-and of the norm weight are summed in registers, one partial row per program, and a last small kernel sums the
-partial rows in a fixed order (deterministic, no atomics).
+"""Full AttnRes fused with the next sublayer's RMSNorm, for training: forward and backward Triton kernels over sources
+read through a pointer table (docs/kernels.md, "Training, one Full AttnRes").
 """
 
 from __future__ import annotations

@@ -1,35 +1,5 @@
-"""The backward of one step of a Full AttnRes residual stream: the Triton kernels that finish the gradients of the
-sources the step is the first to read.
-
-Step k (of K) reads the sources v_0 .. v_{n_k - 1}; its forward saved lse_k, rho_k, the rounded mixture h_k (and its
-rounding residual) and the logits z_k,i = r_i (u_k . v_i) of its sources. Backwards run from the last step down, so
-when step k's runs, the later steps have left their share in the stream's tables: dh [K, M, D] (the sources' dtype,
-as two tables: the steps before k_split and the rest), rows [K, 2 + S, M] (c, lse, then the logits of the stream's S
-sources) and cols [1 + splits + programs, K, D] (u, then partial sums of dL/du and of dL/d norm_weight), all in the
-compute dtype but dh. Per row, with the notation of docs/math.md ("AttnRes backward"):
-
-    local     (`_stream_local_kernel`) dh_k = RMSNorm backward at h_k (rounded to the sources' dtype, as the later
-              reads see it), c_k = dh_k . h_k (h_k unrounded: for half sources, from its 8-bit rounding residual),
-              the row's share of d norm_weight_k; dh_k, c_k, lse_k, u_k and the step's logits go into the tables
-    assembly  (`_stream_bwd_kernel`) for each source v_i this step is the first reader of (its newest one; all of
-              them for k = 0), with the table entries of k' = k .. K-1:
-                  p = exp(z_k',i - lse_k'),  dz = p (dh_k' . v_i - c_k')
-                  dv_i = sum_k' [p dh_k' + dz r_i u_k'] - (r_i^2 / D) (sum_k' dz z_k',i) v_i
-    product   (`_du_kernel`) dL/du_k' += sum over rows of dz r_i v_i, for every k' >= k
-
-so v_i is read once by the assembly, and each (step, source) pair costs one read of a dh row instead of a read of the
-source, and one dot product over D (the forward's logits spare the other). Two kernels for the assembly, not one: its
-loop is bound by how many of its programs fit on an SM, and the local part's rows and norm-weight sums would hold
-registers through it; splitting costs one more read of the dh_k rows. The assembly writes dz r per (source, step,
-row), and the product reads it with the source once more, on tensor cores for half sources (dz r as two half parts,
-hi + lo, so the product sees about 16 bits of it). A step whose output has no gradient stores dh_k = 0 and c_k = 0,
-which add exactly nothing.
-
-No sum crosses programs within a step: the local kernel's programs each write one partial row of d norm_weight_k,
-the product's programs each add into their own partial row of dL/du (one per split of the rows), and the stream's
-first step, the last backward to run, adds the partial rows up once for every step (`stream_param_grads`). Every sum
-has a fixed order (deterministic, no atomics), and a step's backward is three kernels, with no reduction or pointer
-table copy of its own: the one source of a later step is passed to the kernels itself.
+"""The backward of one step of a Full AttnRes residual stream: the local, assembly and product kernels that finish the
+gradients of the sources the step is the first to read (docs/kernels.md, "One step's backward").
 """
 
 from __future__ import annotations
@@ -367,7 +337,7 @@ def add_dzr_products_(sources, dzr, du_part, step, table=None):
 def stream_bwd_(
     dx, h, h_res, stats, logits, queries, key_weights, norm_weight, sources, dh_early, dh_late, rows, cols, step, eps
 ):
-    """The backward of step `step` of a stream (see the module docstring).
+    """The backward of step `step` of a stream (docs/kernels.md, "One step's backward").
 
     Args:
         dx: [..., D] the gradient of the step's output, or None (then dh_step = 0).
