@@ -1,10 +1,5 @@
-"""act(a) * b in one Triton kernel, for inference: SwiGLU's SiLU(gate) * up and Gated MLA's sigmoid(gate) * o.
-
-Eager PyTorch runs each as two elementwise kernels (the activation, then the product), each a full pass over the
-activations; at batch-1 decoding, where launches set the step's time, they are two launches per layer. Rounding
-follows the eager ops: act(a) is rounded to the input dtype before the product, and the product to the output
-dtype, both computed in float32 (float64 for float64 inputs, under the interpreter). No autograd: the layers use it
-only without gradients; `ops.swiglu` is the differentiable SwiGLU product built on the same kernel.
+"""act(a) * b in one Triton kernel, for inference: SwiGLU's SiLU(gate) * up and Gated MLA's sigmoid(gate) * o, rounded
+as the eager ops round (docs/kernels.md, "Norms, SwiGLU, act_mul, the decode GEMV and the chunked cross-entropy").
 """
 
 from __future__ import annotations

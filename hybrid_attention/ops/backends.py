@@ -1,24 +1,5 @@
-"""Which implementation runs: one rule for every op and layer, and one switch that forces the PyTorch references.
-
-Every Triton kernel here sits beside a readable PyTorch reference. The ops and settings that name a backend
-(`chunk_kda`, `mla_decode`, `attn_res_norm`, `HybridLM(kda_backend=, attnres_backend=)`, the decode step's
-`gemv`) share one vocabulary:
-
-- "torch": the PyTorch reference;
-- "triton": the Triton kernel, on CUDA or on the CPU under Triton's interpreter (TRITON_INTERPRET=1); an error
-  when it cannot take the tensors;
-- "auto": the kernel when `use_triton` holds, else the reference.
-
-The layers' own fast paths, which take no argument (the short convolution, the gated output norm, the fused KDA
-decode, the fused MLA cache append, the decode GEMV and activation, the fused AttnRes), follow the same rule. So
-"auto" means one thing everywhere: a Triton kernel for CUDA tensors of a kernel dtype when triton is installed,
-unless a gradient is needed from a kernel that has no backward, or the fast paths are switched off:
-
-    with hybrid_attention.ops.backends.use_reference():
-        logits = model(ids).logits          # every "auto" and every fast path runs the PyTorch reference
-
-An explicit backend="triton" (or "fla") is a request for that kernel and is honoured inside `use_reference()` too.
-The interpreter is never chosen by "auto": it is a test tool, asked for by name.
+"""Which implementation runs: one rule for every op and layer ("torch", "triton", "auto"), and `use_reference()`, the
+switch that forces the PyTorch references (docs/kernels.md, "Backends: which implementation runs").
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""The LM head and its cross-entropy in one op, over token chunks: the [N, vocab] logits never exist at once.
-
-    loss = mean over tokens n with labels[n] != ignore_index of  lse_n - z_n[labels[n]],     z_n = W h_n
-
-`F.cross_entropy(F.linear(h, W), labels)` keeps the whole logit matrix for the backward, in float32 for a bf16
-model ([N, vocab] x 4 bytes: 512 MiB at 8 x 2048 tokens and a vocabulary of 8192). Here the forward walks the
-tokens in chunks, keeps only the per-token log-sum-exp, and the backward recomputes each chunk's logits:
-
-    dz_n = (softmax(z_n) - onehot(labels[n])) * dloss / count,     dh = dz W,     dW = dz^T h
-
-so only one [chunk, vocab] block (in the matmul dtype, plus its float32 softmax) is alive at a time. Costs one more
-matmul (the recomputed logits) than the plain form.
-
-Precision follows autocast: the matmuls run in the autocast dtype when autocast is on (else in h's dtype), the
-log-sum-exp, softmax and loss in float32 (float64 for float64 inputs), dW accumulates in float32 over chunks. Plain
-PyTorch in a `torch.autograd.Function`, so `torch.compile(fullgraph=True)` traces it (the chunk loop unrolls).
+"""The LM head and its cross-entropy in one op over token chunks, `linear_cross_entropy`: the [N, vocab] logits never
+exist at once, and the backward recomputes each chunk's (docs/kernels.md, "The LM head and its cross-entropy").
 """
 
 from __future__ import annotations

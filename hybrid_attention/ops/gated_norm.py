@@ -1,16 +1,5 @@
-"""The KDA output norm, RMSNorm(x) * w * sigmoid(gate) per head, as one Triton kernel each way.
-
-    y = round(x * rstd * w) * sigmoid(gate),     rstd = 1 / sqrt(mean(x^2) + eps)
-
-in float32, rounded to x.dtype where `GatedRMSNorm` rounds (round = that rounding; docs/math.md, "Gated output
-norm").
-Backward, with s = sigmoid(gate), xh = x * rstd and dy1 = dy * s:
-
-    dgate = dy * round(xh * w) * s (1 - s)     dx = rstd (dy1 w - xh mean(dy1 w xh))     dw = sum_rows dy1 xh
-
-The eager module runs about eight elementwise kernels forward over float32 copies of [B, T, H, D]; this reads x
-and the gate once and writes y once. dw is summed per program in the kernel and over programs by torch.
-`layers.norm.GatedRMSNorm` uses it on CUDA; its eager forward is the reference.
+"""The KDA output norm, RMSNorm(x) * w * sigmoid(gate) per head, as one Triton kernel each way (docs/math.md, "Gated
+output norm"; docs/kernels.md, "The gated output norm").
 """
 
 from __future__ import annotations

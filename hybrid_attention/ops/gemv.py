@@ -1,14 +1,5 @@
-"""Small-batch matrix-vector products for decoding: y = x W^T (+ b) for a few rows of x, in one Triton kernel.
-
-Why not `F.linear` (cuBLAS): at batch 1 cuBLAS's GEMV kernels read the weights far below the memory bandwidth,
-and they are most of a decode step's time (docs/performance.md, "Decode step, kernel by kernel"). A decode step
-reads every weight once for a handful of rows, so the product is a pure weight stream: here each
-program owns BN output features for all rows and walks the K dimension with pipelined loads, and BN is small enough
-that the grid covers the GPU. The rows are padded to 16 for the tensor-core dot (the padding costs no bandwidth).
-
-On by default on CUDA (`DecodeStep(gemv="auto")`, see `layers.packed.decode_gemv_enabled`), where a batch-1 step
-takes fewer kernels and less time than with cuBLAS. `DecodeStep` routes its projections here (`layers/packed.py`);
-over MAX_ROWS rows they stay on cuBLAS.
+"""Small-batch matrix-vector products for decoding, y = x W^T (+ b) for a few rows of x, in one Triton kernel that
+streams the weights (docs/kernels.md, "The decode GEMV").
 """
 
 from __future__ import annotations

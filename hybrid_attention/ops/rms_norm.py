@@ -1,22 +1,5 @@
-"""RMSNorm with a learnable scale as one Triton kernel each way, differentiable, as torch custom ops.
-
-    y = round(x rstd w),     rstd = 1 / sqrt(mean(x^2) + eps)                              (per row)
-
-    dx = rstd (dy w - xh mean(dy w xh)),     dw = sum_rows dy xh,     xh = x rstd
-
-in float32 (float64 for float64 inputs), the roundings of the eager `ops.numerics.rms_norm` (docs/math.md,
-"RMSNorm"). The forward reads x once and writes y (in x.dtype, or the dtype asked for: under autocast a float32
-residual stream is normalised straight into the bf16 that the next matmul reads, the rounding that matmul's cast
-would make) and rstd (one number per row, float32); autograd keeps x and rstd only. The backward is one kernel for
-dx and per-program partial sums of dw; the partials are summed by torch in a fixed order, so dw is the same from run
-to run (no atomics). Eager PyTorch runs about seven elementwise
-kernels forward and twelve backward, several over float32 copies of x.
-
-An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
-traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
-dispatch costs more host time than these kernels take on the GPU).
-`layers.norm.RMSNorm` uses `rms_norm_fused` on CUDA (the rule of `hybrid_attention.ops.backends`); its eager code is the
-reference.
+"""RMSNorm with a learnable scale as one Triton kernel each way, differentiable, as torch custom ops (docs/math.md,
+"RMSNorm"; docs/kernels.md, "RMSNorm").
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""SwiGLU's product and down projection for training, (SiLU(a) * b) W^T, from the packed projection [a | b].
-
-    y = round(SiLU(a)) * b,     out = y W^T,
-    da = dy b s (1 + a (1 - s)),     db = dy round(SiLU(a)),     s = sigmoid(a),     dy = dout W,     dW = dout^T y
-
-in float32 (float64 for float64 inputs), rounded where the eager `F.linear(F.silu(a) * b, W)` rounds (docs/math.md,
-"SwiGLU product"). The input is one [..., 2F] tensor, a = its first F columns and b the last F: the output of one
-matmul against the gate and up weights stacked. Autograd keeps that input and W only: the backward's one Triton
-kernel recomputes y (bit for bit the forward's) for dW while it writes da and db into one [..., 2F] gradient, which
-is that matmul's output gradient as it is. Eager autograd keeps SiLU(a) and y too, two more [..., F] tensors per MLP.
-
-An autograd Function calls the two custom ops, which have fake implementations, so `torch.compile(fullgraph=True)`
-traces them as opaque nodes; eager calls the ops' bodies directly (`triton_support.eager_or_traced`: a custom op's
-dispatch costs more host time than these kernels take on the GPU). `layers.mlp.SwiGLU` uses it in
-training on CUDA (the rule of `hybrid_attention.ops.backends`); its eager code is the reference.
+"""SwiGLU's product and down projection for training, (SiLU(a) * b) W^T from the packed projection [a | b], keeping
+only the packed input and W for the backward (docs/math.md, "SwiGLU product"; docs/kernels.md, "SwiGLU in training").
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""Cold starts of the Triton kernels: autotuning choices kept on disk, and a word on the terminal while compiling.
-
-A new process pays twice before its first kernel runs: compilation (Triton keeps compiled kernels in its on-disk
-cache, ~/.triton/cache or $TRITON_CACHE_DIR, so only the first process on a machine pays it) and autotuning, which
-times every config of every tuned kernel again in each process unless its results are kept.
-
-- `AUTOTUNE_OPTIONS` turns on Triton's own on-disk autotuning cache (`triton.autotune(cache_results=True)`, in the
-  same folder as the compiled kernels). Its entries are keyed by the Triton version, the compilation target (GPU
-  architecture), the kernel's source, the tuning key (the shape class and the dtypes) and the config list, so a
-  changed kernel, another GPU architecture or another shape class is tuned afresh.
-- `first_configs_only()` lets every autotuned kernel of the package (`register_tuner`) run its first config without
-  timing the others: for tools and tests that compile kernels or check their results, where tuning adds only
-  compilations.
-- `announce_compilation(echo)` says on the terminal when a kernel is being compiled: Triton calls a hook before and
-  after every compilation this process needs; when one lasts longer than ANNOUNCE_AFTER_S (a real compilation, not
-  a load from the disk cache) the kernel's name is printed, once per kernel.
+"""Cold starts of the Triton kernels: autotuning choices kept on disk, first configs only for tools and tests, and a
+word on the terminal while compiling (docs/kernels.md, "Cold starts").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The fixed costs of a process's first kernel calls, paid while a checkpoint loads instead of before the first token.
-
-A new process pays, once, before its first kernel runs: the imports of the kernel modules (the layers import them
-on first use), the key of Triton's disk cache (a hash of the Triton installation, computed before the first cached
-kernel can load), and the first cuBLAS, attention and sampling calls, which load their libraries' kernels.
-`warm_start(device, modules)` imports the modules on the calling thread, then runs the rest on a daemon thread: the
-hashing releases the GIL and the CUDA calls wait on the device, so both overlap a checkpoint's loading.
-`wait_warm_start()` joins the thread before the first real kernel call, so that nothing is done twice.
+"""The fixed costs of a process's first kernel calls, paid on a daemon thread while a checkpoint loads instead of
+before the first token (docs/inference.md, "The first token of a new process").
 """
 
 from __future__ import annotations
@@ -59,9 +53,10 @@ def warm_start(
     device: torch.device | str, modules: Iterable[str] = KERNEL_MODULES, dtype: torch.dtype = torch.bfloat16
 ) -> threading.Thread | None:
     """On a CUDA device with triton installed: import `modules` here, then start the daemon thread of the one-time
-    first-call costs (module docstring). Call it before a checkpoint loads, so that the two overlap. Once per process
-    (later calls return the same thread). Returns the thread, or None where there is nothing to warm (no CUDA
-    device, no triton). A failure inside the thread is not an error: the first real call then pays the same cost."""
+    first-call costs (the Triton cache's key, the first library calls). Call it before a checkpoint loads, so that
+    the two overlap. Once per process (later calls return the same thread). Returns the thread, or None where there
+    is nothing to warm (no CUDA device, no triton). A failure inside the thread is not an error: the first real call
+    then pays the same cost."""
     global _thread
     device = torch.device(device)
     if device.type != "cuda" or not triton_available():

@@ -1,17 +1,5 @@
-"""Absorbed MLA decode over the latent cache: the public entry point, its input checks and a PyTorch path.
-
-Gated MLA with NoPE is MQA with one shared KV head (docs/math.md, "Absorbed decode"): the cache holds one row
-[c ; k_s] of D = d_c + d_s numbers per token, the absorbed queries q'_h = [W_UK,h^T q_n,h ; q_s,h] have D entries,
-keys are the rows and values are their first `value_dim` (= d_c) columns. The caller applies W_UV,h to the latent
-output. The fast path is flash decoding in Triton (`triton_decode.py`, its kernels in `kernels/`); `naive_mla_decode`
-is the readable reference (`naive.absorbed_attention` with per-sequence lengths) for machines without Triton/CUDA
-and for autograd.
-
-Length conventions (a preallocated cache, as in FlashMLA's `cache_seqlens`): only the first seq_lens[b] rows of
-sequence b are valid, the rest may hold anything (NaN included) and are never read. Query i of Tq sits at position
-seq_lens[b] - Tq + i and sees keys j <= that position (bottom-right causal). seq_lens[b] must lie in [Tq, max_len].
-That is checked when seq_lens is on the CPU; on a GPU checking would cost a host sync (and break CUDA-graph capture),
-so it is not checked: lengths are clamped into [0, max_len] on the device and a query row that sees no key returns 0.
+"""Absorbed MLA decode over the latent cache, `mla_decode`: the public entry point, its input checks and length
+conventions, and a PyTorch path (docs/kernels.md, "MLA decode kernels").
 """
 
 from __future__ import annotations

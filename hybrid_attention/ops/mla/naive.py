@@ -1,11 +1,5 @@
-"""Readable reference for attention over the MLA latent cache with weight absorption (docs/math.md, "Absorbed decode").
-
-With NoPE, head h scores cached token j as `scale * q'_h . [c_j ; k_s,j]` where the absorbed query is
-`q'_h = [W_UK,h^T q_n,h ; q_s,h]`, and attends to the values `c_j` (the first d_c columns of the same row).
-That is multi-query attention with a single key/value row per token shared by every head, so the heads
-are folded into the query axis and handled by one matmul: nothing is ever stored or built per head.
-
-This file is the specification the Triton decode kernel is tested against; it favours clarity over speed.
+"""Readable reference for attention over the MLA latent cache with weight absorption: multi-query attention with the
+heads folded into the query axis, the spec the Triton decode kernel is tested against (docs/math.md, "Absorbed decode").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""MLA flash decode, stage 2: the exact merge of the splits' partial softmaxes, one program per (sequence, query
-row, DV block):
-
-    o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,    M = max_s m_s.
-
-Inputs: m, l [B, Tq * H, num_splits] fp32 (base-2 running max and sum), acc [B, Tq * H, num_splits, DV] fp32 from
-kernels/split.py. Output: [B, Tq, H, DV]. A row whose splits saw no key (l = 0 everywhere) gets zeros.
+"""MLA flash decode, stage 2: the exact merge of the splits' partial softmaxes, one program per (sequence, query row, DV
+block); docs/kernels.md, "MLA decode kernels".
 """
 
 from __future__ import annotations
