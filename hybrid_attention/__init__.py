@@ -1,10 +1,7 @@
 """hybrid-attention: Kimi Delta Attention, Gated MLA (NoPE) and Attention Residuals, end to end.
 
-The main names are importable from the top level:
-
-    from hybrid_attention import HybridConfig, HybridLM, chunk_kda, recurrent_kda, KimiDeltaAttention, GatedMLA, AttnRes
-
-They load on first use, so `import hybrid_attention` alone stays cheap (the CLI reads the version before torch).
+The main names (`HybridConfig`, `HybridLM`, `chunk_kda`, `KimiDeltaAttention`, `GatedMLA`, `AttnRes`, ...) import from
+the top level and load on first use, so `import hybrid_attention` stays cheap (the CLI reads the version before torch).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""HybridCache: what a hybrid model keeps between decoding steps (docs/inference.md, "What is cached").
-
-Per KDA layer a constant-size state (three conv tails and the float32 recurrent state, `KDACache`); per MLA layer the
-latent rows `[c ; k_s]` (d_c + d_s numbers per token, `MLACache`). Everything is preallocated for `max_seq_len` tokens
-and updated in place, so the same tensors serve every decoding step and a captured CUDA graph.
-
-One length record counts the tokens of each sequence (`layers.seqlens.SeqLens`: int32 on the device for the
-kernels, Python ints on the host for capacity checks and path choices); every MLA layer reads that same record.
-`HybridLM.forward` advances it once per call, before the layers run; a graph replay advances the device counts and
-the caller the host counts (`advance(n, on_device=False)`). Sequences of one batch may have different lengths
-(batched generation of prompts of different lengths).
+"""HybridCache: what a hybrid model keeps between decoding steps, preallocated and updated in place: per KDA layer a
+constant-size state (`KDACache`), per MLA layer the latent rows (`MLACache`), and one length record for all layers
+(docs/inference.md, "What is cached").
 """
 
 from __future__ import annotations

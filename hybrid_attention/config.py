@@ -1,8 +1,7 @@
 """The model's settings: `HybridConfig`, one flat dataclass, and its named presets (`PRESETS`).
 
-`HybridConfig.from_preset("k3-scaled", **overrides)` builds a preset with any field overridden; `to_dict` and
-`from_dict` are what a run's config.json stores. Every field is checked when the config is built, with an error that
-names the field and what it expected. Which kernels run is not a model setting: `HybridLM` takes it when it is built.
+`HybridConfig.from_preset("k3-scaled", **overrides)`; `to_dict` / `from_dict` are what a run's config.json stores.
+Every field is checked when the config is built; which kernels run is not a model setting (`HybridLM` takes it).
 """
 
 from __future__ import annotations

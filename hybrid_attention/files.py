@@ -1,8 +1,7 @@
 """Plain files written whole or not at all, and JSON lines read back.
 
-`atomic_write(path, write)` has `write` fill a temporary file beside `path`, fsyncs it, moves it over `path` with
-os.replace and fsyncs the directory, so that a stop at any moment leaves the old file or the new one, never a part.
-Every file gets the permissions open() gives a new file (0666 less the umask).
+`atomic_write` fills a temporary file beside the target, fsyncs it, moves it over with os.replace and fsyncs the
+directory: a stop at any moment leaves the old file or the new one. New files get open()'s permissions.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""SwiGLU feed-forward: down(SiLU(gate(x)) * up(x)).
-
-In training on CUDA (the rule of `hybrid_attention.ops.backends`) gate and up run as one matmul against their weights
-stacked, then SiLU(a) * b and the down projection as one op (`ops.swiglu`) that keeps only that matmul's output and
-the down weight for the backward, which recomputes SiLU(a) * b in the kernel that writes the gradient. The backward
-then takes one matmul for dx and one for the stacked weights' gradient instead of two each and a sum. The parameters
-stay separate; stacking them costs one copy of the two weights per step, small next to the activations. Elsewhere
-the eager code below runs, the reference.
+"""SwiGLU feed-forward: down(SiLU(gate(x)) * up(x)). In training on CUDA the gate and up projections run as one matmul
+and the product and down projection as one op; elsewhere the eager code here, the reference, runs (docs/kernels.md,
+"SwiGLU in training").
 """
 
 from __future__ import annotations

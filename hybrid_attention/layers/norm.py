@@ -1,9 +1,5 @@
-"""RMSNorm and the sigmoid-gated RMSNorm used on the KDA output.
-
-Both normalise in float32 (float64 for float64 inputs) and return the input dtype: `torch.nn.RMSNorm`
-normalises in the input dtype, which loses precision for bf16 activations. On CUDA each runs as one Triton kernel
-each way (`ops.rms_norm`, `ops.gated_norm`; the rule of `ops.backends`); the eager code here is their
-reference, run on CPU and inside `use_reference()`.
+"""RMSNorm and the sigmoid-gated RMSNorm used on the KDA output, normalised in float32 and returned in the input dtype;
+one Triton kernel each way on CUDA, the eager code here their reference (docs/kernels.md, "RMSNorm").
 """
 
 from __future__ import annotations

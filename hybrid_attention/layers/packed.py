@@ -1,30 +1,6 @@
-"""Decode-time packing of the projections that read the same input: one matrix-vector product instead of several.
-
-At batch 1 a decode step is mostly small GEMVs, each far below the memory bandwidth, and their number sets the
-step's time (docs/performance.md, "Decode step, kernel by kernel"). The projections of one layer that read the same
-x (KDA: q, k, v, beta, and the decay and output-gate down projections; Gated MLA: q, the latent down projection,
-the shared key and the gate; SwiGLU: gate and up) can be read as one concatenated weight [sum of outputs, in] in one
-launch, with the same products.
-
-On CUDA the products run in the decode GEMV kernel of `ops.gemv` instead of cuBLAS, and so do the model's other
-linear maps in a decode step (`gemv`, in the vocabulary of `hybrid_attention.ops.backends`: "auto", the default, takes
-the kernel by the one rule; "triton" forces it, also on CPU under the interpreter; "torch" keeps cuBLAS), and
-act(a) * b runs as one kernel (`ops.act_mul`).
-
-The parameters stay separate (the optimizer, Muon's per-matrix updates and checkpoints see them as they are). A
-`PackedProjections` holds concatenated copies, made once by `graphs.DecodeStep` (whose contract already is that the
-weights do not change while it is used), which passes it explicitly: `model(tokens, cache=cache, decode=packed)`
-hands it to every layer, whose products then go through `project`, `linear` and `act_mul` below; without it
-(`decode=None`, every other call) those are the plain modules and eager ops. Nothing is installed on the modules.
-The copies cost the packed weights' memory once more (for k3-scaled about 0.23 GB in bf16);
-`DecodeStep(pack_projections=False)` skips them, and the decode kernels with them.
-
-In training on CUDA (the rule of `hybrid_attention.ops.backends`, gradients needed) `project` also runs one matmul,
-against the weights concatenated afresh in every step (one copy of the weights, no state), so that autograd needs
-one matmul for dx and one for the weights' gradient instead of one each per projection plus a sum over them. The
-outputs are split into contiguous tensors: a consumer that keeps its input for the backward then keeps its own
-columns, not the whole packed product. Parameters sharded by FSDP (DTensors, gathered by the first projection's own
-call) take the separate calls.
+"""The projections of a layer that read the same input, run as one product: at decode time over packed copies made once
+by `DecodeStep` (docs/inference.md, "A decode step"), in training over the weights concatenated afresh every step
+(docs/training.md, "Packed projections in training"). The parameters themselves stay separate.
 """
 
 from __future__ import annotations
@@ -129,8 +105,8 @@ def _sharded(t: torch.Tensor) -> bool:
 
 
 def stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
-    """One matmul for `linears` in training (see the module docstring): several bias-free projections, the rule of
-    `hybrid_attention.ops.backends`, a gradient needed, no sharded weight."""
+    """One matmul for `linears` in training (docs/training.md, "Packed projections in training"): several bias-free
+    projections, the rule of `hybrid_attention.ops.backends`, a gradient needed, no sharded weight."""
     weights = [lin.weight for lin in linears]
     return (
         len(linears) > 1

@@ -1,15 +1,7 @@
-"""SeqLens: tokens cached per sequence, the one length record of a decoding cache (docs/inference.md).
-
-The same counts are kept twice, each where it is read without a sync:
-- `lengths`, int32 [B] on the cache's device: kernels read it (where an MLA row is written, how far a query attends)
-  and it advances in place, so a step captured in a CUDA graph advances it on every replay;
-- the host counts, one Python int per sequence: capacity checks and the choice of code path.
-
-`advance(T)` moves both. The caller advances before feeding the T tokens (`HybridLM.forward` does it once per call,
-for every layer), so while the layers run the counts include those tokens: an MLA layer writes its rows at positions
-`lengths - T .. lengths - 1` and attends up to `lengths`. A replayed CUDA graph has already advanced the device
-counts; `advance(T, on_device=False)` then moves the host counts to match. Sequences of one batch may hold different
-numbers of tokens (batched generation of prompts of different lengths).
+"""SeqLens, the one length record of a decoding cache: int32 `lengths` [B] on the device (kernels read it, a captured
+graph advances it) and Python ints on the host (capacity checks, path choice); docs/inference.md, "What is cached".
+The caller advances before feeding T tokens, so an MLA layer writes its rows at `lengths - T .. lengths - 1` and
+attends up to `lengths`.
 """
 
 from __future__ import annotations
