@@ -1,8 +1,5 @@
-"""A corpus of documents in two splits, and the rule that splits named documents.
-
-A document goes to the validation split when a hash of its name (the path relative to its root, through hashlib, so
-the split does not depend on PYTHONHASHSEED) falls in the first `val_fraction` of the hash range: its split depends on
-its name alone. Every corpus source (`data.load_corpus`, `corpus.env_corpus`) builds a `Corpus` with this rule.
+"""A corpus of documents in two splits (`Corpus`), and the rule that splits named documents by a hash of their name
+(docs/training.md, "Training data").
 """
 
 from __future__ import annotations

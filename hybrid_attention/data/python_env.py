@@ -1,18 +1,5 @@
-"""The `python-env` corpus: the Python sources of the running environment, deduplicated and split by content hash.
-
-Roots (`environment_roots`): the standard library, the site-packages folders and every other folder on `sys.path`
-except the current directory (editable installs put theirs there). Every `*.py` file under them is a document, read
-as UTF-8. Nothing is downloaded; on a machine with a deep-learning stack installed this is several hundred MB.
-
-- Deduplication: by the sha256 of the file's bytes, so a file reachable from two roots, or vendored by two packages,
-  is read once.
-- Split: by that same hash (`documents.in_validation` of its hex digest), so a document's split depends on its content
-  alone, never on the cap, the root it was found under or the other files, and no text is in both splits.
-- Cap: files are visited in an order fixed by a hash of their path inside their root (a capped read spreads over all
-  packages instead of the alphabetically first ones) and each split is filled up to its share of `max_bytes` with
-  whole files.
-- Skipped and counted: files that cannot be read (permissions, dangling links), that are not UTF-8, and files over
-  MAX_FILE_BYTES (the largest `.py` files are generated tables and embedded blobs rather than code).
+"""The `python-env` corpus: the Python sources of the running environment, deduplicated and split by content hash,
+capped with whole files (docs/training.md, "Training data").
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Training text and token batches: the built-in corpus, local files, Hugging Face datasets; windows and baselines.
-
-Sources (the `spec` of `load_corpus`):
-- `None` or `builtin`: the built-in corpus, the `*.py` sources of the running interpreter's standard library
-  (`sysconfig.get_paths()["stdlib"]`, without site-packages). Nothing is downloaded.
-- `python-env`: the Python sources of the whole environment (standard library and every installed package),
-  deduplicated and split by content hash (`corpus.py`); hundreds of MB, also without a download.
-- a path: one text file, or a directory searched recursively for `.txt`, `.md` and `.py` files (UTF-8).
-- `hf:NAME` or `hf:NAME:CONFIG`: a dataset read through the optional `datasets` package (local files and
-  caches work offline); the text column is `text`, or the only string column.
-
-Documents go to the validation split when a hash of their name (the path relative to the root) falls in the first
-`val_fraction` of the hash range (`documents.py`). A single document, or a collection where the hash leaves one split
-empty, is split by text instead: the last `val_fraction` of it, at a line boundary, is validation.
-
-Batches are contiguous windows of `seq_len` tokens whose starts are drawn from a generator seeded by
-(seed, step, micro-batch), so any step's batch can be rebuilt without replaying the ones before it: a resumed run
-sees exactly the data it would have seen.
+"""Training text from a `--data` spec: the built-in corpus, `python-env`, local files or Hugging Face datasets, split
+into train and validation (docs/training.md, "Training data").
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def load_corpus(spec: str | None, *, max_bytes: int | None = None, val_fraction: float = VAL_FRACTION) -> Corpus:
-    """Read the text named by `spec` (see the module docstring) and split it into train and validation.
+    """Read the text named by `spec` (docs/training.md, "Training data") and split it into train and validation.
 
     `max_bytes` caps how much is read: whole files up to `(1 - val_fraction) * max_bytes` for train and the rest
     for validation (a single file is cut at `max_bytes`; `hf:` rows are read in order until the share is reached).

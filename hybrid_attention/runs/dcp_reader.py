@@ -1,8 +1,5 @@
-"""Reading torch.distributed.checkpoint (DCP) folders without running code from them.
-
-DCP pickles its `.metadata` and loads non-tensor values with `torch.load(weights_only=False)`; both can run code
-planted in a shared run directory. Here the metadata goes through an unpickler that builds only DCP's own metadata
-types, and non-tensor values through torch's weights-only loader.
+"""Reading torch.distributed.checkpoint (DCP) folders without running code from them: DCP's pickled `.metadata` goes
+through an unpickler that builds only DCP's own metadata types, non-tensor values through torch's weights-only loader.
 """
 
 from __future__ import annotations

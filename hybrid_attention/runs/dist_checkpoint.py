@@ -1,22 +1,5 @@
-"""Sharded checkpoints of distributed runs (torch.distributed.checkpoint, DCP), and their export to one file.
-
-They use the run directory's checkpoint layout (checkpoint.py): a step directory committed by the `latest` pointer.
-
-    run_dir/checkpoints/
-      latest              the name of the newest complete checkpoint, e.g. "step_00000400"
-      step_00000400/      checkpoint.json (kind "sharded", the checksum of every file; manifest.py),
-                          .metadata + one __R_0.distcp file per rank (model, optimizers, schedulers, RNG, step)
-                          (+ model.safetensors once `hybrid-attention export` has run)
-
-Rank 0 runs `checkpoint.save_checkpoint`, whose `write(directory)` is the collective DCP save: every rank writes its
-shards into the temporary `step_N.tmp/`; when all have finished, rank 0 fsyncs, renames the directory to `step_N`
-and replaces `latest`. That replacement is the commit, so an interrupted save leaves the previous checkpoint whole,
-on every rank at once: there is one pointer.
-
-The state is saved with FQN keys (`get_state_dict`), so it loads on any number of ranks, a single process
-included: DCP reads each rank's slices out of whatever shards were written. `export` gathers the model into
-`model.safetensors` in the step directory, the file `generate`, `eval` and `info` read. Nothing read runs code: the
-train state is JSON and tensors, and DCP's own pickles go through `dcp_reader`.
+"""Sharded checkpoints of distributed runs (torch.distributed.checkpoint, DCP) in the run directory's checkpoint layout,
+and their export to one `model.safetensors` (docs/distributed.md, "Checkpoints").
 """
 
 from __future__ import annotations

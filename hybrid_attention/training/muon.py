@@ -1,23 +1,5 @@
-"""Muon with its matrices orthogonalised in stacks: `torch.optim.Muon`'s update, a few launches per matrix shape.
-
-`torch.optim.Muon` updates one matrix at a time: about twenty kernels each (the momentum, the cast, the norm, five
-Newton-Schulz iterations of three products, the decay and the update), so a model with 150 hidden matrices issues
-some 3,000 small launches per step, and an eager step is bound by the host. It also reads the learning rate as a
-Python number, so a step cannot be captured in a CUDA graph.
-
-`StackedMuon` computes the same update with the same arithmetic, per group of matrices of one shape:
-- the momentum and the Nesterov blend as foreach ops over the group;
-- the group stacked into one [n, rows, cols] bfloat16 tensor, each matrix scaled by its own Frobenius norm, and the
-  Newton-Schulz iterations as batched products (`torch.baddbmm`), where torch runs `torch.addmm` per matrix;
-- the decay and the update as foreach ops.
-A group is stacked in slices of at most `STACK_ELEMENTS` elements, which bounds the step's temporary memory.
-
-The learning rate may be a Python number or a one-element device tensor (a CUDA graph reads the tensor at every
-replay: `train_step.TrainStep`); a tensor rate steps bitwise as the same number does wherever float32 holds that
-number exactly. With a number, every parameter and momentum buffer is bitwise what `torch.optim.Muon` computes
-wherever the batched products round as the single ones do (on many CPUs; on a GPU the library may choose other
-product kernels for a stack, which round differently in the last bits of the bfloat16 iterates). The state is
-torch's (`momentum_buffer` per matrix), so checkpoints move between the two.
+"""Muon with its matrices orthogonalised in stacks, `StackedMuon`: `torch.optim.Muon`'s update and state with a few
+launches per matrix shape, capturable in a CUDA graph (docs/training.md, "Muon").
 """
 
 from __future__ import annotations

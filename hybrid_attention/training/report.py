@@ -1,11 +1,5 @@
-"""What a training run reports, and when: the validation schedule, the epochs a run will read, the train/validation
-gap, and peak memory as a fraction of the card.
-
-- Validation runs at step 1 (a first gap and a first memory figure within seconds of the start), every `eval_every`
-  steps (default: a tenth of the run, `VALIDATIONS_PER_RUN`) and at the last step.
-- The gap is the validation loss minus the loss on fixed windows of the training split, both measured the same way
-  (eval mode, the same number of windows): the loss of the last training batch is too noisy to compare.
-- A run that reads its training split more than once can memorise it, so that is said before the first step.
+"""What a training run reports, and when: the validation schedule, the epochs a run will read, the train/validation gap,
+and peak memory as a fraction of the card (docs/training.md, "What a run reports").
 """
 
 from __future__ import annotations
