@@ -1,12 +1,5 @@
-"""Hugging Face transformers integration (the optional `hf` extra: `pip install 'hybrid-attention[hf]'`).
-
-- `HybridAttentionConfig`, `HybridAttentionForCausalLM`: `HybridLM` as a transformers model, registered with
-  `AutoConfig` and `AutoModelForCausalLM` on import (model type "hybrid_attention");
-- `HybridAttentionCache`: the transformers `Cache` that generation uses (KDA states and MLA latent rows);
-- `convert`: transformers' own Kimi Linear and GLM-5-next attention layers as ours, on the same weights;
-- `export_run`: a training run directory as a transformers model directory, tokenizer included.
-
-The core package never imports transformers; only this subpackage does.
+"""Hugging Face transformers integration (the optional `hf` extra): `HybridLM` as a transformers model and cache,
+registered with the Auto classes on import; the core package never imports transformers (docs/transformers.md).
 """
 
 try:

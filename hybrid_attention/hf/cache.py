@@ -1,14 +1,5 @@
-"""`HybridAttentionCache`: a transformers `Cache` that holds a `HybridCache` (KDA states and MLA latent rows).
-
-transformers' generation loop only needs a `Cache` object that it can pass back to the model and ask for its
-length; the caching itself is the core model's (`HybridLM.forward(..., cache=...)`). The `HybridCache` inside is
-allocated on the first forward, when the batch size is known, with room for `initial_len` tokens per sequence (the
-generation length when `generate` makes the cache), and grows (copying what it holds) if a call needs more.
-
-Lengths: `get_seq_length()` counts input columns fed so far, padding included, which is what transformers slices
-`input_ids` by; each sequence's own length (its tokens, without padding) is in `hybrid.host_lengths`.
-
-Beam search, cache cropping (assisted decoding) and reordering are not supported and raise.
+"""`HybridAttentionCache`: a transformers `Cache` that holds a `HybridCache` (KDA states and MLA latent rows), allocated
+on the first forward and grown when a call needs more (docs/transformers.md, "The cache").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""`HybridAttentionConfig`: a transformers `PreTrainedConfig` holding exactly the fields of `HybridConfig`.
-
-The fields, their names and their defaults are read from `HybridConfig` itself, so the two cannot drift apart; a
-value is checked by building the `HybridConfig` it describes (the same errors as the core package). transformers'
-own fields (special token ids, `use_cache`, ...) sit beside them. `tie_word_embeddings` follows `tie_embeddings`.
-
-`layer_types` keeps the core names ("kda", "mla"). The config does not set `num_hidden_layers`: transformers checks
-`layer_types` against its own vocabulary of layer kinds whenever that attribute exists.
+"""`HybridAttentionConfig`: a transformers `PreTrainedConfig` holding exactly the fields of `HybridConfig`, read from it
+(docs/transformers.md, "The config").
 """
 
 from __future__ import annotations

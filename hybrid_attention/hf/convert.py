@@ -1,23 +1,5 @@
-"""transformers' own KDA and MLA layers as ours, on the same weights (Kimi Linear, GLM-5-next).
-
-    convert_kda(layer)   # a glm5_next or kimi_linear KDA layer (`*LinearAttention` / `*DeltaAttention`)
-    convert_mla(layer)   # a kimi_linear MLA layer (`KimiLinearAttention`)
-
-Each returns our layer (`KimiDeltaAttention`, `GatedMLA`) with the source's weights, dtype and device, computing the
-same function. The weights map one to one except for three layouts:
-
-- KDA's one depthwise conv over [q ; k ; v] channels is our three convs (`q_conv`, `k_conv`, `v_conv`);
-- MLA's `kv_a_proj_with_mqa` is [W_DKV ; W_KS] (latent rows, then the shared key slice) and its `kv_b_proj` is,
-  per head, [W_UK,h ; W_UV,h]: ours keeps `kv_down` / `k_shared` and `k_up` / `v_up` apart;
-- the KDA output gate's up projection has no bias there (ours is zeroed) and Kimi Linear's MLA has no output gate
-  (ours is built with `output_gate=False`).
-
-Kimi Linear's MLA carries a `qk_rope_head_dim` slice of the query and of a key shared by all heads that it never
-rotates (NoPE): that slice is our shared key part, `qk_shared_head_dim`, with the same softmax scale
-(d_n + d_s) ** -0.5. The KDA decay gate keeps its form: GLM-5-next's bounded gate (`gate="bounded"`, its lower
-bound) and Kimi Linear's softplus gate (`gate="softplus"`). Options with no counterpart here raise ValueError:
-projection biases, grouped KV heads, an activation other than SiLU in the short convs, a conv bias, and a softmax
-scale other than (d_n + d_s) ** -0.5.
+"""transformers' own KDA and MLA layers as ours, on the same weights (Kimi Linear, GLM-5-next): `convert_kda`,
+`convert_mla` (docs/transformers.md, "Converting transformers' layers").
 """
 
 from __future__ import annotations

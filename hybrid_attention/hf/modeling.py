@@ -1,19 +1,5 @@
-"""`HybridAttentionForCausalLM`: a transformers model (`PreTrainedModel` + `GenerationMixin`) wrapping `HybridLM`.
-
-The wrapper holds a `HybridLM` as `self.model` and adds no layer code: its forward is `HybridLM.forward` with the
-cache in a `HybridAttentionCache`, so `save_pretrained` / `from_pretrained` (safetensors), `AutoModelForCausalLM`
-and `model.generate` work on the same weights as the core package (state dict names are those of `HybridLM` with
-a `model.` prefix).
-
-Generation: `generate` makes a `HybridAttentionCache` sized for the requested length; each step feeds only the
-columns the cache has not seen. Greedy decoding and sampling (temperature, top-k, top-p) are supported; beam
-search, assisted decoding and static or quantized caches are not (KDA keeps one recurrent state per sequence).
-
-Padding: there are no positions in the model (NoPE), so a padded row only has to be kept apart from its padding. A
-first call with a padded `attention_mask` runs each row alone on its tokens, as `inference/generate.py` does, and
-the batch then decodes together with per-sequence lengths. Padding must be on the left (zeros, then ones): new
-tokens are appended after the last column, so a right-padded row would have padding between its prompt and its
-continuation. Later calls must not add padding.
+"""`HybridAttentionForCausalLM`: a transformers model (`PreTrainedModel` + `GenerationMixin`) wrapping `HybridLM`,
+with greedy and sampled generation over left-padded batches (docs/transformers.md, "The model").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The models of the synthetic suite: 2 layers, 2 heads of 128 (the Kimi Linear report's synthetic setting), every
-layer one mixer kind.
-
-- "kda": Kimi Delta Attention, one decay per channel (the "bounded" gate);
-- "gdn": Gated DeltaNet, the same layer with one scalar decay per head (`kda_gate="head"`, same kernels);
-- "mla": Gated MLA (softmax attention, NoPE), the ceiling a linear-attention layer is measured against.
+"""The models of the synthetic suite: 2 layers, 2 heads of 128, every layer one mixer kind: "kda", "gdn" (one decay per
+head) or "mla" (docs/fidelity.md, "The synthetic suite").
 """
 
 from __future__ import annotations

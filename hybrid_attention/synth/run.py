@@ -1,15 +1,5 @@
-"""Training on the synthetic tasks: one run (`train_run`), and a grid of runs under a time budget (`run_grid`).
-
-A run trains a fresh model of `models.model_config` on batches `Task.batch(seed, step)` with the project's optimizers
-and schedule (`optim.py`: AdamW, or Muon for the hidden matrices; linear warm-up for a tenth of the run, cosine decay
-to a tenth of the peak) and evaluates answer accuracy on fixed batches of the "eval" stream. Every evaluation
-appends one row to `OUT/log.jsonl`; a run's last row carries "final": 1. A grid rerun in the same directory skips
-the runs whose final row is there (so a grid cut by its time budget continues where it stopped) and drops the rows
-of unfinished ones.
-
-Grid spec: cells separated by ";", each TASKS/LENGTHS/MODELS[/STEPS] with comma lists, for example
-"mqar,palindrome/512,1024/kda,gdn,mla/2000;stack/256/kda,gdn". Cells run in order; within a cell lengths, then
-tasks, then learning rates, then models, so a budget cut leaves whole comparisons behind it.
+"""Training on the synthetic tasks: one run (`train_run`), and a grid of runs under a time budget that a rerun continues
+(`run_grid`); the grid spec and the log are in docs/fidelity.md, "The synthetic suite".
 """
 
 from __future__ import annotations
@@ -73,7 +63,9 @@ class Settings:
 
 
 def parse_grid(spec: str, *, steps: int) -> list[tuple[list[str], list[int], list[str], int]]:
-    """[(tasks, lengths, models, steps)] from a grid spec (module docstring); `steps` where a cell gives none."""
+    """[(tasks, lengths, models, steps)] from a grid spec, TASKS/LENGTHS/MODELS[/STEPS] cells separated by ";", such
+    as "mqar,palindrome/512,1024/kda,gdn,mla/2000;stack/256/kda" (docs/fidelity.md, "The synthetic suite"); `steps`
+    where a cell gives none."""
     cells = []
     for text in (c.strip() for c in spec.split(";")):
         if not text:

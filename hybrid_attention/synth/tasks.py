@@ -1,19 +1,5 @@
-"""Synthetic recall tasks (the Kimi Linear report's synthetic tests): Palindrome, MQAR and Stack.
-
-Each task turns (seed, step) into a batch `(input_ids [B, T], labels [B, T])` with numpy's seeded generator, so a
-batch is the same on any machine. `labels` holds the token at every answer position and -100 elsewhere: the model
-predicts labels[t] from positions <= t - 1 (`HybridLM` shifts them), so the loss and the accuracy count the answers
-alone. Token ids: 0 pad, 1 separator, 2 push, 3 pop, then the task's symbols from `FIRST_SYMBOL` on.
-
-- Palindrome: n = (T - 1) // 2 random symbols, the separator, then the same symbols in reverse (the answers).
-- MQAR (multi-query associative recall): P key-value pairs (distinct keys, keys and values from disjoint symbol
-  ranges), then Q of the keys again, a random subset in random order, each followed by its value (the answers), at
-  random slots of the rest of the sequence (pad between them), so a query can sit far from its pair. P is T // 8
-  (the pairs fill a quarter of the sequence) unless `pairs` says otherwise; a fixed P across lengths makes length
-  the only thing that changes, where T // 8 also grows what the state must hold. Q is half of the pairs unless
-  `queries` says otherwise (`queries=P`: every key is queried, as in Zoology's MQAR).
-- Stack: T // 2 operations, "push x" or "pop y", where y is the value on top of the stack (the answers); a pop is
-  drawn only on a non-empty stack, with probability 1/2.
+"""Synthetic recall tasks (the Kimi Linear report's synthetic tests): Palindrome, MQAR and Stack, each batch a pure
+function of (seed, step); docs/fidelity.md, "The synthetic suite".
 """
 
 from __future__ import annotations
