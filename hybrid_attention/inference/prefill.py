@@ -9,7 +9,7 @@ from tqdm import tqdm
 from hybrid_attention.config import HybridConfig
 
 # Largest chunk per sequence: the MLA layers up-project the cached prefix once per chunk, which costs about
-# 242 / chunk of their attention at k3-scaled sizes (< 1% from here on), while activations keep growing with it.
+# 272 / chunk of their attention FLOPs at k3-scaled sizes (< 1% from here on), while activations keep growing with it.
 MAX_CHUNK = 1 << 15
 MIN_CHUNK = 64
 FREE_FRACTION = 0.4  # of the free GPU memory, for one call's activations (an estimate: keep a margin)
