@@ -278,9 +278,8 @@ def print_tables(prefills, attention, kda) -> None:
             f"{r['tokens_per_s']:>10,.0f} {peak:>9} {dec:>9}  {call}"
         )
     print("\nMLA prefill attention, one layer (effective TFLOP/s of the decompressed form; SDPA: one causal call)")
-    cols = [
-        k for k in ("mla_auto", "mla_flash", "sdpa_flash", "sdpa_cudnn") if any(f"{k}_tflops" in r for r in attention)
-    ]
+    names = ("mla_auto", "mla_flash", "mla_triton", "sdpa_flash", "sdpa_cudnn")
+    cols = [k for k in names if any(f"{k}_tflops" in r for r in attention)]
     print(f"{'B':>3} {'tokens':>8} {'TFLOP':>8} " + " ".join(f"{c:>11}" for c in cols) + f" {'vs best':>8}")
     for r in attention:
         cells = " ".join(f"{r[f'{c}_tflops']:>11.1f}" if f"{c}_tflops" in r else f"{'fail':>11}" for c in cols)
@@ -394,7 +393,7 @@ def main(argv=None) -> int:
             continue
         log(f"attention B={B} N={N} ({time.monotonic() - t0:.0f} s)")
         c = next((r["chunk"] for r in prefills if r["B"] == B and r["N"] == N and "chunk" in r), chunk)
-        kernels = ["auto", "flash"] if device.type == "cuda" else ["auto"]
+        kernels = ["auto", "flash", "triton"] if device.type == "cuda" else ["auto"]
         args_ = (config, B, N, c, device, dtype, kernels)
         attention.append(attempt(f"attention {B}x{N}", dict(B=B, N=N), attention_case, *args_))
     kda.append(attempt(f"chunk_kda {max(lengths)}", {}, kda_case, config, max(lengths), chunk, device, dtype))

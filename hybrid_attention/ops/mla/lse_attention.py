@@ -1,7 +1,7 @@
-"""Softmax attention that also returns each query row's log-sum-exp, through the fastest torch kernel that gives it:
+"""Softmax attention that also returns each query row's log-sum-exp, through the fastest kernel that gives it:
 partial attentions over disjoint key sets then merge exactly (docs/math.md, "Chunked prefill in the decompressed
 form"). Kernels: cuDNN, FlashAttention-2 and memory-efficient attention (torch's SDPA backends, called directly for
-their LSE), and a PyTorch math path for the CPU, float64 and autograd."""
+their LSE), a Triton kernel of ours (by name), and a PyTorch math path for the CPU, float64 and autograd."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 
 from hybrid_attention.ops.backends import fast_paths_enabled, needs_grad
 from hybrid_attention.ops.numerics import HALF_DTYPES, compute_dtype
+from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_runs_on
 
-KERNELS = ("auto", "cudnn", "flash", "efficient", "math")
+KERNELS = ("auto", "cudnn", "flash", "efficient", "triton", "math")
 
 # Scores the math path holds at once (B * H * query block * keys): long rows go in query blocks.
 MATH_SCORE_BUDGET = 1 << 24
@@ -73,6 +74,8 @@ def attention_with_lse(
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"attention_with_lse: causal needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
     name = pick_kernel(q, k, v) if kernel == "auto" else kernel
+    if name == "triton":
+        return _triton(q, k, v, scale, causal)
     if name != "math" and not q.is_cuda:
         raise ValueError(f"attention_with_lse: kernel {name!r} runs on CUDA tensors, got {q.device}")
     if name == "math":
@@ -103,6 +106,17 @@ def _efficient(q, k, v, scale, causal):
 
 
 _FUSED = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient}
+
+
+def _triton(q, k, v, scale, causal):
+    if needs_grad(q, k, v) or not triton_runs_on(q) or q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(
+            "attention_with_lse: kernel 'triton' needs triton, CUDA tensors (or TRITON_INTERPRET=1 on the CPU) of one "
+            f"dtype in {TRITON_DTYPES} and no gradient; got {q.dtype} on {q.device}"
+        )
+    from hybrid_attention.ops.mla.triton_attention import attention_lse_triton
+
+    return attention_lse_triton(q, k, v, scale, causal)
 
 
 def _math(q, k, v, scale, causal):

@@ -18,7 +18,7 @@ from hybrid_attention.ops.mla.prefill import (
     up_projection_weights,
 )
 from hybrid_attention.ops.mla.prefix import contiguous_prefix, paged_prefix
-from tests.helpers import assert_close
+from tests.helpers import DEV, assert_close, needs_triton
 
 # Odd, distinct sizes so that a wrong view or split cannot line up by accident.
 H, D_N, D_C, D_V = 3, 5, 10, 7
@@ -190,3 +190,27 @@ def test_bad_inputs():
         attention_with_lse(k, k, k, scale=0.3, kernel="flash")
     with pytest.raises(ValueError, match="page_table"):
         paged_prefix(torch.zeros(4, 2, 3), torch.zeros(2, 2))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize(
+    "Tq,Tk,causal,D,DV", [(70, 70, True, 32, 32), (50, 131, False, 32, 16), (129, 129, True, 24, 40)]
+)
+def test_triton_kernel_matches_math_path(dtype, tol, Tq, Tk, causal, D, DV, poisoned):
+    """The Triton kernel (the interpreter on CPU): tail blocks of queries and keys, padded head dims, causal."""
+    g = torch.Generator().manual_seed(Tq + Tk)
+    q, k, v = (torch.randn(2, 3, *s, generator=g).to(dtype).to(DEV) for s in ((Tq, D), (Tk, D), (Tk, DV)))
+    o, lse = attention_with_lse(q, k, v, scale=D**-0.5, causal=causal, kernel="triton")
+    ref_o, ref_lse = attention_with_lse(q.double(), k.double(), v.double(), scale=D**-0.5, causal=causal)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_close("triton o", o, ref_o, tol)
+    assert_close("triton lse", lse, ref_lse, 1e-6)
+
+
+@needs_triton
+def test_mla_prefill_through_the_triton_kernel():
+    p = make_problem(2, 37, 20, dtype=torch.float32, seed=12)
+    p = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    out = run(p, tile_size=16, kernel="triton")
+    assert_close("triton prefill", out, reference(p), 1e-5)

@@ -1,7 +1,8 @@
 """Chunked MLA prefill on a CUDA GPU at k3-scaled sizes (H=8, d_n=96, d_s=32, d_c=256, d_v=128): every attention
-kernel's output and log-sum-exp against float64, which kernel "auto" picks, `mla_prefill` over a 70000-token prefix
-against the float64 reference (every kernel, tiles that do not divide the prefix, batch 2), the paged reader, and the
-workspace of a long prefix (tiles, never the whole prefix decompressed)."""
+kernel's output and log-sum-exp against float64 (every config of the Triton one), which kernel "auto" picks,
+`mla_prefill` over a 70000-token prefix against the float64 reference (every kernel, tiles that do not divide the
+prefix, batch 2), the paged reader, and the workspace of a long prefix (tiles, never the whole prefix
+decompressed)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.helpers import assert_close, needs_cuda
 
 pytestmark = needs_cuda
 H, D_N, D_S, D_C, D_V = 8, 96, 32, 256, 128
-KERNELS = ["cudnn", "flash", "efficient", "math"]
+KERNELS = ["cudnn", "flash", "efficient", "triton", "math"]
 
 
 def hopper() -> bool:
@@ -47,6 +48,23 @@ def test_attention_with_lse_kernels(kernel, Tq, Tk, causal):
     ref_lse = torch.logsumexp(scores, -1)
     assert_close(f"{kernel} lse", lse, ref_lse, 1e-4)
     assert_close(f"{kernel} o", o, torch.exp(scores - ref_lse[..., None]) @ v.double(), 1e-2)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_every_triton_config(index, monkeypatch):
+    from hybrid_attention.ops.mla.kernels.attention_lse import _attention_lse_kernel as tuner
+
+    monkeypatch.setattr(tuner, "configs", [tuner.all_configs[index]])
+    for Tq, Tk, causal in [(1000, 1000, True), (777, 3001, False)]:
+        q, k, v = (
+            randn(2, H, Tq, 128, seed=index, scale=2.0),
+            randn(2, H, Tk, 128, seed=9),
+            randn(2, H, Tk, 128, seed=8),
+        )
+        o, lse = attention_with_lse(q, k, v, scale=128**-0.5, causal=causal, kernel="triton")
+        ref_o, ref_lse = attention_with_lse(q.double(), k.double(), v.double(), scale=128**-0.5, causal=causal)
+        assert_close(f"config {index} o", o, ref_o, 1e-2)
+        assert_close(f"config {index} lse", lse, ref_lse, 1e-4)
 
 
 def test_auto_kernel_choice():
