@@ -126,7 +126,14 @@ def generate_case(model, B: int, N: int, device, repeat: bool, new_tokens: int =
 
 
 def llama_case(model, B: int, N: int, device, repeat: bool, new_tokens: int = 0) -> dict:
-    """One forward that fills the KV cache and returns the last logits (what generate's prefill does)."""
+    """One forward that fills the KV cache and returns the last logits (what generate's prefill does). Skipped when
+    its KV cache and one layer's activations (about 8 hidden and 3 MLP widths per token) would not fit."""
+    c = model.config
+    itemsize = next(model.parameters()).element_size()
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    need = B * N * itemsize * (kv + 8 * c.hidden_size + 3 * c.intermediate_size)
+    if device.type == "cuda" and need > 0.9 * torch.cuda.mem_get_info(device)[0]:
+        return dict(skipped=f"needs about {need / 2**30:.0f} GiB (KV cache and activations)")
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
 
     @torch.no_grad()

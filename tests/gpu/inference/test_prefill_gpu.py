@@ -39,5 +39,5 @@ def test_chunked_64k_prefill_equals_one_forward(layer_types, chunk, monkeypatch)
         reference = copy.deepcopy(model).float()(ids).logits[:, -1]
     assert_as_accurate(f"chunks of {size}", chunked.float(), reference, one_shot.float())
     if layer_types is not None:
-        assert_close("chunked vs one forward", chunked.float(), one_shot.float(), 2e-2)
+        assert_close("chunked vs one forward", chunked.float(), one_shot.float(), 3e-2)
     assert not _failed, f"attention kernels that raised: {_failed}"
