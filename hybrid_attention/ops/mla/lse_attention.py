@@ -33,8 +33,8 @@ def pick_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     execution plan for each new shape (tens to hundreds of milliseconds), so it takes the lengths that are multiples
     of `CUDNN_LENGTH_MULTIPLE`, the few shapes a chunked prefill repeats, and flash takes one-off lengths and Ampere.
     Both need one head dim <= 256 for q, k and v and a half dtype; otherwise the memory-efficient kernel (dims that
-    are multiples of 8, float32 too), else the math path. torch's switches count (`torch.backends.cuda.
-    enable_cudnn_sdp(False)`, `sdpa_kernel(...)`), and so does `use_reference()`.
+    are multiples of 8, float32 too), else the math path. torch's own switches count (`sdpa_kernel(...)`,
+    `torch.backends.cuda.enable_cudnn_sdp(False)`), and so does `use_reference()`.
     """
     if not fast_paths_enabled() or needs_grad(q, k, v) or not q.is_cuda:
         return "math"  # the LSE of the fused kernels has no gradient, and a merge needs one

@@ -116,7 +116,7 @@ def mla_prefill(
     o, lse = attention_with_lse(qh, *keys_values(rows), scale=scale, causal=True, kernel=kernel)
     if prefix_len == 0:
         return o.transpose(1, 2)
-    acc = o.transpose(1, 2).to(compute_dtype(q))  # (B, C, H, d_v): a copy, the running result
+    acc = o.transpose(1, 2).to(compute_dtype(q))  # (B, C, H, d_v): the running result, float32 or float64
     acc_lse = lse.to(acc.dtype)
     tile = tile_size or default_tile_size(B, H, d_qk + d_v, q.element_size())
     for start in range(0, prefix_len, tile):
