@@ -240,6 +240,28 @@ def kda_case(config, N: int, chunk: int, device, dtype) -> dict:
     return dict(N=N, chunk=chunk, one_call_s=one, chunks_s=pieces, tokens_per_s=N / one, state_rel_diff=float(diff))
 
 
+@torch.no_grad()
+def profile_case(model, N: int, device, top: int = 15) -> dict:
+    """Where one batch-1 prefill of N tokens spends GPU time (torch.profiler): kernels summed by name, the top ones
+    as [name, ms, launches], and the share of the attention kernels (cuDNN, flash, ours)."""
+    from hybrid_attention.inference.prefill import prefill
+
+    ids = torch.randint(0, model.config.vocab_size, (1, N), device=device)
+    cache = model.make_cache(1, N)
+    activity = torch.profiler.ProfilerActivity
+    activities = [activity.CUDA] if device.type == "cuda" else [activity.CPU]  # the CPU: no kernel times
+    with torch.profiler.profile(activities=activities) as prof:
+        prefill(model, ids, cache, progress=False)
+        sync(device)
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in kernels) / 1e3
+    attention = ("fmha", "flash", "cudnn", "sdpa", "attention_lse")
+    att = sum(e.self_device_time_total for e in kernels if any(a in e.key.lower() for a in attention)) / 1e3
+    ranked = [[e.key[:100], e.self_device_time_total / 1e3, e.count] for e in kernels[:top]]
+    return dict(N=N, kernel_ms=total, attention_ms=att, top=ranked)
+
+
 def plot(prefills: list[dict], path: str, device) -> str:
     try:
         import matplotlib
@@ -339,6 +361,7 @@ def main(argv=None) -> int:
         "--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated after each prompt ({NEW_TOKENS})"
     )
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases predicted to end past this")
+    p.add_argument("--profile", default=None, help="also profile one hybrid prefill this long (e.g. 512K)")
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--plot", default="benchmarks/prefill_time.png", help="PNG of prefill time against length")
     args = p.parse_args(argv)
@@ -404,6 +427,9 @@ def main(argv=None) -> int:
         args_ = (config, B, N, c, device, dtype, kernels)
         attention.append(attempt(f"attention {B}x{N}", dict(B=B, N=N), attention_case, *args_))
     kda.append(attempt(f"chunk_kda {max(lengths)}", {}, kda_case, config, max(lengths), chunk, device, dtype))
+    if args.profile:
+        log(f"profile: hybrid prefill of {args.profile} tokens ({time.monotonic() - t0:.0f} s)")
+        result["profile"] = attempt("profile", {}, profile_case, hybrid, tokens(args.profile), device)
     del hybrid
     free_memory(device)
     if "all-mla" in models:
@@ -419,6 +445,14 @@ def main(argv=None) -> int:
     result["thresholds"] = check_thresholds(prefills, attention, kda)
     result["plot"] = plot(prefills, args.plot, device) if args.plot else None
     result["elapsed_s"] = time.monotonic() - t0
+    if "top" in result.get("profile", {}):
+        r = result["profile"]
+        print(
+            f"\nProfile of one hybrid prefill of {r['N']} tokens: {r['kernel_ms']:.0f} ms of kernels, attention "
+            f"{r['attention_ms']:.0f} ms"
+        )
+        for name, ms, count in r["top"]:
+            print(f"  {ms:>9.1f} ms {count:>7}  {name}")
     print("\nThresholds:", result["thresholds"])
     print(f"Failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
     emit_json(result, args.out)

@@ -13,16 +13,8 @@ from tests.helpers import REPO_ROOT
 
 def test_tiny_run_on_the_cpu(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_prefill.py"), "--preset", "tiny", "--lengths", "40"]
-    cmd += [
-        "--batched",
-        "2x24",
-        "--models",
-        "hybrid,llama-sdpa",
-        "--new-tokens",
-        "3",
-        "--plot",
-        str(tmp_path / "p.png"),
-    ]
+    cmd += ["--batched", "2x24", "--models", "hybrid,llama-sdpa", "--new-tokens", "3", "--profile", "32"]
+    cmd += ["--plot", str(tmp_path / "p.png")]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -38,4 +30,5 @@ def test_tiny_run_on_the_cpu(tmp_path):
     (kda,) = result["kda"]
     assert kda["N"] == 40 and kda["state_rel_diff"] < 1e-12
     assert result["plot"] == str(tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+    assert result["profile"]["N"] == 32 and "error" not in result["profile"], result["profile"]
     assert "MLA prefill attention" in out.stdout and set(result["thresholds"].values()) == {None}
