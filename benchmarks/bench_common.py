@@ -18,7 +18,7 @@ def env_info(argv) -> dict:
     """Date, GPU, torch / triton / fla versions (None when absent) and the exact command."""
     info = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__,
         command="python " + " ".join(argv),
     )

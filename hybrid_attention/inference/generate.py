@@ -3,8 +3,9 @@
 `generate_stream` yields each new token as it is produced (the CLI streams text from it); `generate` collects them.
 Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus), in that order.
 
-- Long prompts are prefilled in chunks (`prefill_chunk_size` tokens per sequence per call), so activation memory
-  stays bounded; chunked prefill is exact (KDA carries its state, MLA attends to the cached prefix).
+- Long prompts are prefilled in chunks (`prefill.prefill`: a size from the free memory, or `prefill_chunk_size`
+  tokens per sequence per call), so activation memory stays bounded; chunked prefill is exact (KDA carries its
+  state, MLA attends to the cached prefix).
 - On CUDA the decode step is captured once in a CUDA graph (`graphs.DecodeStep`) and replayed per token; elsewhere,
   or when capture fails, it runs eagerly. Both run the same kernels, so greedy tokens are identical.
 - Prompts of different lengths (a list of 1-D prompts, or `[B, T]` with a left- or right-padded `attention_mask`)
@@ -22,6 +23,7 @@ import torch
 
 from hybrid_attention.checks import is_finite_number, is_int
 from hybrid_attention.inference.decode_graph import DecodeStep
+from hybrid_attention.inference.prefill import prefill
 from hybrid_attention.ops.warm_start import wait_warm_start
 
 Prompts = torch.Tensor | Sequence[torch.Tensor]
@@ -57,25 +59,6 @@ def sample_next_token(
     # what transformers' sampling uses, so one seed gives the same tokens through either API.
     probs = logits.softmax(-1).float()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def default_prefill_chunk_size(batch_size: int) -> int:
-    """Tokens per sequence per prefill call: about 8192 tokens per call in all, a multiple of 64."""
-    return max(64, (8192 // batch_size) // 64 * 64)
-
-
-@torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache, *, chunk_size: int | None = None) -> torch.Tensor:
-    """Feed input_ids [B, T] into `cache` in chunks of `chunk_size` tokens (None: `default_prefill_chunk_size`);
-    returns the logits of the last position [B, vocab]."""
-    B, T = input_ids.shape
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"prefill: chunk_size={chunk_size!r}; expected None or an integer >= 1")
-    chunk = chunk_size or default_prefill_chunk_size(B)
-    logits = None
-    for start in range(0, T, chunk):
-        logits = model(input_ids[:, start : start + chunk], cache=cache).logits[:, -1]
-    return logits
 
 
 def _split_prompts(model, input_ids: Prompts, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | None:

@@ -7,10 +7,12 @@ value `W_UV,h c` and query `[q_n,h ; q_s,h]`; causal softmax with scale `(d_n + 
 concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`. Without the
 output gate (`output_gate=False`) the layer is plain MLA with NoPE, as in Kimi Linear: `W_o concat_h o_h`.
 
-Two paths compute the same function:
-- prefill (no cache, or a multi-token call on an empty one): decompress per-head K and V and call SDPA, which is
-  cheaper in FLOPs;
-- decode (one token, even on an empty cache) / chunked prefill on a non-empty cache: weight absorption. W_UK is
+Two forms compute the same function (docs/inference.md, "Long prompts"):
+- decompressed, for prefill: per-head K and V up-projected from the latent rows, flash attention on tensor cores.
+  Without a cache one SDPA call; with one, a chunk of T > 1 tokens attends to itself and to the cached prefix tile
+  by tile (`ops.mla.mla_prefill`) when every sequence holds as many tokens and that costs fewer FLOPs than
+  absorption (always on an empty cache; over a prefix from `decompressed_break_even` tokens on);
+- absorbed, for decode (one token, even on an empty cache), short chunks and sequences of different lengths: W_UK is
   folded into the query and W_UV is applied after attending in latent space, so the only per-token data read is the
   cache row `[c ; k_s]` (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The
   attention itself is `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
@@ -31,6 +33,8 @@ from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, p
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.backends import needs_grad, resolve, use_triton
 from hybrid_attention.ops.mla.decode import mla_decode
+from hybrid_attention.ops.mla.prefill import decompressed_break_even, mla_prefill
+from hybrid_attention.ops.mla.prefix import contiguous_prefix
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -221,6 +225,26 @@ class GatedMLA(nn.Module):
         )  # (B, H, T, d_v)
         return o.transpose(1, 2)
 
+    def _decompressed_chunk(self, seqlens: SeqLens, T: int) -> bool:
+        """Whether a chunk of T > 1 tokens (already counted by `seqlens`) takes the decompressed form: every sequence
+        holds the same number of tokens, and the cache held none before the chunk or T reaches the break-even."""
+        if seqlens.shortest != seqlens.longest:
+            return False
+        sizes = (self.num_heads, self.kv_lora_rank, self.qk_shared_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+        return seqlens.longest == T or T >= decompressed_break_even(*sizes)
+
+    def _chunk_attention(self, q: torch.Tensor, cache: MLACache) -> torch.Tensor:
+        """Decompressed form over the cache: q [B, T, H, d_n + d_s], the last T tokens of sequences that all hold L
+        -> o [B, T, H, d_v]. The chunk's rows are read back from the cache, so that prefill and decode see the same
+        (possibly rounded) values; the prefix is read tile by tile (`ops.mla.mla_prefill`)."""
+        T, L = q.shape[1], cache.seqlens.longest
+        H, d_c = self.num_heads, self.kv_lora_rank
+        w_uk = self.k_up.weight.view(H, self.qk_nope_head_dim, d_c)
+        w_uv = self.v_up.weight.view(H, self.v_head_dim, d_c)
+        rows = cache.rows[:, L - T : L]
+        prefix = contiguous_prefix(cache.rows)
+        return mla_prefill(q, rows, w_uk, w_uv, scale=self.scale, prefix=prefix, prefix_len=L - T)
+
     def _absorbed_attention(self, q: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), rows
         [B, max_len, d_c + d_s] of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
@@ -259,11 +283,11 @@ class GatedMLA(nn.Module):
         which then compute the products.
 
         With `cache` (whose lengths the caller has advanced by these T tokens), the new rows are written in place
-        as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on an
-        empty cache takes the decompressed prefill path; anything else (one-token decoding, chunked prefill on a
-        non-empty cache, sequences of different lengths) takes the absorbed path with a bottom-right causal mask
-        over each sequence's length. One-token calls always take the absorbed path, so a captured decode step does
-        not depend on the host counts.
+        as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on
+        sequences of one length takes the decompressed form when it is the cheaper one (`_decompressed_chunk`);
+        anything else (one-token decoding, short chunks, sequences of different lengths) takes the absorbed path with
+        a bottom-right causal mask over each sequence's length. One-token calls always take the absorbed path, so a
+        captured decode step does not depend on the host counts.
         """
         if x.ndim != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"GatedMLA: expected x of shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
@@ -288,10 +312,9 @@ class GatedMLA(nn.Module):
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
             o = self._prefill_attention(q, new_rows)
-        elif cache.seqlens.longest == T and T > 1:  # every sequence starts empty
+        elif T > 1 and self._decompressed_chunk(cache.seqlens, T):
             cache.append(new_rows)
-            # Read the rows back from the cache so prefill and decode see the same (possibly rounded) values.
-            o = self._prefill_attention(q, cache.rows[:, :T].to(q.dtype))
+            o = self._chunk_attention(q, cache)
         else:
             cache.append(new_rows)
             o = self._absorbed_attention(q, cache.rows, cache.seqlens.lengths)

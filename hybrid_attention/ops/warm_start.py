@@ -23,6 +23,7 @@ KERNEL_MODULES = (
     "hybrid_attention.ops.kda.triton_chunk",
     "hybrid_attention.ops.kda.triton_step",
     "hybrid_attention.ops.mla.append",
+    "hybrid_attention.ops.mla.triton_attention",
     "hybrid_attention.ops.mla.triton_decode",
     "hybrid_attention.ops.rms_norm",
     "hybrid_attention.ops.short_conv",
