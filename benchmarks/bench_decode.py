@@ -156,7 +156,7 @@ def prefill_case(model, name: str, context: int, chunk: int, repeat: bool = Fals
     """Seconds for one chunked prefill of `context` random tokens at batch 1. With `repeat` the same prefill runs
     once untimed first, so that one-off costs of new shapes (Triton autotuning, cuDNN attention plans for each new
     query / key length) stay out of the timing."""
-    from hybrid_attention.inference.generate import prefill
+    from hybrid_attention.inference.prefill import prefill
 
     ids = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
     if repeat:

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
         return 1
     from hybrid_attention.inference.decode_graph import DecodeStep
-    from hybrid_attention.inference.generate import prefill
+    from hybrid_attention.inference.prefill import prefill
 
     model = build_model(MODELS[args.model], "auto")
     cache = model.make_cache(args.batch, args.context + 64)

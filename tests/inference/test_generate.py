@@ -9,7 +9,8 @@ import torch
 
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
-from hybrid_attention.inference.generate import generate, generate_stream, prefill, sample_next_token
+from hybrid_attention.inference.generate import generate, generate_stream, sample_next_token
+from hybrid_attention.inference.prefill import prefill
 from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close
 

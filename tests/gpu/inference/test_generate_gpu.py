@@ -19,7 +19,8 @@ import torch
 
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.decode_graph import DecodeStep
-from hybrid_attention.inference.generate import generate, prefill
+from hybrid_attention.inference.generate import generate
+from hybrid_attention.inference.prefill import prefill
 from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.model import HybridLM
 from hybrid_attention.ops.backends import use_reference

@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_attention.ops.kda.triton_utils import autotune
 from hybrid_attention.ops.mla.kernels.split import _dot
+from hybrid_attention.ops.triton_support import autotune
 
 LN2 = tl.constexpr(0.6931471805599453)
 
