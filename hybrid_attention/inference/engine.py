@@ -189,6 +189,10 @@ class Engine:
                 self._drain_deadline = time.monotonic() + timeout
             self._lock.notify()
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None or self._stopping
+
     def idle(self) -> bool:
         return self.scheduler.idle() and not self._pending and not self._inbox
 
@@ -214,6 +218,8 @@ class Engine:
 
     # --------------------------------------------------------------------------------- the loop (its thread)
     def _run(self) -> None:
+        if self.device.type == "cpu":  # the flag is per thread: KDA's decay products make denormals, slow on CPUs
+            torch.set_flush_denormal(True)
         while True:
             with self._lock:
                 while not (self._stopping or self._inbox or self._cancels or not self.idle()):
