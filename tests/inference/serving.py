@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,25 +40,13 @@ def write_run(out: Path, *, preset: str = "tiny", seed: int = 0, head_scale: flo
     from hybrid_attention.config import HybridConfig
     from hybrid_attention.data.tokenizer import ByteTokenizer
     from hybrid_attention.model import HybridLM
-    from hybrid_attention.runs import manifest
-    from hybrid_attention.runs.checkpoint import save_checkpoint, save_weights
-    from hybrid_attention.runs.run_config import save_config
-    from hybrid_attention.training.config import TrainConfig
+    from hybrid_attention.runs.model_run import save_model_run
 
     torch.manual_seed(seed)
     model = HybridLM(HybridConfig.from_preset(preset, vocab_size=256))
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
-    out.mkdir(parents=True, exist_ok=True)
-    train = asdict(TrainConfig.create(preset=preset, out=str(out)))
-    save_config(out, {"model": model.config.to_dict(), "tokenizer": ByteTokenizer().to_dict(), "train": train})
-
-    def write(directory: Path) -> None:
-        save_weights(directory, model, 1)
-        manifest.write_manifest(directory, kind="single", step=1)
-
-    save_checkpoint(out, 1, write)
-    return out
+    return save_model_run(out, model, ByteTokenizer())
 
 
 class Server:
