@@ -374,7 +374,7 @@ class Engine:
                     self._end(request, Event(text, "stop"))
                 elif len(request.tokens) >= request.params.max_tokens:
                     self._end(request, Event(text + request.text.flush(), "length"))
-                elif text:
+                else:  # also without text (part of a character): a client times every token
                     self._outbox.append((request, Event(text)))
             except Exception as exc:
                 self._fail(request, exc)
