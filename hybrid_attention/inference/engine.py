@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +34,7 @@ from hybrid_attention.inference.transfers import HostCopy, to_device
 from hybrid_attention.layers.packed import PackedProjections
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
+COUNTERS = ("generated_tokens", "prompt_tokens", *(f"finished_{o}" for o in ("stop", "length", "cancelled", "error")))
 
 
 class ShuttingDown(Exception):
@@ -104,7 +105,7 @@ class Engine:
         self.next_tokens = torch.zeros(c.max_running, dtype=torch.long, device=self.device)  # each decode slot's input
         self.packed = PackedProjections(model)
         self.steps: dict[int, DecodeStep] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters = dict.fromkeys(COUNTERS, 0)  # every key from the start: /metrics reads it from another thread
         self._rate: deque[tuple[float, int]] = deque()
         self._pending: list[_Sampled] = []
         self._outbox: list[tuple[Request, Event]] = []
@@ -173,7 +174,7 @@ class Engine:
         if self.cuda_graphs:
             for size in self.batch_sizes:
                 self._step(size)
-        self.counters.clear()
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._rate.clear()
 
     def start(self) -> None:
