@@ -1,13 +1,7 @@
-"""The serving engine: one loop owns the device, and requests join and leave between its iterations (continuous
-batching; docs/inference.md, "Serving").
-
-Every iteration (`step`): take new requests and cancellations; admit waiting requests while pages allow
-(`scheduler.py`); run this iteration's prefill chunks, each a model call for one sequence into its pages and slot;
-run one decode step for every decoding sequence, replayed from a CUDA graph captured at the next batch size up
-(`DecodeStep` over a `PagedBatch`); sample on the device. The host reads the sampled tokens one iteration later,
-while the device runs the next one, then detokenises them, looks for stop strings and delivers events. A sequence's
-pages and slot are freed the moment it reaches max_tokens, a stop string, fails or is cancelled. An exception in one
-request's work fails that request alone; one in the batched decode step fails the requests of that step.
+"""The serving engine: one loop owns the device; requests join and leave the batch between its iterations (continuous
+batching). Each iteration admits, prefills chunks, decodes every running sequence from a CUDA graph over the paged
+cache, samples on the device and hands out the previous iteration's tokens (docs/inference.md, "Serving"). An
+exception in one request's work fails that request alone.
 """
 
 from __future__ import annotations
@@ -219,7 +213,9 @@ class Engine:
 
     # --------------------------------------------------------------------------------- the loop (its thread)
     def _run(self) -> None:
-        if self.device.type == "cpu":  # the flag is per thread: KDA's decay products make denormals, slow on CPUs
+        if self.device.type == "cuda":  # kernels launch on the thread's current device
+            torch.cuda.set_device(self.device)
+        else:  # the flag is per thread: KDA's decay products make denormals, slow on CPUs
             torch.set_flush_denormal(True)
         while True:
             with self._lock:

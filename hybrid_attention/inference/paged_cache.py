@@ -1,14 +1,6 @@
-"""The serving engine's cache: MLA latent rows in fixed-size pages, KDA states and conv tails in slots.
-
-`PagedCache` holds, for a `HybridLM`, one page pool per MLA layer `[1 + num_pages, page_size, d_c + d_s]` (page 0 is
-scratch: the rows of padding sequences land there and nothing reads them), one `KDACache` of `num_slots` rows per
-KDA layer, and a page table `[num_slots, max_pages]` int32 on the device: the row of slot s lists the pages of the
-sequence in that slot (0 past them). Every MLA layer uses the same page numbers, each in its own pool.
-
-`batch(first, count)` is the cache `HybridLM.forward` reads for the sequences in slots `first .. first + count - 1`
-(docs/inference.md, "Serving"): KDACache views of those rows, one `PagedLatentCache` per MLA layer (the methods
-`GatedMLA` reads of a cache, through the page table) and one length record. Views, not copies: a batch over the
-first slots is what a captured decode graph reads while sequences come and go.
+"""The serving engine's cache: MLA latent rows in fixed-size pages (one pool per MLA layer, a page table per slot),
+KDA states and conv tails in slots, and `PagedBatch`, the cache `HybridLM.forward` reads for a run of slots
+(docs/inference.md, "Serving"). Page 0 is scratch: padding rows write there and no real sequence reads it.
 """
 
 from __future__ import annotations
@@ -67,7 +59,10 @@ class PagedLatentCache:
                 f"{self.batch_size} with rows of {self.pool.shape[-1]}"
             )
         if self.seqlens.shortest < num_tokens:
-            raise ValueError(f"PagedLatentCache: {num_tokens} new tokens, but a sequence counts only fewer")
+            raise ValueError(
+                f"PagedLatentCache: {num_tokens} new tokens, but a sequence counts only {self.seqlens.shortest}; "
+                "advance the lengths by the new tokens before the call (HybridLM.forward does)"
+            )
 
     def append(self, new_rows: torch.Tensor) -> None:
         """new_rows [B, T, D] as the last T tokens the (already advanced) lengths count."""

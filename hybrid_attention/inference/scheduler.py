@@ -1,13 +1,6 @@
-"""The serving engine's scheduler: which sequences hold cache, which run a prefill chunk or a decode step next, and
-where their KDA states sit. Host-only and torch-free; the engine applies what it decides to the device.
-
-A sequence waits in a bounded queue; it is admitted when the pages for its whole budget (prompt + max_tokens) and a
-prefill slot are free, so a running sequence never runs out of cache and nothing is ever preempted: when memory is
-short, requests wait (and a full queue refuses new ones). Prefilling sequences sit in slots
-`max_running .. max_running + max_prefilling - 1`; decoding ones in slots `0 .. n - 1`, packed, so that a decode
-step runs over the first n slots (padded up to a captured batch size). When a decoding sequence ends, the last one
-moves into its slot (`Move`). Every iteration gives each decoding sequence one token and the prefilling ones, in
-admission order, chunks of their prompts within what is left of `max_batched_tokens`.
+"""The serving engine's scheduler, host-only and torch-free: admission (the pages of prompt + max_tokens, a prefill
+slot), prefill chunks under the per-iteration token budget, and the slots of decoding sequences, packed at the front
+(docs/inference.md, "Serving"). Nothing is preempted: when memory is short, requests wait in a bounded queue.
 """
 
 from __future__ import annotations

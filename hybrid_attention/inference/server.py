@@ -1,11 +1,6 @@
-"""`hybrid-attention serve`: the OpenAI completions API on FastAPI + uvicorn, a thin layer over the engine
-(docs/inference.md, "Serving"). Routes check requests (openai_api.py), hand prompts to the `Engine` and turn its
-events into a response or server-sent events; no model code runs here.
-
-The engine's thread delivers events once per iteration through `loop.call_soon_threadsafe`; each HTTP request reads
-its own asyncio queue. A stream sends what has arrived when it wakes, so one chunk may carry several tokens when the
-client reads slower than the engine writes. A client that goes away cancels its sequences. SIGTERM (or Ctrl-C)
-stops admitting, gives running requests `shutdown_timeout` seconds, then ends them and exits 0.
+"""`hybrid-attention serve`: the OpenAI completions API on FastAPI + uvicorn, a thin layer over the engine: routes
+check requests (openai_api.py), submit prompts and turn the engine's events into responses or server-sent events;
+no model code runs here (docs/inference.md, "Serving").
 """
 
 from __future__ import annotations
@@ -141,6 +136,8 @@ def create_app(engine: Engine, *, model_name: str) -> FastAPI:
                 ) from None
             except ShuttingDown as e:
                 raise ApiError(503, str(e), kind="server_error") from None
+            except ValueError as e:  # what the engine refuses and the checks above let through
+                raise ApiError(400, str(e)) from None
         except ApiError as err:
             return error(err)
         completion_id = new_id()

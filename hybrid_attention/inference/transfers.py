@@ -1,9 +1,6 @@
-"""Host <-> device copies that never make the host wait for the GPU, so that the serving loop can prepare the next
+"""Host <-> device copies that never make the host wait for the GPU (through pinned memory, which torch's caching
+host allocator keeps from reuse until the copies queued on it have run), so the serving loop prepares the next
 step while the current one runs.
-
-A copy from ordinary (pageable) host memory to the GPU waits for the stream's earlier work; one from page-locked
-(pinned) memory is queued like a kernel, and torch's caching host allocator keeps a pinned block from reuse until
-the copies queued on it have run. Device -> host copies go into pinned memory with an event to wait on later.
 """
 
 from __future__ import annotations

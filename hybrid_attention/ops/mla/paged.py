@@ -1,10 +1,6 @@
-"""Absorbed MLA attention over a paged latent cache, and the write of new rows into its pages.
-
-A serving engine keeps each MLA layer's latent rows [c ; k_s] in one pool of fixed-size pages, `pool [P, page_size,
-D]`, and gives every sequence a page table: token n of sequence b is row `n % page_size` of page
-`page_table[b, n // page_size]` (docs/inference.md, "Serving"). The attention is the same as `mla_decode` over the
-sequence's rows in order (bottom-right causal, only the first seq_lens[b] tokens read); `naive_paged_mla_decode`
-gathers the rows and calls the readable reference, the Triton kernel reads each row through the table in place.
+"""Absorbed MLA attention over a paged latent cache (`paged_mla_decode`: the flash-decoding kernel reading each row
+through the page table, beside `naive_paged_mla_decode`, which gathers the pages) and the write of new rows into
+pages. Token n of sequence b is row n % page_size of page page_table[b, n // page_size] (docs/inference.md).
 """
 
 from __future__ import annotations
