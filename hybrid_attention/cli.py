@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds running requests get to finish after SIGTERM (default 30)",
     )
+    v.add_argument(
+        "--stream-interval",
+        type=non_negative_float,
+        default=0.0,
+        help="least seconds between two chunks of a stream (default 0: send tokens as they come)",
+    )
     v.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (slower; for debugging)")
     _backend_flags(v)
     v.set_defaults(func=_serve)
@@ -527,7 +533,13 @@ def _serve(args) -> int:
         )
 
     run_server(
-        engine, host=args.host, port=args.port, model_name=name, shutdown_timeout=args.shutdown_timeout, on_ready=ready
+        engine,
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        shutdown_timeout=args.shutdown_timeout,
+        on_ready=ready,
+        stream_interval=args.stream_interval,
     )
     return 0
 

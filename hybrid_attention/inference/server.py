@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -80,8 +81,9 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-def create_app(engine: Engine, *, model_name: str) -> FastAPI:
-    """The routes over a warmed-up engine, which the app's lifespan starts and stops."""
+def create_app(engine: Engine, *, model_name: str, stream_interval: float = 0.0) -> FastAPI:
+    """The routes over a warmed-up engine, which the app's lifespan starts and stops. stream_interval: the least
+    time between two chunks of a stream, in seconds (0: a chunk whenever tokens have arrived)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -142,7 +144,7 @@ def create_app(engine: Engine, *, model_name: str) -> FastAPI:
             return error(err)
         completion_id = new_id()
         if parsed.stream:
-            events = _stream(engine, requests, queue, completion_id, model_name, parsed.include_usage)
+            events = _stream(engine, requests, queue, completion_id, model_name, parsed.include_usage, stream_interval)
             stream = StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             return answer("/v1/completions", 200, stream)
         return await _collect(http, engine, requests, queue, completion_id, model_name, error, answer)
@@ -198,14 +200,18 @@ async def _collect(http, engine, requests, queue, completion_id, model_name, err
     return answer("/v1/completions", 200, JSONResponse(completion_body(completion_id, model_name, choices, tokens)))
 
 
-async def _stream(engine, requests, queue, completion_id, model_name, include_usage):
-    """Server-sent events: a chunk per wake-up with the text each prompt gained, an error event if one fails, the
-    usage chunk when asked for, then `data: [DONE]`. Cancelled from outside (the client left): the prompts end."""
+async def _stream(engine, requests, queue, completion_id, model_name, include_usage, interval: float):
+    """Server-sent events: a chunk per wake-up (at most one per `interval` seconds) with the text each prompt
+    gained, an error event if one fails, the usage chunk when asked for, then `data: [DONE]`. Cancelled from outside
+    (the client left): the prompts end."""
     n, ended, prompt_tokens, completion_tokens = len(requests), 0, 0, 0
     data = lambda body: f"data: {json.dumps(body)}\n\n"  # noqa: E731
+    loop, sent = asyncio.get_running_loop(), -math.inf
     try:
         failed = None
         while ended < n and failed is None:
+            if sent + interval > loop.time():  # fewer, larger chunks: less work per token for the event loop
+                await asyncio.sleep(sent + interval - loop.time())
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
@@ -224,6 +230,7 @@ async def _stream(engine, requests, queue, completion_id, model_name, include_us
             if merged:
                 choices = [(index, text, reason) for index, (text, reason) in merged.items()]
                 yield data(chunk_body(completion_id, model_name, choices, include_usage=include_usage))
+                sent = loop.time()
         if failed is not None:
             yield data(error_body(failed.error, kind="server_error"))
         elif include_usage:
@@ -256,12 +263,21 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(engine: Engine, *, host: str, port: int, model_name: str, shutdown_timeout: float, on_ready) -> None:
+def run_server(
+    engine: Engine,
+    *,
+    host: str,
+    port: int,
+    model_name: str,
+    shutdown_timeout: float,
+    on_ready,
+    stream_interval: float = 0.0,
+) -> None:
     """Serve until SIGTERM or Ctrl-C; `on_ready(host, port)` once the socket listens (port 0: a free one)."""
     # The engine's thread and the event loop share the GIL: hand it over every 0.5 ms instead of 5, so that a busy
     # event loop cannot hold back the next decode step for long.
     sys.setswitchinterval(5e-4)
-    app = create_app(engine, model_name=model_name)
+    app = create_app(engine, model_name=model_name, stream_interval=stream_interval)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5
     )

@@ -295,3 +295,38 @@ def test_bad_serve_command_lines_end_in_one_line(argv, message, tmp_path, capsys
 
     code, _, err = run_cli([a.format(missing=tmp_path / "missing") for a in argv], capsys)
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_stream_interval_spaces_the_chunks_and_loses_no_text():
+    from hybrid_attention.inference.requests import Event
+    from hybrid_attention.inference.server import _stream
+
+    class Engine:
+        def cancel(self, requests):
+            raise AssertionError("nothing to cancel: every prompt ended")
+
+    async def main(interval):
+        queue = asyncio.Queue()
+
+        async def produce():
+            for i in range(30):
+                await asyncio.sleep(0.003)
+                queue.put_nowait((0, Event(str(i % 10), "length" if i == 29 else None, completion_tokens=30)))
+
+        producer = asyncio.ensure_future(produce())
+        loop, times, chunks = asyncio.get_running_loop(), [], []
+        async for chunk in _stream(Engine(), [None], queue, "cmpl-x", "m", False, interval):
+            times.append(loop.time())
+            chunks.append(chunk)
+        await producer
+        return times, chunks
+
+    for interval in (0.0, 0.03):
+        times, chunks = asyncio.run(main(interval))
+        bodies = [json.loads(c[6:]) for c in chunks[:-1]]
+        assert chunks[-1] == "data: [DONE]\n\n"
+        assert "".join(b["choices"][0]["text"] for b in bodies) == "0123456789" * 3
+        assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(later - earlier >= interval - 1e-3 for earlier, later in zip(times[:-2], times[1:-1], strict=True))
+        if interval:
+            assert len(bodies) < 30
