@@ -205,10 +205,11 @@ def wait_idle(url: str, timeout: float = 600.0) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- measurement
-def search_rate(url: str, scenario: str, start: float, args, limits: Limits, page_bytes: int | None) -> dict:
-    """The highest arrival rate that holds the limits: double (or halve) from `start` until a trial fails (holds),
-    then bisect geometrically until the bracket is within 30%, within args.search_s seconds."""
-    prompt_len, output_len = (parse_lengths(s) for s in SCENARIOS_RUN[scenario][:2])
+def search_rate(url: str, scenario: str, spec: tuple, args, limits: Limits, page_bytes: int | None) -> dict:
+    """The highest arrival rate that holds the limits: double (or halve) from the scenario's first rate until a trial
+    fails (holds), then bisect geometrically until the bracket is within 30%, within args.search_s seconds."""
+    prompt_len, output_len = (parse_lengths(s) for s in spec[:2])
+    start = spec[3]
     kw = dict(prompt_len=prompt_len, output_len=output_len, vocab=256, limits=limits)
     asyncio.run(run_trial(url, "", rate=math.inf, num_requests=2, **kw, stop_on_break=False))  # first-use costs
     wait_idle(url)
@@ -248,7 +249,9 @@ def overhead_case(url: str, args) -> dict:
         vocab=256,
         limits=Limits(math.inf, math.inf),
     )
-    trial = asyncio.run(run_trial(url, "", rate=math.inf, num_requests=args.max_running, stop_on_break=False, **kw))
+    trial = asyncio.run(
+        run_trial(url, "", rate=math.inf, num_requests=args.max_running, stop_on_break=False, scrape_every=0.1, **kw)
+    )
     full = [s for s in trial.samples if s.get("decoding_sequences") == args.max_running]
     row = dict(batch=args.max_running, prompt=args.overhead_prompt, output=args.overhead_output, samples=len(full))
     if len(full) >= 2 and full[-1]["t"] > full[0]["t"]:
@@ -272,9 +275,6 @@ def decode_anchor(preset: str, batch: int, context: int) -> dict:
     finally:
         del model
         free_memory()
-
-
-SCENARIOS_RUN = dict(SCENARIOS)
 
 
 def print_tables(results: dict, overhead: dict | None) -> None:
@@ -391,7 +391,6 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     scenarios = QUICK if args.quick else {k: SCENARIOS[k] for k in (args.scenarios or SCENARIOS)}
-    SCENARIOS_RUN.update(scenarios)
     if args.quick:
         args.device, args.max_running, args.max_context, args.max_batched_tokens = "cpu", 8, 256, 96
         args.search_s, args.trial_s, args.max_trials, args.no_overhead = 6.0, 2.0, 3, True
@@ -447,7 +446,7 @@ def main(argv=None) -> int:
             for name in wanted:
                 log(f"{system} {name} ({time.monotonic() - t0:.0f} s)")
                 try:
-                    results[name][system] = search_rate(server.url, name, scenarios[name][3], args, limits, page_bytes)
+                    results[name][system] = search_rate(server.url, name, scenarios[name], args, limits, page_bytes)
                 except Exception as exc:
                     results[name][system] = dict(error=repr(exc)[:300])
         finally:

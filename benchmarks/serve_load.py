@@ -122,6 +122,7 @@ async def run_trial(
     limits: Limits,
     seed: int = 0,
     stop_on_break: bool = True,
+    scrape_every: float = 0.25,
 ) -> Trial:
     """Send `num_requests` streamed greedy requests of random token ids, arriving as a Poisson process of `rate`
     per second (inf: all at once); wait for them, or stop at the first broken limit when `stop_on_break`."""
@@ -131,7 +132,7 @@ async def run_trial(
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        scraper = asyncio.ensure_future(_scrape(session, url, samples, stop))
+        scraper = asyncio.ensure_future(_scrape(session, url, samples, stop, scrape_every))
         start = time.perf_counter()
         arrival = start
         for _ in range(num_requests):

@@ -185,12 +185,15 @@ async def _collect(http, engine, requests, queue, completion_id, model_name, err
             if not getter.done():
                 getter.cancel()
                 return Response(status_code=499)  # nobody reads it
-            index, event = getter.result()
-            if event.error:
-                return error(ApiError(event.status, event.error, kind="server_error"))
-            texts[index].append(event.text)
-            if event.final:
-                finals[index] = event
+            items = [getter.result()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            for index, event in items:
+                if event.error:
+                    return error(ApiError(event.status, event.error, kind="server_error"))
+                texts[index].append(event.text)
+                if event.final:
+                    finals[index] = event
     finally:
         watcher.cancel()
         if None in finals:

@@ -246,10 +246,9 @@ class GatedMLA(nn.Module):
 
         Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `cache.attend`, i.e.
         `mla_decode` (its "auto": the Triton flash-decoding kernel on CUDA, the PyTorch path elsewhere or when
-        gradients are needed); on the
-        PyTorch path queries go in blocks so that a long chunk never materialises more than about
-        `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right causal,
-        exact)."""
+        gradients are needed); on the PyTorch path queries go in blocks so that a long chunk never materialises more
+        than about `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right
+        causal, exact)."""
         B, T, H, _ = q.shape
         d_n, d_c, d_v = self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
         q_n, q_s = q.split([d_n, self.qk_shared_head_dim], dim=-1)
