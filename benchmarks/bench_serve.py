@@ -183,6 +183,8 @@ def server_argv(system: str, args, source: list[str]) -> list[str]:
         str(args.max_context),
         "--max-batched-tokens",
         str(args.max_batched_tokens),
+        "--shutdown-timeout",
+        "5",
         *args.server_args.split(),
     ]
 
@@ -205,16 +207,16 @@ def wait_idle(url: str, timeout: float = 600.0) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- measurement
-def search_rate(url: str, scenario: str, spec: tuple, args, limits: Limits, page_bytes: int | None) -> dict:
+def search_rate(url: str, scenario: str, spec: tuple, args, limits: Limits, page_bytes: int | None, seconds: float):
     """The highest arrival rate that holds the limits: double (or halve) from the scenario's first rate until a trial
-    fails (holds), then bisect geometrically until the bracket is within 30%, within args.search_s seconds."""
+    fails (holds), then bisect geometrically until the bracket is within 30%, starting trials for `seconds`."""
     prompt_len, output_len = (parse_lengths(s) for s in spec[:2])
     start = spec[3]
     kw = dict(prompt_len=prompt_len, output_len=output_len, vocab=256, limits=limits)
     asyncio.run(run_trial(url, "", rate=math.inf, num_requests=2, **kw, stop_on_break=False))  # first-use costs
     wait_idle(url)
     trials, held, broke, rate = [], None, None, start
-    deadline = time.monotonic() + args.search_s
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and len(trials) < args.max_trials:
         n = max(args.min_requests, min(args.max_requests, round(rate * args.trial_s)))
         n = min(n, max(3, int(3 * args.trial_s * rate)))  # slow rates: fewer requests, not minutes of arrivals
@@ -365,6 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--server-args", default="", help="more flags for `hybrid-attention serve`")
     p.add_argument("--search-s", type=float, default=50.0, help="seconds of trials per system and scenario")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting searches after this (default 540)")
     p.add_argument("--trial-s", type=float, default=10.0, help="seconds of arrivals per trial")
     p.add_argument("--min-requests", type=int, default=6)
     p.add_argument("--max-requests", type=int, default=256)
@@ -444,13 +447,22 @@ def main(argv=None) -> int:
                 overhead.update(overhead_case(server.url, args))
                 wait_idle(server.url)
             for name in wanted:
+                left = args.budget_s - (time.monotonic() - t0)
+                if left < 30:
+                    results[name][system] = dict(error=f"skipped: {left:.0f} s left of --budget-s")
+                    continue
                 log(f"{system} {name} ({time.monotonic() - t0:.0f} s)")
+                seconds = min(args.search_s, left - 20)
                 try:
-                    results[name][system] = search_rate(server.url, name, scenarios[name], args, limits, page_bytes)
+                    results[name][system] = search_rate(
+                        server.url, name, scenarios[name], args, limits, page_bytes, seconds
+                    )
                 except Exception as exc:
                     results[name][system] = dict(error=repr(exc)[:300])
         finally:
             server.stop()
+        if args.out:  # what is measured so far survives a run cut short
+            Path(args.out).write_text(json.dumps(dict(result, results=results, overhead=overhead), default=str) + "\n")
     print_tables(results, overhead)
     result.update(results=results, overhead=overhead, thresholds=thresholds(results, overhead))
     result["plot"] = plot(results, args.plot, limits) if args.plot else None
