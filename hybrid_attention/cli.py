@@ -1,4 +1,5 @@
-"""The `hybrid-attention` command: train, generate, eval, info. Thin: parse flags, call train.py / data.py, print.
+"""The `hybrid-attention` command: train, generate, eval, info, export, serve, synth. Thin: parse flags, call the
+package, print.
 
 Bad input (flags, paths, run directories) ends with one line on stderr and a non-zero exit, never a traceback;
 set HYBRID_ATTENTION_TRACEBACK=1 to see the traceback anyway.
@@ -56,7 +57,7 @@ def _backend_flags(parser: argparse.ArgumentParser, default: str | None = "auto"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export,synth}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export,serve,synth}")
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
@@ -138,6 +139,65 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
 
+    v = sub.add_parser("serve", help="an OpenAI-compatible completions server with continuous batching")
+    source = v.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="run directory written by `train`, or a folder written by `export --hf`")
+    source.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help="random weights of a preset with the byte vocabulary, to measure the server (its text is noise)",
+    )
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=number(int, 0, high=65535), default=8000, help="default 8000; 0: any free port")
+    v.add_argument("--device", choices=DEVICES, default="auto")
+    v.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA")
+    v.add_argument("--model-name", help="the model id clients send (default: the run directory's name)")
+    v.add_argument("--max-running", type=positive_int, default=64, help="sequences decoding at once (default 64)")
+    v.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=8192,
+        help="prompt + completion tokens of one request (default 8192)",
+    )
+    v.add_argument(
+        "--max-queue", type=non_negative_int, default=256, help="requests waiting for cache; more get 429 (default 256)"
+    )
+    v.add_argument(
+        "--max-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="tokens per engine iteration: a decode token per running sequence, the rest prefill (2048)",
+    )
+    v.add_argument("--max-prefilling", type=positive_int, default=4, help="prompts in prefill at once (default 4)")
+    v.add_argument("--page-size", type=positive_int, default=64, help="tokens per latent cache page (default 64)")
+    v.add_argument(
+        "--cache-memory-fraction",
+        type=number(float, 0.0, inclusive=False, high=1.0),
+        default=0.9,
+        help="CUDA: share of the GPU's memory the server fills, weights included (default 0.9)",
+    )
+    v.add_argument(
+        "--num-pages",
+        type=positive_int,
+        help="latent cache pages (default: from the memory fraction "
+        "on CUDA, enough for --max-running full contexts on the CPU)",
+    )
+    v.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    v.add_argument(
+        "--stream-interval",
+        type=non_negative_float,
+        default=0.0,
+        help="least seconds between two chunks of a stream (default 0: send tokens as they come)",
+    )
+    v.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (slower; for debugging)")
+    _backend_flags(v)
+    v.set_defaults(func=_serve)
+
     from hybrid_attention.synth import cli as synth_cli
 
     y = sub.add_parser("synth", help="synthetic recall suite: Palindrome, MQAR, Stack with KDA, GDN and MLA models")
@@ -191,6 +251,7 @@ _MEMORY_ADVICE = {
     "eval": "try a smaller --batch-size or --seq-len",
     "info": "",
     "export": "",
+    "serve": "try a smaller --max-batched-tokens or --cache-memory-fraction",
     "synth": "try a smaller --batch-size or shorter lengths in --grid",
 }
 
@@ -424,6 +485,62 @@ def _info(args) -> int:
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
+    return 0
+
+
+def _serve(args) -> int:
+    try:
+        from hybrid_attention.inference.server import run_server
+    except ImportError as e:
+        raise ValueError(
+            f"serve needs FastAPI, uvicorn and prometheus_client ({e.name} is missing): "
+            "pip install 'hybrid-attention[serve]'"
+        ) from None
+    from hybrid_attention.inference.engine import Engine
+    from hybrid_attention.inference.engine_config import EngineConfig
+    from hybrid_attention.inference.model_source import load_for_serving
+    from hybrid_attention.ops.warm_start import warm_start
+
+    config = EngineConfig(
+        max_running=args.max_running,
+        max_context=args.max_context,
+        max_queue=args.max_queue,
+        max_batched_tokens=args.max_batched_tokens,
+        max_prefilling=args.max_prefilling,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        cache_memory_fraction=args.cache_memory_fraction,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+    )
+    device, dtype = _device_and_dtype(args)
+    warm_start(device, dtype=dtype)
+    model, tokenizer, name = load_for_serving(
+        ckpt=args.ckpt, preset=args.preset, device=device, dtype=dtype, **_backends(args)
+    )
+    engine = Engine(model, tokenizer, config)
+    engine.warm_up()
+    name = args.model_name or name
+    cache_gib = engine.cache.nbytes() / 2**30
+
+    def ready(host: str, port: int) -> None:
+        print(
+            f"hybrid-attention serve: ready at http://{host}:{port}/v1, model {name!r} on {device} "
+            f"({str(dtype).replace('torch.', '')}): {engine.num_pages} cache pages of {config.page_size} tokens "
+            f"({cache_gib:.2f} GiB with the state slots), up to {config.max_running} running sequences of "
+            f"{config.max_context} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        shutdown_timeout=args.shutdown_timeout,
+        on_ready=ready,
+        stream_interval=args.stream_interval,
+    )
     return 0
 
 

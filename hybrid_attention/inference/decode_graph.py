@@ -31,13 +31,16 @@ class DecodeStep:
     Args:
         model: a `HybridLM` (inference: its weights must not change while this step is used).
         cache: the static cache it decodes into, empty or already prefilled: the warm-up and capture write into it
-            and it is restored afterwards (`HybridCache.snapshot`), so building the step changes nothing.
+            and it is restored afterwards (`HybridCache.snapshot`), so building the step changes nothing. The
+            serving engine passes a `PagedBatch` (inference/paged_cache.py), which offers the same methods.
         cuda_graph: capture the step in a CUDA graph (CUDA models only); False runs the same step eagerly.
         warmup_steps: eager steps run before capture.
         pack_projections: run each layer's input projections as one product from packed weight copies (one more
             copy of those weights in memory; `layers.packed`). The parameters themselves are not touched.
         gemv: the backend of the step's products with packed projections ("auto": the decode GEMV kernel of
             `ops.gemv` on CUDA, "torch": F.linear, "triton": that kernel also on CPU under the interpreter).
+        packed: packed projections of `model` to use instead of making new ones (steps of one model at several
+            batch sizes share one copy); pack_projections and gemv are then not read.
 
     The logits returned by a graph replay live in a static buffer that the next call overwrites.
     """
@@ -51,6 +54,7 @@ class DecodeStep:
         warmup_steps: int = 2,
         pack_projections: bool = True,
         gemv: str = "auto",
+        packed: PackedProjections | None = None,
     ):
         device = model.embed.weight.device
         if cuda_graph and device.type != "cuda":
@@ -64,7 +68,9 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None  # static output of the graph
         self.graph: CapturedGraph | None = None
         # Kept alive here: a captured graph reads these copies.
-        self.packed = PackedProjections(model, gemv) if pack_projections else None
+        if packed is None and pack_projections:
+            packed = PackedProjections(model, gemv)
+        self.packed = packed
         if cuda_graph:
             room = cache.max_seq_len - cache.seq_len
             if room < 1:

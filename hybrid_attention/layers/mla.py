@@ -34,7 +34,7 @@ from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.backends import needs_grad, resolve, use_triton
 from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.mla.prefill import decompressed_break_even, mla_prefill
-from hybrid_attention.ops.mla.prefix import contiguous_prefix
+from hybrid_attention.ops.mla.prefix import PrefixReader, contiguous_prefix
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -52,6 +52,10 @@ class MLACache:
         of a call before the call (`HybridLM.forward` does), so the layer writes rows at `lengths[b] - T + t` and
         attends up to `lengths[b]`, on the device: a decode step needs no host sync and stays valid inside a CUDA
         graph while the lengths advance.
+
+    The layer reads a cache through `check_append`, `append`, `append_token`, `attend`, `max_seq_len`, `dtype` and
+    `seqlens` only, so a cache that lays its rows out differently (the serving engine's pages,
+    `inference/paged_cache.py`) offers the same.
     """
 
     rows: torch.Tensor
@@ -81,16 +85,35 @@ class MLACache:
         """Bytes stored per token (per sequence) for this layer: `(d_c + d_s) * element_size`."""
         return self.rows.shape[-1] * self.rows.element_size()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
     def append(self, new_rows: torch.Tensor) -> None:
         """Write `new_rows` [B, T, d_c + d_s] at positions `lengths[b] - T + t`: the last T tokens the (already
         advanced) lengths count. The positions are computed on the device (a scatter), so sequences of different
         lengths append in one call and nothing syncs with the host."""
         B, T, width = new_rows.shape
-        self._check_append(B, T, width)
+        self.check_append(B, T, width)
         pos = self.seqlens.lengths.long()[:, None] - T + torch.arange(T, device=self.rows.device)  # (B, T)
         self.rows.scatter_(1, pos[:, :, None].expand(B, T, width), new_rows.to(self.rows.dtype))
 
-    def _check_append(self, batch_size: int, num_tokens: int, width: int) -> None:
+    def append_token(self, kv: torch.Tensor, k_shared: torch.Tensor, norm: RMSNorm) -> None:
+        """One token per sequence, fused (`ops.mla.append`): the row [norm(kv) ; k_shared] of kv [B, 1, d_c] and
+        k_shared [B, 1, d_s], written at `lengths[b] - 1`."""
+        from hybrid_attention.ops.mla.append import append_latent_row
+
+        append_latent_row(kv, k_shared, norm.weight, norm.eps, self.rows, self.seqlens.lengths)
+
+    def attend(self, q: torch.Tensor, seq_lens: torch.Tensor, *, value_dim: int, scale: float, backend: str):
+        """`mla_decode` of absorbed queries q [B, Tq, H, D] over the first seq_lens[b] rows -> [B, Tq, H, value_dim]."""
+        return mla_decode(q, self.rows, seq_lens, value_dim=value_dim, scale=scale, backend=backend)
+
+    def prefix_reader(self) -> PrefixReader:
+        """Tiles of the cached rows for the decompressed prefill (`ops.mla.prefix`): views, nothing copied."""
+        return contiguous_prefix(self.rows)
+
+    def check_append(self, batch_size: int, num_tokens: int, width: int) -> None:
         if batch_size != self.batch_size:
             raise ValueError(
                 f"MLACache: batch size {batch_size} does not match the cache's batch size {self.batch_size}"
@@ -241,19 +264,18 @@ class GatedMLA(nn.Module):
         H, d_c = self.num_heads, self.kv_lora_rank
         w_uk = self.k_up.weight.view(H, self.qk_nope_head_dim, d_c)
         w_uv = self.v_up.weight.view(H, self.v_head_dim, d_c)
-        rows = cache.rows[:, L - T : L]
-        prefix = contiguous_prefix(cache.rows)
-        return mla_prefill(q, rows, w_uk, w_uv, scale=self.scale, prefix=prefix, prefix_len=L - T)
+        prefix = cache.prefix_reader()  # a contiguous or a paged cache
+        return mla_prefill(q, prefix(L - T, L), w_uk, w_uv, scale=self.scale, prefix=prefix, prefix_len=L - T)
 
-    def _absorbed_attention(self, q: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), rows
-        [B, max_len, d_c + d_s] of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
+    def _absorbed_attention(self, q: torch.Tensor, cache: MLACache, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Absorbed path over the cache: q [B, T, H, d_n + d_s] (the last T tokens of each sequence), the cache's
+        rows of which sequence b has seq_lens[b] (int32 [B], device) valid -> o [B, T, H, d_v].
 
-        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `mla_decode` (its "auto":
-        the Triton flash-decoding kernel on CUDA, the PyTorch path elsewhere or when gradients are needed); on the
-        PyTorch path queries go in blocks so that a long chunk never materialises more than about
-        `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right causal,
-        exact)."""
+        Reads k_up / v_up weights only; never builds per-head keys or values. Attention is `cache.attend`, i.e.
+        `mla_decode` (its "auto": the Triton flash-decoding kernel on CUDA, the PyTorch path elsewhere or when
+        gradients are needed); on the PyTorch path queries go in blocks so that a long chunk never materialises more
+        than about `_TORCH_SCORE_BUDGET` scores, and each block sees only the keys up to its last query (bottom-right
+        causal, exact)."""
         B, T, H, _ = q.shape
         d_n, d_c, d_v = self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
         q_n, q_s = q.split([d_n, self.qk_shared_head_dim], dim=-1)
@@ -261,18 +283,18 @@ class GatedMLA(nn.Module):
         w_uv = self.v_up.weight.view(H, d_v, d_c)
         q_lat = torch.einsum("bthn,hnc->bthc", q_n, w_uk)  # (B, T, H, d_c): W_UK,h^T q_n,h
         # The kernel takes one dtype: queries follow the cache (the cache is what is large).
-        q_abs = torch.cat([q_lat, q_s], dim=-1).to(rows.dtype)  # (B, T, H, d_c + d_s)
-        backend = resolve("auto", q_abs, name="GatedMLA", needs_backward=needs_grad(q_abs, rows))
+        q_abs = torch.cat([q_lat, q_s], dim=-1).to(cache.dtype)  # (B, T, H, d_c + d_s)
+        backend = resolve("auto", q_abs, name="GatedMLA", needs_backward=needs_grad(q_abs))
         if backend == "triton":
             block = T  # the kernel keeps only the output: one launch covers the whole chunk
         else:
-            block = max(1, _TORCH_SCORE_BUDGET // (B * H * rows.shape[1]))
+            block = max(1, _TORCH_SCORE_BUDGET // (B * H * cache.max_seq_len))
         outs = []
         for start in range(0, T, block):
             end = min(T, start + block)
             # Queries [start, end) are the last (end - start) tokens of a sequence seq_lens - (T - end) long.
             lens = seq_lens if end == T else seq_lens - (T - end)
-            outs.append(mla_decode(q_abs[:, start:end], rows, lens, value_dim=d_c, scale=self.scale, backend=backend))
+            outs.append(cache.attend(q_abs[:, start:end], lens, value_dim=d_c, scale=self.scale, backend=backend))
         o_lat = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(q.dtype)  # (B, T, H, d_c)
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, d_v): W_UV,h o_lat,h
 
@@ -296,18 +318,15 @@ class GatedMLA(nn.Module):
             raise ValueError("GatedMLA: x has no tokens (T = 0)")
         if cache is not None:
             # Validate before any write so a bad call leaves the cache untouched.
-            cache._check_append(B, T, self.latent_dim)
+            cache.check_append(B, T, self.latent_dim)
 
         q_in, kv, k_shared, *gate = project(self, x, decode)
         g_in = gate[0] if gate else None
         q = self._query(q_in, decode)  # (B, T, H, d_n + d_s)
         if cache is not None and T == 1 and _fused_append_ok(x):
             # Decoding on CUDA: norm + row + write in one kernel (same values as the eager append).
-            from hybrid_attention.ops.mla.append import append_latent_row
-
-            lengths = cache.seqlens.lengths
-            append_latent_row(kv, k_shared, self.kv_norm.weight, self.kv_norm.eps, cache.rows, lengths)
-            o = self._absorbed_attention(q, cache.rows, lengths)
+            cache.append_token(kv, k_shared, self.kv_norm)
+            o = self._absorbed_attention(q, cache, cache.seqlens.lengths)
             return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
@@ -317,7 +336,7 @@ class GatedMLA(nn.Module):
             o = self._chunk_attention(q, cache)
         else:
             cache.append(new_rows)
-            o = self._absorbed_attention(q, cache.rows, cache.seqlens.lengths)
+            o = self._absorbed_attention(q, cache, cache.seqlens.lengths)
         return self._output(g_in, o, decode)
 
     def _output(

@@ -59,6 +59,7 @@ def launch_plan(
     rows: torch.Tensor,
     *,
     value_dim: int,
+    max_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -66,10 +67,11 @@ def launch_plan(
 ) -> dict:
     """Block sizes, split count and launch options for q [B, Tq, H, D] over rows [B, max_len, D].
 
-    Depends on shapes, dtype and the device only (never on seq_lens values). None means the tuned default.
+    Depends on shapes, dtype and the device only (never on seq_lens values). None means the tuned default;
+    `max_len` defaults to rows.shape[1] (a paged cache passes its table's reach).
     """
     B, Tq, H, D = q.shape
-    max_len = rows.shape[1]
+    max_len = max_len or rows.shape[1]
     n_rows = Tq * H
     block_m = max(16, min(64, triton.next_power_of_2(n_rows)))
     m_blocks = triton.cdiv(n_rows, block_m)
@@ -110,20 +112,33 @@ def mla_decode_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the decode kernels. Inputs are assumed checked by `hybrid_attention.ops.mla.decode.mla_decode`.
+    """Launch the decode kernels. Inputs are assumed checked by `hybrid_attention.ops.mla.decode.mla_decode` (or
+    `ops.mla.paged.paged_mla_decode`).
 
     q [B, Tq, H, D], rows [B, max_len, D] (last-dim stride 1), seq_lens int32 [B] -> [B, Tq, H, value_dim] in
-    q.dtype. `block_n`, `num_warps` and `num_stages` override the tuned defaults (for benchmarks).
+    q.dtype. With `page_table` (int32 [B, pages], unit last stride) rows is a page pool [P, page_size, D] read
+    through it. `block_n`, `num_warps` and `num_stages` override the tuned defaults (for benchmarks).
     """
     B, Tq, H, _ = q.shape
     if rows.stride(-1) != 1:
         raise ValueError(f"mla_decode_triton: rows must have unit stride in its last dim, got {rows.stride()}")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    page = 0 if page_table is None else rows.shape[1]
+    reach = None if page_table is None else page_table.shape[1] * page
     plan = launch_plan(
-        q, rows, value_dim=value_dim, num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages
+        q,
+        rows,
+        value_dim=value_dim,
+        max_len=reach,
+        num_splits=num_splits,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    plan.update(page=page, max_len=reach or rows.shape[1], table=page_table)
     n_rows, num_splits = plan["n_rows"], plan["num_splits"]
     out = torch.empty(B, Tq, H, value_dim, device=q.device, dtype=q.dtype)
     single = num_splits == 1
@@ -144,10 +159,12 @@ def _launch(q, rows, seq_lens, out, m_part, l_part, acc_part, plan, value_dim, s
     B, Tq, H, D = q.shape
     n_rows, num_splits = plan["n_rows"], plan["num_splits"]
     single = num_splits == 1
+    table = plan["table"] if plan["table"] is not None else seq_lens  # a placeholder the kernel never reads
     _split_kernel[(B, num_splits, plan["m_blocks"])](
         q,
         rows,
         seq_lens,
+        table,
         out,
         m_part,
         l_part,
@@ -157,10 +174,11 @@ def _launch(q, rows, seq_lens, out, m_part, l_part, acc_part, plan, value_dim, s
         q.stride(2),
         rows.stride(0),
         rows.stride(1),
+        table.stride(0),
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        rows.shape[1],
+        plan["max_len"],
         num_splits,
         float(scale) * math.log2(math.e),
         TQ=Tq,
@@ -174,6 +192,7 @@ def _launch(q, rows, seq_lens, out, m_part, l_part, acc_part, plan, value_dim, s
         BLOCK_N=plan["block_n"],
         BLOCK_DV=plan["block_dv"],
         BLOCK_DT=plan["block_dt"],
+        PAGE=plan["page"],
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )

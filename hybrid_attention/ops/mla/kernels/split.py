@@ -16,7 +16,9 @@ D need not be a power of two (288 = 256 + 32): a row is read as a value part [:v
 [value_dim:D], each padded to a power of two under a load mask, so nothing is padded when both are powers of two.
 
 Inputs: q [B, Tq, H, D], rows [B, max_len, D], seq_lens [B] int32. Outputs: m, l [B, Tq * H, num_splits] fp32 and
-acc [B, Tq * H, num_splits, DV] fp32, or with SINGLE the output [B, Tq, H, DV].
+acc [B, Tq * H, num_splits, DV] fp32, or with SINGLE the output [B, Tq, H, DV]. With PAGE > 0 the rows live in pages
+instead (the serving engine's cache): rows is a pool [P, PAGE, D] and token n of sequence b is row n % PAGE of page
+page_table[b, n // PAGE]; max_len is then the table's width times PAGE.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _split_kernel(
     q_ptr,  # [B, Tq, H, D]
     rows_ptr,  # [B, max_len, D]
     seq_lens_ptr,  # [B] int32
+    table_ptr,  # [B, max_len // PAGE] int32 page table (read only when PAGE > 0)
     out_ptr,  # [B, Tq, H, DV] (written only when SINGLE)
     m_ptr,  # [B, Tq * H, num_splits] fp32, base-2 running max
     l_ptr,  # [B, Tq * H, num_splits] fp32
@@ -46,8 +49,9 @@ def _split_kernel(
     stride_qb,
     stride_qt,
     stride_qh,
-    stride_rb,
+    stride_rb,  # of a sequence's rows, or of a page when PAGE > 0
     stride_rn,
+    stride_tb,
     stride_ob,
     stride_ot,
     stride_oh,
@@ -65,6 +69,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_DT: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -100,7 +105,13 @@ def _split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        r_ptrs = rows_b + offs_n.to(tl.int64)[:, None] * stride_rn  # [BLOCK_N, 1]
+        if PAGE > 0:  # each row through its page: the table entry of its page, then its place in the page
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_tb + offs_n // PAGE, mask=n_ok, other=0)
+            r_ptrs = (
+                rows_ptr + page.to(tl.int64)[:, None] * stride_rb + (offs_n % PAGE).to(tl.int64)[:, None] * stride_rn
+            )
+        else:
+            r_ptrs = rows_b + offs_n.to(tl.int64)[:, None] * stride_rn  # [BLOCK_N, 1]
         # Rows at or past seq_len may hold garbage or NaN: they are never loaded (other=0), so 0 * NaN cannot occur.
         if BLOCK_DV == DV:
             k_v = tl.load(r_ptrs + offs_v[None, :], mask=n_ok[:, None], other=0.0)
