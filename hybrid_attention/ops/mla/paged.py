@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
-from hybrid_attention.ops.mla.naive import absorbed_attention
+from hybrid_attention.ops.mla.naive import naive_absorbed_attention
 from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
 
 
@@ -26,7 +26,7 @@ def naive_paged_mla_decode(
     """The reference: gather each sequence's pages into contiguous rows, then `naive.absorbed_attention`.
     q [B, Tq, H, D] -> [B, Tq, H, value_dim] in q.dtype (fp32 math, fp64 for fp64 inputs)."""
     rows = gather_pages(pool, page_table)
-    return absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
+    return naive_absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
 
 
 def _check_inputs(q, pool, page_table, seq_lens, value_dim, scale) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_attention.ops.mla.decode import mla_decode_torch
+from hybrid_attention.ops.mla.decode import naive_mla_decode
 from hybrid_attention.ops.mla.paged import gather_pages, naive_paged_mla_decode, paged_mla_decode, write_paged_rows
 from tests.helpers import DEV, assert_close, needs_triton
 from tests.ops.mla.cases import decompressed_reference, make_problem, up_project
@@ -36,7 +36,7 @@ def test_reference_equals_contiguous_decode(lens, Tq, page_size):
     p = make_problem(lens, Tq, **TINY, seed=sum(lens) + Tq)
     pool, table = page_out(p["rows"].double(), page_size, seed=Tq)
     o = naive_paged_mla_decode(p["q64"], pool, table, p["seq_lens"], value_dim=p["d_c"], scale=p["scale"])
-    ref = mla_decode_torch(p["q64"], p["rows"].double(), p["seq_lens"], value_dim=p["d_c"], scale=p["scale"])
+    ref = naive_mla_decode(p["q64"], p["rows"].double(), p["seq_lens"], value_dim=p["d_c"], scale=p["scale"])
     assert_close(f"paged reference {lens} Tq={Tq} page={page_size}", o, ref, 1e-12)
     assert_close("against decompressed", up_project(p, o), decompressed_reference(p), 1e-10)
 
