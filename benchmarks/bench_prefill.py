@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from bench_common import emit_json, env_info, log
 
 LENGTHS = "8K,32K,128K,512K,1M"
-MODELS = {"hybrid": "k3-scaled", "all-mla": "k3-scaled-all-mla"}
 NEW_TOKENS = 17  # the first comes from the prefill, the second's wait includes the decode graph's capture
 REPEAT_UP_TO = 1 << 17  # prompts up to this length are timed on a second call (first-call plans and tuning left out)
 WARM_LENGTH = 1 << 18  # one prefill this long first: it meets every attention shape a longer batch-1 prefill uses
@@ -66,7 +65,7 @@ def seconds(fn, device, repeat: bool) -> float:
     return time.perf_counter() - start
 
 
-def build_hybrid(preset: str, args, device, dtype):
+def build_hybrid(preset: str, device, dtype):
     from hybrid_attention.config import HybridConfig
     from hybrid_attention.model import HybridLM
 
@@ -393,7 +392,7 @@ def main(argv=None) -> int:
     from hybrid_attention.inference.prefill import prefill_chunk_size
 
     presets = {"hybrid": args.preset, "all-mla": f"{args.preset}-all-mla"}
-    hybrid = build_hybrid(presets["hybrid"], args, device, dtype)
+    hybrid = build_hybrid(presets["hybrid"], device, dtype)
     config = hybrid.config
     warm = min(WARM_LENGTH, max(lengths))
     log(f"warm-up: hybrid prefill of {warm} tokens (kernel compilation, attention plans)")
@@ -433,7 +432,7 @@ def main(argv=None) -> int:
     del hybrid
     free_memory(device)
     if "all-mla" in models:
-        model_cases("all-mla", build_hybrid(presets["all-mla"], args, device, dtype), generate_case)
+        model_cases("all-mla", build_hybrid(presets["all-mla"], device, dtype), generate_case)
         free_memory(device)
     if args.quick:
         lengths = [N for N in lengths if N <= REPEAT_UP_TO]
