@@ -38,6 +38,7 @@ from hybrid_attention.checks import is_int
 from hybrid_attention.choices import ATTNRES_BACKENDS, KDA_BACKENDS
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.layers.attnres import AttnRes, attn_res_stream, block_attn_res_stream
+from hybrid_attention.layers.documents import PackedDocuments
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
@@ -93,19 +94,22 @@ class DecoderLayer(nn.Module):
             self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
-    def normed_sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, RMSNorm, Any]]:
+    def normed_sublayers(
+        self, cache, decode: PackedProjections | None = None, docs: PackedDocuments | None = None
+    ) -> list[tuple[Any, RMSNorm, Any]]:
         """[(attn_res or None, pre_norm, g)] for the two sublayers: sublayer(h) = g(pre_norm(h)). `decode`: a
-        decode step's packed projections, handed to the mixer and the MLP."""
-        mixer = lambda x: self.mixer(x, cache=cache, decode=decode)
+        decode step's packed projections, handed to the mixer and the MLP; `docs`: packed documents, to the mixer."""
+        mixer = lambda x: self.mixer(x, cache=cache, decode=decode, cu_seqlens=docs)
         mlp = lambda x: self.mlp(x, decode=decode)
         return [
             (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
             (getattr(self, "mlp_res", None), self.mlp_norm, mlp),
         ]
 
-    def sublayers(self, cache, decode: PackedProjections | None = None) -> list[tuple[Any, Any]]:
+    def sublayers(self, cache, decode: PackedProjections | None = None, docs=None) -> list[tuple[Any, Any]]:
         """[(attn_res or None, f)] for the two sublayers, f(h) = Sublayer(PreNorm(h))."""
-        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in self.normed_sublayers(cache, decode)]
+        steps = self.normed_sublayers(cache, decode, docs)
+        return [(res, lambda h, norm=norm, g=g: g(norm(h))) for res, norm, g in steps]
 
 
 class HybridLM(nn.Module):
@@ -149,6 +153,7 @@ class HybridLM(nn.Module):
         labels: torch.Tensor | None = None,
         cache: HybridCache | None = None,
         *,
+        cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
         decode: PackedProjections | None = None,
     ) -> ModelOutput:
@@ -163,8 +168,21 @@ class HybridLM(nn.Module):
         (no device sync), and on every device when `check_token_ids` is set (one sync per call). `decode`: a decode
         step's packed projections (`graphs.DecodeStep` passes them), with which every layer and the head compute
         their products (layers/packed.py).
+
+        `cu_seqlens` (int [N + 1], any device; a CPU one costs no device sync): input_ids [1, T] packs N documents
+        back to back, as FLA's varlen API takes them. Each is its own sequence: KDA state and conv tails start from
+        zeros at its first token, MLA attends within it, and the loss skips the position that would predict the
+        next document's first token, so logits and loss are those of each document run alone.
         """
         self._check_inputs(input_ids, labels, cache)
+        docs = None
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1 or cache is not None or decode is not None:
+                raise ValueError(
+                    f"HybridLM: cu_seqlens packs documents into input_ids [1, T] without a cache, got "
+                    f"{tuple(input_ids.shape)}{' and a cache' if cache is not None else ''}"
+                )
+            docs = PackedDocuments.of(cu_seqlens, input_ids.shape[1], input_ids.device)
         if cache is not None:
             # The lengths count these tokens from here on (in place on the device, graph-safe): every MLA layer
             # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
@@ -173,18 +191,17 @@ class HybridLM(nn.Module):
         h = self.embed(input_ids)
         residual = self.config.residual
         if residual == "attnres" and not torch.is_grad_enabled():
-            h_out = self._attnres_inference(h, layer_caches, decode)  # already through the output norm
+            h_out = self._attnres_inference(h, layer_caches, decode, docs)  # already through the output norm
         elif residual != "standard" and self._fused_attnres(h):
-            steps = self._normed_sublayers(layer_caches, decode)
+            steps = self._normed_sublayers(layer_caches, decode, docs)
             steps.append((self.final_res, self.norm, None))
             if residual == "attnres":
                 h_out = attn_res_stream(h, steps)  # already through the output norm
             else:
                 h_out = block_attn_res_stream(h, steps, self.config.attnres_block_size)
         else:
-            sublayers = [
-                s for layer, lc in zip(self.layers, layer_caches, strict=True) for s in layer.sublayers(lc, decode)
-            ]
+            pairs = zip(self.layers, layer_caches, strict=True)
+            sublayers = [s for layer, lc in pairs for s in layer.sublayers(lc, decode, docs)]
             if residual == "standard":
                 for _, f in sublayers:
                     h = h + f(h)
@@ -201,18 +218,21 @@ class HybridLM(nn.Module):
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
             # slicing h keeps h_out a view (no [B, T - 1, D] copy).
             targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # (B * T)
+            if docs is not None:  # the last token of a document predicts nothing
+                last = (docs.cu_seqlens[1:-1].long() - 1) % targets.numel()  # an empty first document: the end
+                targets = targets.index_fill(0, last, -100)
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
             # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
         logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 
-    def _attnres_inference(self, embedding: torch.Tensor, layer_caches, decode=None) -> torch.Tensor:
+    def _attnres_inference(self, embedding: torch.Tensor, layer_caches, decode=None, docs=None) -> torch.Tensor:
         """Full AttnRes without autograd (inference, decoding): the same function as the list path, but the sources
         live in one preallocated [S, B, T, D] buffer (each written once, by the AttnRes that first reads it, never
         restacked) and every AttnRes is fused with the RMSNorm that reads it (`attn_res_norm`: one Triton kernel on
         CUDA). Returns FinalNorm(h_final)."""
-        steps = self._normed_sublayers(layer_caches, decode)
+        steps = self._normed_sublayers(layer_caches, decode, docs)
         steps.append((self.final_res, self.norm, None))
         sources = embedding.new_empty(len(steps), *embedding.shape)  # (S, B, T, D)
         latest = embedding  # the newest source, stored into its slot by the next AttnRes (no separate copy)
@@ -231,10 +251,10 @@ class HybridLM(nn.Module):
                 return x
             latest = g(x).to(sources.dtype)  # a no-op unless autocast made the sublayer output lower precision
 
-    def _normed_sublayers(self, layer_caches, decode) -> list[tuple[Any, RMSNorm, Any]]:
+    def _normed_sublayers(self, layer_caches, decode, docs=None) -> list[tuple[Any, RMSNorm, Any]]:
         """(attn_res, pre_norm, g) of every sublayer, in order (`DecoderLayer.normed_sublayers`)."""
         pairs = zip(self.layers, layer_caches, strict=True)
-        return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode)]
+        return [step for layer, cache in pairs for step in layer.normed_sublayers(cache, decode, docs)]
 
     def _fused_attnres(self, embedding: torch.Tensor) -> bool:
         """Whether AttnRes runs through the fused differentiable ops (`attnres_backend`, see the module)."""
