@@ -5,7 +5,8 @@ Sources (the `spec` of `load_corpus`):
   (`sysconfig.get_paths()["stdlib"]`, without site-packages). Nothing is downloaded.
 - `python-env`: the Python sources of the whole environment (standard library and every installed package),
   deduplicated and split by content hash (`corpus.py`); hundreds of MB, also without a download.
-- a path: one text file, or a directory searched recursively for `.txt`, `.md` and `.py` files (UTF-8).
+- a path: one text file, or a directory searched recursively for `.txt`, `.md` and `.py` files (UTF-8; files that
+  are not are skipped and counted, `tokenize --strict` refuses them).
 - `hf:NAME` or `hf:NAME:CONFIG`: a dataset read through the optional `datasets` package (local files and
   caches work offline); the text column is `text`, or the only string column.
 
@@ -13,9 +14,7 @@ Documents go to the validation split when a hash of their name (the path relativ
 `val_fraction` of the hash range (`documents.py`). A single document, or a collection where the hash leaves one split
 empty, is split by text instead: the last `val_fraction` of it, at a line boundary, is validation.
 
-Batches are contiguous windows of `seq_len` tokens whose starts are drawn from a generator seeded by
-(seed, step, micro-batch), so any step's batch can be rebuilt without replaying the ones before it: a resumed run
-sees exactly the data it would have seen.
+Training reads a corpus through the same shards `tokenize` writes (token_cache.py, loader.py).
 """
 
 from __future__ import annotations
@@ -81,8 +80,10 @@ def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corp
     names = _walk(path, TEXT_SUFFIXES)
     if not names:
         raise ValueError(f"--data {path}: the directory holds no {'/'.join(TEXT_SUFFIXES)} files")
-    docs = _read_named(path, names, max_bytes, val_fraction, strict=True)
-    return _finish(docs, val_fraction, f"{path} ({len(names)} files)")
+    skipped: list[str] = []
+    docs = _read_named(path, names, max_bytes, val_fraction, strict=False, skipped=skipped)
+    note = f", {len(skipped)} that are not UTF-8 skipped (e.g. {skipped[0]})" if skipped else ""
+    return _finish(docs, val_fraction, f"{path} ({len(names)} files{note})")
 
 
 def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
@@ -96,13 +97,15 @@ def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _read_text(path: Path, *, strict: bool) -> str | None:
+def _read_text(path: Path, *, strict: bool, skipped: list[str] | None = None) -> str | None:
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        if not strict:
-            return None  # the standard library keeps a few deliberately non-UTF-8 test files
+        if not strict:  # the standard library keeps a few deliberately non-UTF-8 test files, user folders a stray one
+            if skipped is not None:
+                skipped.append(path.name)
+            return None
         raise ValueError(f"--data: {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
 
 
@@ -111,7 +114,7 @@ def _cap_text(text: str, max_bytes: int) -> str:
 
 
 def _read_named(
-    root: Path, names: list[str], max_bytes: int | None, val_fraction: float, *, strict: bool
+    root: Path, names: list[str], max_bytes: int | None, val_fraction: float, *, strict: bool, skipped=None
 ) -> list[tuple[str, str]]:
     """Read files in the given order, each split filled up to its share of `max_bytes` with whole files.
 
@@ -130,12 +133,12 @@ def _read_named(
         if used[split] + size > budget[split]:
             smallest[split] = min(smallest.get(split, (size, rel)), (size, rel))
             continue
-        text = _read_text(root / rel, strict=strict)
+        text = _read_text(root / rel, strict=strict, skipped=skipped)
         if text:
             docs.append((rel, text))
             used[split] += size
     for split, (_, rel) in smallest.items():
-        if used[split] == 0 and (text := _read_text(root / rel, strict=strict)):
+        if used[split] == 0 and (text := _read_text(root / rel, strict=strict, skipped=skipped)):
             docs.append((rel, text))
     return docs
 

@@ -4,7 +4,8 @@
 `train(config, resume=...)` runs one job end to end and returns a summary dict. Everything that can fail on user
 input (flags, data, tokenizer, model config, an occupied run directory, a checkpoint that does not match) is
 checked before the first byte is written. The loop is deterministic given the seed: batches come from
-`data.sample_batch(seed, step)` and the checkpoint carries optimizer, scheduler and RNG states, so
+`data.loader.TrainLoader` (a function of seed and step) and the checkpoint carries optimizer, scheduler and RNG
+states, so
 `--steps N` equals `--stop-after N/2` followed by `--resume` (tested on CPU in float32), and so does a job killed
 at any moment and resumed (checkpoints are committed atomically, checkpoint.py). Each optimizer step is a
 `train_step.TrainStep`, run eagerly or, with --cuda-graph, replayed from a CUDA graph (docs/training.md).
@@ -12,7 +13,7 @@ at any moment and resumed (checkpoints are committed atomically, checkpoint.py).
 One job writes a run directory at a time (`rundir.RunLock`). SIGINT or SIGTERM saves a checkpoint after the
 current step and stops (`interrupts.StopRequests`). A non-finite loss or gradient norm stops the job with
 `TrainingDiverged` before anything is saved from it, so the last checkpoint stays the last good one. A resume
-refuses data whose tokens differ from the ones the run started with (`rundir.data_fingerprint`).
+refuses data whose tokens differ from the ones the run started with (`data.shards.fingerprint`).
 """
 
 from __future__ import annotations
@@ -29,28 +30,24 @@ import torch
 
 from hybrid_attention import files
 from hybrid_attention.config import HybridConfig
-from hybrid_attention.data.batches import sample_batch, unigram_loss
-from hybrid_attention.data.sources import load_corpus
-from hybrid_attention.data.token_cache import encode_corpus
-from hybrid_attention.data.tokenizer import (
-    BPE_FILE,
-    DEFAULT_BPE_VOCAB,
-    BPETokenizer,
-    ByteTokenizer,
-    tokenizer_from_dict,
-)
+from hybrid_attention.data.loader import TrainLoader
+from hybrid_attention.data.tokenizer import BPE_FILE, tokenizer_from_dict
+from hybrid_attention.data.training_data import open_training_data
+from hybrid_attention.data.unigram import unigram_baseline
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
 from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
-from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
+from hybrid_attention.runs.rundir import RunLock, check_fingerprint
 from hybrid_attention.training import distributed
 from hybrid_attention.training.config import TrainConfig
 from hybrid_attention.training.interrupts import StopRequests
 from hybrid_attention.training.metrics import evaluate, flops_per_token, peak_flops
 from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.packed_rows import PackedRows
 from hybrid_attention.training.plots import plot_losses
 from hybrid_attention.training.report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
+from hybrid_attention.training.reporting import Reporters, scalars
 from hybrid_attention.training.step import TrainStep
 
 
@@ -79,18 +76,21 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     if config.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    data = open_training_data(
+        config.data,
+        max_bytes=config.data_max_bytes,
+        tokenizer=tokenizer_from_dict(saved["tokenizer"], run_dir) if saved is not None else None,
+        new_tokenizer=config.tokenizer,
+        vocab_size=config.vocab_size,
+        verify=(par.rank, par.world_size),
+    )
+    tokenizer = data.tokenizer
     if saved is not None:
-        tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
         try:
             model_config = HybridConfig.from_dict(saved["model"])
         except ValueError as e:
             raise ValueError(f"{run_dir / run_config.CONFIG}: {e}") from None
     else:
-        if config.tokenizer == "bpe":
-            tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
-        else:
-            tokenizer = ByteTokenizer()
         overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size}
         model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
@@ -98,22 +98,23 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}"
         )
-    tokens = encode_corpus(tokenizer, corpus)
-    train_tokens, val_tokens = tokens.train, tokens.val
-    for name, toks in (("training", train_tokens), ("validation", val_tokens)):
-        if toks.numel() < config.seq_len:
+    for name, split in (("training", data.train), ("validation", data.val)):
+        if split.numel() < config.seq_len:
             raise ValueError(
-                f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
+                f"the {name} split of {data.source} has {split.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
-    fingerprint = data_fingerprint(train_tokens, val_tokens)
+    fingerprint = data.fingerprint
     if saved is not None:
-        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / run_config.CONFIG))
+        where = str(run_dir / run_config.CONFIG)
+        check_fingerprint(
+            saved.get("data_fingerprint"), fingerprint, data.source, where, legacy=data.legacy_fingerprint
+        )
     torch.manual_seed(config.seed)
     backends = dict(kda_backend=config.kda_backend or "auto", attnres_backend=config.attnres_backend or "auto")
     model = HybridLM(model_config, **backends).to(device)
     build = build_optimizers
     if par.sharded:
-        distributed.shard_for_training(model, par, config, tokenizer, train_tokens)
+        distributed.shard_for_training(model, par, config, tokenizer, data.train)
         build = distributed.build_optimizers
     optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
@@ -122,9 +123,9 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
         step = dist_checkpoint.restore_training(run_dir, par, model, optimizers, schedulers)
         if config.stop_after is not None and step < config.steps and config.stop_after <= step:
             raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
-    return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
-                schedulers=schedulers, step=step, train_tokens=train_tokens, val_tokens=val_tokens,
-                fingerprint=fingerprint, token_cache=tokens.path if tokens.hit else None)  # fmt: skip
+    return dict(run_dir=run_dir, device=device, data=data, tokenizer=tokenizer, model=model, optimizers=optimizers,
+                schedulers=schedulers, step=step, train_tokens=data.train, val_tokens=data.val,
+                fingerprint=fingerprint, token_cache=data.root if data.cached else None)  # fmt: skip
 
 
 def train(config: TrainConfig, *, resume: bool = False, echo=print, model_overrides: dict | None = None) -> dict:
@@ -199,17 +200,16 @@ def _train(
         )
     autocast = autocast_for(device, config.dtype)
     step_fn = torch.compile(model) if config.compile else model
-    train_tokens, val_tokens = p["train_tokens"], p["val_tokens"]
-    unigram = unigram_loss(train_tokens, val_tokens, tokenizer.vocab_size)
-    unigram_bpb = unigram * val_tokens.numel() / math.log(2) / int(tokenizer.byte_lengths()[val_tokens.long()].sum())
+    train_tokens, val_tokens = p["train_tokens"], p["val_tokens"]  # shards, read in place
+    unigram, unigram_bpb = unigram_baseline(train_tokens, val_tokens, tokenizer)
     byte_lengths = tokenizer.byte_lengths().to(device)
-    train_tokens, val_tokens = train_tokens.to(device), val_tokens.to(device)
     tokens_per_step = config.batch_size * config.seq_len * config.grad_accum  # global: over all ranks
-    n_train, n_val = p["corpus"].num_bytes
+    n_train, n_val = p["data"].text_bytes
     echo(
-        f"data: {p['corpus'].source}: {n_train:,} train / {n_val:,} validation bytes; "
+        f"data: {p['data'].source}: {n_train:,} train / {n_val:,} validation bytes; "
         f"{train_tokens.numel():,} / {val_tokens.numel():,} {tokenizer.kind} tokens"
         + (f" (from the token cache {p['token_cache']})" if p["token_cache"] else "")
+        + ("; every document its own sequence (--doc-mask)" if config.doc_mask else "")
     )
     for line in epoch_report(config.steps, tokens_per_step, train_tokens.numel()):
         if line:
@@ -230,6 +230,7 @@ def _train(
     params = [q for opt in optimizers for group in opt.param_groups for q in group["params"]]
     clip = config.clip if config.clip > 0 else math.inf
     eval_kw = dict(batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches)
+    eval_kw["documents"] = config.doc_mask
     timed_tokens, timed_s, last_val, step, saved_step, stopped_by = 0, 0.0, None, start, start, None
 
     def agree(late: bool) -> tuple[bool, str | None]:
@@ -242,7 +243,23 @@ def _train(
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
                disable=not main)  # fmt: skip
     job.callback(bar.close)
-    eval_model = distributed.RankSlice(step_fn, par) if par.sharded else step_fn
+    packed = PackedRows(step_fn)  # rows with their document starts, run as packed documents (--doc-mask)
+    eval_model = distributed.RankSlice(packed, par) if par.sharded else packed
+    loader = TrainLoader(
+        train_tokens,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        rank=par.rank,
+        world=par.world_size,
+        documents=config.doc_mask,
+        pin=device.type == "cuda",
+    )
+    job.callback(loader.close)
+    reporters = Reporters(config.report_to if main else (), run_dir, asdict(config), resume=resume)
+    job.callback(reporters.close)
+    fpt, peak = flops_per_token(model, config.seq_len), peak_flops(_device_name(device))
 
     def save(step: int) -> None:
         """Commit a checkpoint of `step`, unless its weights or its validation loss are no longer finite."""
@@ -264,18 +281,15 @@ def _train(
         dist_checkpoint.save_training(run_dir, par, model, optimizers, schedulers, step)
 
     model.train()
-    loss_of = lambda ids: step_fn(ids, labels=ids, return_logits=False).loss  # noqa: E731
+    loss_of = lambda ids, starts=None: packed(ids, labels=ids, doc_starts=starts, return_logits=False).loss  # noqa: E731
     train_step = TrainStep(loss_of, params, optimizers, grad_accum=config.grad_accum, clip=clip, autocast=autocast,
                            cuda_graph=config.cuda_graph)  # fmt: skip
     tick, interval_tokens = time.perf_counter(), 0
     for step in range(start + 1, end + 1):
-        batches = torch.stack([
-            par.local_rows(sample_batch(train_tokens, config.batch_size, config.seq_len, seed=config.seed, step=step,
-                                        micro=micro))  # this rank's share of the global batch
-            for micro in range(config.grad_accum)
-        ])  # fmt: skip
+        batch = loader.next(step)  # this rank's share of the global batch, prefetched
+        batches = batch.ids.to(device, non_blocking=True)
         # Under a CUDA graph both live in static buffers that the next step overwrites: read in this iteration only.
-        loss_sum, grad_norm = train_step.step(batches)  # grad_norm: the same on every rank
+        loss_sum, grad_norm = train_step.step(batches, batch.doc_starts)  # grad_norm: the same on every rank
         lr = schedulers[-1].get_last_lr()[0]  # the rate this step used
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
@@ -318,6 +332,7 @@ def _train(
         rows.append(row)
         if main:
             ckpt.append_log(run_dir, row)
+            reporters.log(step, scalars(row, device=device, flops_per_token=fpt, peak_flops=peak))
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         if do_eval:
             bar.write(validation_line(step, row["train_eval_loss"], *last_val, unigram))
@@ -337,10 +352,8 @@ def _train(
         tick, interval_tokens = time.perf_counter(), 0
     bar.close()
     tokens_per_s = timed_tokens / timed_s if timed_s else (rows[-1]["tokens_per_s"] if rows else 0.0)
-    fpt = flops_per_token(model, config.seq_len)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_name = _device_name(device)
     memory = peak_memory(device)
-    peak = peak_flops(device_name)
     summary = {
         "run_dir": str(run_dir),
         "step": step,
@@ -366,3 +379,7 @@ def _train(
     if main:
         files.atomic_write_text(run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
