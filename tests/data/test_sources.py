@@ -79,6 +79,15 @@ def test_directory_corpus_reads_text_files_recursively(tmp_path):
     assert by_name["d1/file7.md"] == "document 7\n" * 8
 
 
+def test_a_file_that_is_not_utf8_in_a_folder_is_skipped_and_counted(tmp_path):
+    for i in range(60):
+        (tmp_path / f"good{i}.txt").write_text(f"document {i}\n" * 3, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    corpus = load_corpus(str(tmp_path))
+    assert len(corpus.train_names) + len(corpus.val_names) == 60 and "latin1.txt" not in corpus.train_names
+    assert "1 that are not UTF-8 skipped (e.g. latin1.txt)" in corpus.source
+
+
 def test_single_file_is_split_by_text_at_a_line(tmp_path):
     lines = [f"line {i} {'x' * (i % 7)}" for i in range(500)]
     path = tmp_path / "one.txt"
