@@ -10,8 +10,11 @@ marks the folder complete. The built-in and python-env corpora and single text f
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -202,6 +205,8 @@ _WORKER: dict = {}
 
 
 def _init_worker(out: str, kind: str) -> None:
+    if sys.platform.startswith("linux"):  # a killed tokenize must not leave workers writing into its folder
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _WORKER["tokenizer"] = ByteTokenizer() if kind == "byte" else BPETokenizer.load(Path(out) / BPE_FILE)
 

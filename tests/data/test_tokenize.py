@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,15 +205,20 @@ def test_a_killed_tokenize_resumes_keeping_its_checked_shards(tmp_path):
         "--shard-tokens",
         "8000",
         "--workers",
-        "1",
+        "2",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list((out / PARTS).glob("*.json")) if (out / PARTS).is_dir() else []) < 4:
         time.sleep(0.01)
+    workers = _children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    assert workers, "the run had no worker processes when it was killed"
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived the killed tokenize"
     assert not (out / INDEX).exists(), "the run ended before it was killed: give it more to do"
     parts = sorted((out / PARTS).glob("*.json"))
     assert parts, "no unit finished within the deadline"
@@ -227,3 +233,24 @@ def test_a_killed_tokenize_resumes_keeping_its_checked_shards(tmp_path):
     assert index["splits"] == clean["splits"]
     rewritten = {name for name in kept if (out / name).stat().st_mtime_ns != kept[name]}
     assert rewritten == {damaged.name}  # every other finished shard was kept as it was
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            found.append(int(status.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its new parent to collect it does not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
