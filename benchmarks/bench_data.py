@@ -6,8 +6,9 @@ lines files of 64 MB (real code, so the BPE meets real words; a fixed seed). Par
 
 - tokenize: `tokenize` of a --corpus-mb corpus on --workers processes, per tokenizer (--tokenizers byte,bpe; the BPE
   has --vocab-size ids and is trained on the corpus's first 32 MB, included in the time): seconds, MB/s, MB/s per
-  worker. With --kill-after S the first run is killed after S seconds and run again to the end (the rerun keeps the
-  finished shards); both times are given.
+  worker, and the CPU seconds of the processes (MB per CPU second is what a core does, on a machine shared or not).
+  With --kill-after S the first run is killed after S seconds and run again to the end (the rerun keeps the finished
+  shards); the time is the whole, and the CPU seconds those of the processes that ended normally.
 - loader: `TrainLoader` over the tokenized corpus at --batch x --seq-len x --grad-accum tokens per step (k3-scaled's
   8 x 2048 x 2 by default), plain and with --doc-mask's document starts: tokens/s through the prefetching thread and
   computed in the caller. It is set against the tokens/s of a k3-scaled training step: measured here on CUDA (eager,
@@ -125,6 +126,7 @@ def bench_tokenize(args, work: Path) -> list[dict]:
             argv += ["--vocab-size", str(args.vocab_size)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         killed_s = None
+        cpu_before = _children_cpu_s()
         start = time.perf_counter()
         if args.kill_after:
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -137,6 +139,7 @@ def bench_tokenize(args, work: Path) -> list[dict]:
                 log(f"{tokenizer}: killed after {killed_s:.0f} s; tokenizing again")
         subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - start
+        cpu_seconds = _children_cpu_s() - cpu_before
         from hybrid_attention.data.shards import read_index
 
         index = read_index(out)
@@ -151,19 +154,31 @@ def bench_tokenize(args, work: Path) -> list[dict]:
                 tokens=tokens,
                 mb_per_s=megabytes / seconds,
                 mb_per_s_per_worker=megabytes / seconds / args.workers,
+                cpu_seconds=cpu_seconds,
+                mb_per_cpu_s=megabytes / cpu_seconds,
             )
         )
         log(f"  {rows[-1]}")
     print(f"## tokenize: a {megabytes:,.0f} MB generated corpus (JSON lines), {args.workers} workers\n")
-    print("| tokenizer | tokens | seconds | MB/s | MB/s per worker | killed, then resumed |\n|---|---|---|---|---|---|")
+    print("| tokenizer | tokens | seconds | MB/s | MB/s per worker | CPU s | MB per CPU s | killed, then resumed |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         killed = "-" if r["killed_after_s"] is None else f"after {r['killed_after_s']:.0f} s"
         print(
             f"| {r['tokenizer']} | {r['tokens']:,} | {r['seconds']:.1f} | {r['mb_per_s']:.2f} | "
-            f"{r['mb_per_s_per_worker']:.2f} | {killed} |"
+            f"{r['mb_per_s_per_worker']:.2f} | {r['cpu_seconds']:.0f} | {r['mb_per_cpu_s']:.2f} | {killed} |"
         )
     print()
     return rows
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the finished child processes (and theirs): a machine shared with other work
+    stretches the wall time, not this."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # --------------------------------------------------------------------------------------------------------- loader

@@ -171,3 +171,45 @@ def test_model_refuses_packed_documents_with_a_batch_or_a_cache():
         model(torch.zeros(2, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match=r"input_ids \[1, T\] without a cache"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=model.make_cache(1, 8), cu_seqlens=torch.tensor([0, 4]))
+
+
+@pytest.mark.parametrize("api", ["scale_and_window", "is_causal_only"])
+@pytest.mark.parametrize("dims", [(12, 6), (6, 12)])
+def test_flash_call_pads_head_dims_and_keeps_the_scale(monkeypatch, api, dims):
+    """torch's varlen flash attention (CUDA only) stood in for by per-document SDPA with the same keyword API: the
+    call pads q, k and v to one head dimension and keeps the MLA scale, in torch's newer API (scale, window_size)
+    and in torch 2.10's (is_causal, scale dim ** -0.5)."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    from hybrid_attention.ops.mla import varlen
+
+    def per_document(q, k, v, cu, scale):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0  # flash takes one head dim
+        bounds = cu.tolist()
+        parts = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            parts.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(0, 1))
+        return torch.cat(parts)
+
+    def new_api(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+    ):
+        assert tuple(window_size) == (-1, 0)
+        return per_document(query, key, value, cu_seq_q, scale)
+
+    def old_api(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        assert is_causal
+        return per_document(query, key, value, cu_seq_q, query.shape[-1] ** -0.5)
+
+    fake = new_api if api == "scale_and_window" else old_api
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: (fake, set(inspect.signature(fake).parameters)))
+    torch.manual_seed(6)
+    d_qk, d_v = dims
+    q, k = torch.randn(2, sum(LENGTHS), 3, d_qk, dtype=torch.float64).unbind(0)
+    v = torch.randn(sum(LENGTHS), 3, d_v, dtype=torch.float64)
+    cu = _cu(LENGTHS)
+    out = varlen._flash(q, k, v, cu, max(LENGTHS), 0.3)
+    assert_close("flash call", out, varlen.causal_varlen_attention(q, k, v, cu, max(LENGTHS), scale=0.3), 1e-12)

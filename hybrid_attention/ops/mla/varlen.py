@@ -10,6 +10,7 @@ batch and torch.compile. Elsewhere each document is its own `scaled_dot_product_
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -18,13 +19,14 @@ import torch.nn.functional as F
 MAX_FLASH_DIM = 256  # the flash kernels' largest head dimension
 
 
+@functools.cache
 def _torch_varlen():
-    """torch's `varlen_attn`, or None when this torch has none."""
+    """torch's `varlen_attn` and its keyword names, or None when this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
 def flash_supported(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -40,14 +42,13 @@ def flash_supported(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _flash(q, k, v, cu_seqlens, max_len, scale):
     """torch's varlen flash attention; q, k and v padded with zero columns to one head dimension (it takes one)."""
-    varlen_attn = _torch_varlen()
+    varlen_attn, params = _torch_varlen()
     d_qk, d_v = q.shape[-1], v.shape[-1]
     dim = -(-max(d_qk, d_v) // 8) * 8
     if dim != d_qk:  # zero columns add nothing to q . k
         q, k = F.pad(q, (0, dim - d_qk)), F.pad(k, (0, dim - d_qk))
     if dim != d_v:
         v = F.pad(v, (0, dim - d_v))
-    params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # causal, in each API
     if "scale" in params:
         kw["scale"] = scale
