@@ -32,8 +32,9 @@ VAL_SPLITS = ("validation", "valid", "test")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def _dataset_folder(path: Path) -> bool:
+def dataset_folder(path: Path) -> bool:
     """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
+    path = Path(path)
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
@@ -56,7 +57,7 @@ def plan_units(spec: str, unit_bytes: int) -> tuple[list[dict], str]:
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"--data {spec}: no such file or directory")
-    if path.is_dir() and _dataset_folder(path):
+    if path.is_dir() and dataset_folder(path):
         return _dataset_units(str(path), unit_bytes)
     root, names = (path, _walk(path)) if path.is_dir() else (path.parent, [path.name])
     if not names:

@@ -204,9 +204,11 @@ def _finished(out: Path, num_units: int) -> dict[int, dict]:
 _WORKER: dict = {}
 
 
-def _init_worker(out: str, kind: str) -> None:
+def _init_worker(out: str, kind: str, parent: int) -> None:
     if sys.platform.startswith("linux"):  # a killed tokenize must not leave workers writing into its folder
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died while this one started: nothing will ever come to do
+            os._exit(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _WORKER["tokenizer"] = ByteTokenizer() if kind == "byte" else BPETokenizer.load(Path(out) / BPE_FILE)
 
@@ -273,7 +275,7 @@ def _run(units, pending, settings: Settings, out: Path, tokenizer, workers, prog
         # Processes, not threads: encoding holds the GIL between the library's calls. Spawned, so that they import
         # what they need whatever this process holds (threads, CUDA); a worker that dies fails the pool, not a hang.
         context = multiprocessing.get_context("spawn")
-        init = (str(out), tokenizer.kind)
+        init = (str(out), tokenizer.kind, os.getpid())
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=init) as pool:
             futures = [pool.submit(_call_unit, job) for job in jobs]
             try:

@@ -67,6 +67,18 @@ def _shard_tokenizer(root: Path, index: dict):
     return tokenizer
 
 
+def _refuse_records(spec: str | None) -> None:
+    """JSON, JSON lines, Parquet and `datasets` folders are read by `tokenize` only: a clear error, not one text."""
+    from hybrid_attention.data.formats import RECORD_SUFFIXES, dataset_folder
+
+    path = Path(spec) if spec is not None else None
+    if path is not None and ((path.is_file() and path.name.endswith(RECORD_SUFFIXES)) or dataset_folder(path)):
+        raise ValueError(
+            f"--data {spec} holds records, which `tokenize` reads: hybrid-attention tokenize --data {spec} --out "
+            "SHARDS, then train --data SHARDS"
+        )
+
+
 def open_training_data(
     spec: str | None,
     *,
@@ -110,6 +122,7 @@ def open_training_data(
     else:
         from hybrid_attention.data.sources import load_corpus
 
+        _refuse_records(spec)
         corpus = load_corpus(spec, max_bytes=max_bytes)
         if tokenizer is None and new_tokenizer == "bpe":
             tokenizer = BPETokenizer.train(corpus.train, vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB

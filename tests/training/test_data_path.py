@@ -141,3 +141,9 @@ def test_scalars_carry_mfu_and_memory():
     values = scalars(row, device=torch.device("cpu"), flops_per_token=1e6, peak_flops=1e12)
     assert values["perf/mfu"] == pytest.approx(1e-4) and values["memory/host_peak_gib"] > 0
     assert "val/loss" not in values and values["train/loss"] == 2.0
+
+
+def test_record_files_are_read_by_tokenize_not_as_one_text(shards, tmp_path):
+    records = shards.parent / "docs.jsonl"
+    with pytest.raises(ValueError, match="holds records, which `tokenize` reads"):
+        open_training_data(str(records))
