@@ -16,6 +16,11 @@ absent library, out of memory, a step that cannot be captured) is listed in the 
     python benchmarks/bench_train.py --cases ours-full,llama-sdpa --shapes 8x2048 --modes eager,graph
     python benchmarks/bench_train.py --cases ours-full --shapes 8x2048 --modes eager,graph --optimizer muon
     python benchmarks/bench_train.py --quick                           # CPU, tiny sizes, seconds: a smoke check
+    python benchmarks/bench_train.py --cases ours-full,ours-full-docs,ours-standard,ours-standard-docs \
+        --shapes 8x2048 --modes eager --doc-len 1024             # the cost of --doc-mask (packed documents)
+
+The "-docs" cases are `train --doc-mask`: the batch packed into one row cut at every row start and at document starts
+drawn at random (a mean document of --doc-len tokens, the same cuts every step), each document its own sequence.
 
 Two more columns say whether a step is bound by the host or the GPU: "host ms", the median time until a step's
 last launch returns (the host's share; the step ms adds the wait for the GPU), and with --profile "kernel ms", the
@@ -72,16 +77,39 @@ class Case:
     build: Callable[[], tuple[nn.Module, Callable, Callable[[int], float]]]
 
 
-def _ours(preset: str, sizes: dict, **overrides) -> Callable:
+def _ours(preset: str, sizes: dict, *, doc_len: int | None = None, **overrides) -> Callable:
     def build():
         config = HybridConfig.from_preset(preset, **{**sizes, **overrides})
         if sizes:  # --quick: the last layers of the pattern (the k3 pattern ends with both kinds)
             config = dataclasses.replace(config, layer_types=config.layer_types[-QUICK_LAYERS:])
         model = HybridLM(config)
         loss = lambda m, ids: m(ids, labels=ids, return_logits=False).loss
+        if doc_len is not None:
+            loss = _packed_loss(doc_len)
         return model, loss, lambda T: flops_per_token(model, T)
 
     return build
+
+
+def _packed_loss(doc_len: int) -> Callable:
+    """The loss of `train --doc-mask`: rows [B, T] packed into [1, B * T], cut at each row start and at document
+    starts drawn once per shape (exponential lengths of mean `doc_len`; a CPU cu_seqlens, as the loader gives)."""
+    import numpy as np
+
+    from hybrid_attention.data.loader import cu_seqlens_of_rows
+
+    cuts = {}
+
+    def loss(m, ids):
+        B, T = ids.shape
+        if (B, T) not in cuts:
+            rng = np.random.default_rng(0)
+            starts = [np.unique(np.cumsum(rng.exponential(doc_len, T // 2 + 1)).astype(np.int64)) for _ in range(B)]
+            cuts[B, T] = cu_seqlens_of_rows([s[(s > 0) & (s < T)] for s in starts], T)
+        flat = ids.reshape(1, B * T)
+        return m(flat, labels=flat, cu_seqlens=cuts[B, T], return_logits=False).loss
+
+    return loss
 
 
 class _FlopsProxy(nn.Module):
@@ -182,12 +210,19 @@ def _fla_kda(sizes: dict) -> Callable:
     return build
 
 
-def make_cases(sizes: dict) -> dict[str, Case]:
+def make_cases(sizes: dict, doc_len: int = 1024) -> dict[str, Case]:
     num_layers = HybridConfig.from_preset("k3-scaled").num_layers  # the "ours-kda" pattern, before --quick cuts it
+    docs = f"--doc-mask, documents of {doc_len} tokens on average"
     cases = [
         Case("ours-full", "k3-scaled, Full AttnRes", _ours("k3-scaled", sizes)),
+        Case("ours-full-docs", f"k3-scaled, Full AttnRes, {docs}", _ours("k3-scaled", sizes, doc_len=doc_len)),
         Case("ours-block", "k3-scaled-block, Block AttnRes", _ours("k3-scaled-block", sizes)),
         Case("ours-standard", "k3-scaled, standard residual", _ours("k3-scaled", sizes, residual="standard")),
+        Case(
+            "ours-standard-docs",
+            f"k3-scaled, standard residual, {docs}",
+            _ours("k3-scaled", sizes, doc_len=doc_len, residual="standard"),
+        ),
         Case("ours-all-mla", "k3-scaled-all-mla, standard", _ours("k3-scaled-all-mla", sizes, residual="standard")),
         Case(
             "ours-kda",
@@ -345,6 +380,7 @@ def main(argv=None) -> dict:
         "--profile", action="store_true", help="also run one step under torch.profiler: the kernels' summed time"
     )
     p.add_argument("--profile-top", type=int, default=0, help="with --profile: list each case's N slowest kernels")
+    p.add_argument("--doc-len", type=int, default=1024, help="mean document length of the -docs cases (tokens)")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
 
@@ -360,7 +396,7 @@ def main(argv=None) -> dict:
             p.error("needs a CUDA device (or --quick for the CPU smoke check)")
         device, sizes = torch.device("cuda"), {}
         shapes = args.shapes or [(8, 2048), (1, 16384)]
-    cases = make_cases(sizes)
+    cases = make_cases(sizes, args.doc_len)
     names = list(cases) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
     unknown = [n for n in names if n not in cases]
     if unknown:

@@ -10,3 +10,4 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("byte", "bpe")
+REPORTERS = ("tensorboard", "wandb")  # where training curves go besides log.jsonl

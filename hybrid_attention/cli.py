@@ -1,5 +1,5 @@
-"""The `hybrid-attention` command: train, generate, eval, info, export, serve, synth. Thin: parse flags, call the
-package, print.
+"""The `hybrid-attention` command: train, generate, eval, info, export, tokenize, serve, synth. Thin: parse flags,
+call the package, print.
 
 Bad input (flags, paths, run directories) ends with one line on stderr and a non-zero exit, never a traceback;
 set HYBRID_ATTENTION_TRACEBACK=1 to see the traceback anyway.
@@ -24,7 +24,7 @@ from hybrid_attention.arg_types import (
     positive_int,
     seed_int,
 )
-from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, TOKENIZERS
+from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, REPORTERS, TOKENIZERS
 from hybrid_attention.config import (  # torch-free: --help and bad flags answer before torch loads
     PRESETS,
     IgnoredSetting,
@@ -57,7 +57,9 @@ def _backend_flags(parser: argparse.ArgumentParser, default: str | None = "auto"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hybrid-attention", description="Train, sample and inspect hybrid KDA + MLA models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,eval,info,export,serve,synth}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{train,generate,eval,info,export,tokenize,serve,synth}"
+    )
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
@@ -73,11 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--data",
         type=_data_spec,
-        help="file, folder of .txt/.md/.py, hf:NAME[:CONFIG], builtin (the standard library; tiny's default) or "
-        "python-env (every installed package's Python sources; the larger presets' default)",
+        help="a folder of shards from `tokenize` (streamed), or read now: a file, a folder of .txt/.md/.py, "
+        "hf:NAME[:CONFIG], builtin (the standard library; tiny's default) or python-env (every installed package's "
+        "Python sources; the larger presets' default)",
     )
     t.add_argument("--data-max-bytes", type=positive_int, help="text cap (builtin, hf: 4e6; python-env: 2.56e8)")
-    t.add_argument("--tokenizer", choices=TOKENIZERS, help="byte (default) or a BPE trained on the train split")
+    t.add_argument(
+        "--tokenizer",
+        choices=TOKENIZERS,
+        help="byte (default) or a BPE trained on the train split; shards bring their own",
+    )
+    t.add_argument(
+        "--doc-mask",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every document as its own sequence: no state or attention across a document's end, no "
+        "loss on predicting the next one's first token (off by default: README, Data)",
+    )
     t.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
     t.add_argument("--seed", type=seed_int, help="seed of the initialisation and the batches (default 0)")
     t.add_argument("--out", help="run directory (default runs/PRESET)")
@@ -99,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="torchrun: recompute each mixer and MLP in the backward (less memory)")  # fmt: skip
     t.add_argument("--dist-timeout", type=positive_float, help="torchrun: seconds a rank waits for the others (600)")
+    t.add_argument(
+        "--report-to",
+        nargs="+",
+        choices=REPORTERS,
+        metavar="{tensorboard,wandb}",
+        help="also send the curves there (RUN/tensorboard; wandb when installed); log.jsonl stays",
+    )
     t.set_defaults(func=_train)
 
     g = sub.add_parser("generate", help="stream text from a trained run")
@@ -116,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a trained run")
     e.add_argument("--ckpt", required=True, help="run directory written by `train`")
-    e.add_argument("--data", type=_data_spec, help="evaluate on this data's validation split (default: the run's)")
+    e.add_argument(
+        "--data",
+        type=_data_spec,
+        help="evaluate on this data's validation split (default: the run's; a folder of shards included)",
+    )
     e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
     e.add_argument("--seq-len", type=number(int, 2), help="default: the run's (at least 2: one prediction)")
@@ -138,6 +163,30 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--ckpt", required=True, help="run directory written by `train`")
     x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
+
+    k = sub.add_parser(
+        "tokenize", help="tokenize a corpus into shards that `train --data DIR` streams (every core, resumable)"
+    )
+    k.add_argument(
+        "--data",
+        required=True,
+        type=_data_spec,
+        help="a folder (of .txt/.md/.py, .jsonl, .json, .parquet files), one such file, a `datasets` folder "
+        "from save_to_disk, hf:NAME[:CONFIG] (offline when cached), builtin or python-env",
+    )
+    k.add_argument("--out", required=True, help="folder of shards (a rerun finishes an interrupted one)")
+    k.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default), bpe (trained on the first 32 MB of training documents), a run directory or a "
+        "tokenizer.json (byte-level BPE); an end-of-document token is added where it has none",
+    )
+    k.add_argument("--vocab-size", type=positive_int, help="BPE vocabulary size (default 8192)")
+    k.add_argument("--text-field", default="text", help="the text of a JSON, Parquet or dataset record (default text)")
+    k.add_argument("--shard-tokens", type=positive_int, help="tokens per shard, about (default 16,777,216)")
+    k.add_argument("--workers", type=positive_int, help="processes (default: every core)")
+    k.add_argument("--strict", action="store_true", help="refuse files that are not UTF-8 and records without text")
+    k.set_defaults(func=_tokenize)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible completions server with continuous batching")
     source = v.add_mutually_exclusive_group(required=True)
@@ -252,6 +301,7 @@ _MEMORY_ADVICE = {
     "info": "",
     "export": "",
     "serve": "try a smaller --max-batched-tokens or --cache-memory-fraction",
+    "tokenize": "try a smaller --shard-tokens or fewer --workers",
     "synth": "try a smaller --batch-size or shorter lengths in --grid",
 }
 
@@ -320,6 +370,27 @@ def _train(args) -> int:
         mfu = "unknown (the device is not in the peak-FLOPs table)" if s["mfu"] is None else f"{s['mfu']:.1%}"
         print(f"{memory_line(s['device'], s['memory'])}; model FLOPs utilisation {mfu} of the datasheet bf16 peak")
     print(f"run directory: {config.out}; sample with `hybrid-attention generate --ckpt {config.out} --prompt 'def '`")
+    return 0
+
+
+def _tokenize(args) -> int:
+    from hybrid_attention.data.tokenize_corpus import DEFAULT_SHARD_TOKENS, Settings, describe, tokenize
+
+    tokenizer = args.tokenizer
+    if tokenizer not in TOKENIZERS:
+        tokenizer = str(Path(tokenizer).expanduser().resolve())  # a run directory or a file, from any directory
+    settings = Settings(
+        data=args.data,
+        tokenizer=tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        strict=args.strict,
+    )
+    start = time.perf_counter()
+    index = tokenize(settings, args.out, workers=args.workers)
+    print(f"{args.out}: {describe(index)}; {time.perf_counter() - start:.1f} s")
+    print(f"train on it with `hybrid-attention train --data {shlex.quote(str(args.out))}`")
     return 0
 
 
@@ -407,11 +478,12 @@ def _generate(args) -> int:
 
 
 def _eval(args) -> int:
-    from hybrid_attention.data.sources import load_corpus
+    from hybrid_attention.data.training_data import open_training_data
     from hybrid_attention.device import autocast_for
     from hybrid_attention.runs.checkpoint import load_run
     from hybrid_attention.training.config import TrainConfig
     from hybrid_attention.training.metrics import evaluate
+    from hybrid_attention.training.packed_rows import PackedRows
 
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device, **_backends(args))
@@ -420,27 +492,29 @@ def _eval(args) -> int:
         data, max_bytes = run.data, args.data_max_bytes or run.data_max_bytes
     else:
         data, max_bytes = args.data, args.data_max_bytes
-    corpus = load_corpus(data, max_bytes=max_bytes)
-    tokens = tokenizer.encode_documents(corpus.val).to(device)
+    source = open_training_data(data, max_bytes=max_bytes, tokenizer=tokenizer, splits=("val",))
+    tokens = source.val
     batch_size, seq_len = args.batch_size or run.batch_size, args.seq_len or run.seq_len
     if tokens.numel() < seq_len:
-        raise ValueError(f"the validation split of {corpus.source} has {tokens.numel()} tokens, fewer than {seq_len}")
+        raise ValueError(f"the validation split of {source.source} has {tokens.numel()} tokens, fewer than {seq_len}")
     windows = tokens.numel() // seq_len
     num_batches = None if windows <= args.max_batches * batch_size else args.max_batches
     autocast = autocast_for(device, args.dtype)
     loss, bpb = evaluate(
-        model,
+        PackedRows(model),
         tokens,
         tokenizer.byte_lengths().to(device),
         batch_size=batch_size,
         seq_len=seq_len,
         num_batches=num_batches,
         autocast=autocast,
+        documents=run.doc_mask,
     )
     evaluated = min(windows, args.max_batches * batch_size) * seq_len
     print(
-        f"{args.ckpt} on {corpus.source} (validation split, {evaluated:,} of {tokens.numel():,} tokens, "
-        f"windows of {seq_len}): loss {loss:.4f} nats/token, {bpb:.4f} bits/byte"
+        f"{args.ckpt} on {source.source} (validation split, {evaluated:,} of {tokens.numel():,} tokens, "
+        f"windows of {seq_len}{', every document its own sequence' if run.doc_mask else ''}): loss {loss:.4f} "
+        f"nats/token, {bpb:.4f} bits/byte"
     )
     return 0
 

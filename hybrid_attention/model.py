@@ -16,6 +16,7 @@ from hybrid_attention.checks import is_int
 from hybrid_attention.choices import ATTNRES_BACKENDS, KDA_BACKENDS
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.layers.attnres import AttnRes
+from hybrid_attention.layers.documents import PackedDocuments
 from hybrid_attention.layers.kda import KimiDeltaAttention
 from hybrid_attention.layers.mla import GatedMLA
 from hybrid_attention.layers.mlp import SwiGLU
@@ -70,10 +71,11 @@ class DecoderLayer(nn.Module):
                 self.mixer_res = AttnRes(c.hidden_size, eps=c.norm_eps)
             self.mlp_res = AttnRes(c.hidden_size, eps=c.norm_eps)
 
-    def steps(self, cache, decode: PackedProjections | None = None) -> list[Step]:
+    def steps(self, cache, decode: PackedProjections | None = None, docs: PackedDocuments | None = None) -> list[Step]:
         """The two sublayers as residual-stream steps (attn_res or None, pre_norm, g), sublayer(h) = g(pre_norm(h)).
-        `decode`: a decode step's packed projections, handed to the mixer and the MLP."""
-        mixer = lambda x: self.mixer(x, cache=cache, decode=decode)
+        `decode`: a decode step's packed projections, handed to the mixer and the MLP; `docs`: packed documents, to
+        the mixer."""
+        mixer = lambda x: self.mixer(x, cache=cache, decode=decode, cu_seqlens=docs)
         mlp = lambda x: self.mlp(x, decode=decode)
         return [
             (getattr(self, "mixer_res", None), self.mixer_norm, mixer),
@@ -125,6 +127,7 @@ class HybridLM(nn.Module):
         labels: torch.Tensor | None = None,
         cache: HybridCache | None = None,
         *,
+        cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
         decode: PackedProjections | None = None,
     ) -> ModelOutput:
@@ -139,14 +142,28 @@ class HybridLM(nn.Module):
         (no device sync), and on every device when `check_token_ids` is set (one sync per call). `decode`: a decode
         step's packed projections (`graphs.DecodeStep` passes them), with which every layer and the head compute
         their products (layers/packed.py).
+
+        `cu_seqlens` (int [N + 1], any device; a CPU one costs no device sync): input_ids [1, T] packs N documents
+        back to back, as FLA's varlen API takes them. Each is its own sequence: KDA state and conv tails start from
+        zeros at its first token, MLA attends within it, and the loss skips the position that would predict the
+        next document's first token, so logits and loss are those of each document run alone.
         """
         self._check_inputs(input_ids, labels, cache)
+        docs = None
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1 or cache is not None or decode is not None:
+                raise ValueError(
+                    f"HybridLM: cu_seqlens packs documents into input_ids [1, T] without a cache, got "
+                    f"{tuple(input_ids.shape)}{' and a cache' if cache is not None else ''}"
+                )
+            docs = PackedDocuments.of(cu_seqlens, input_ids.shape[1], input_ids.device)
         if cache is not None:
             # The lengths count these tokens from here on (in place on the device, graph-safe): every MLA layer
             # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
             cache.advance(input_ids.shape[1])
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
-        steps = [step for layer, lc in zip(self.layers, layer_caches, strict=True) for step in layer.steps(lc, decode)]
+        pairs = zip(self.layers, layer_caches, strict=True)
+        steps = [step for layer, lc in pairs for step in layer.steps(lc, decode, docs)]
         steps.append((getattr(self, "final_res", None), self.norm, None))
         c = self.config
         h_out = residual_stream(
@@ -157,6 +174,9 @@ class HybridLM(nn.Module):
             # Position t predicts labels[t + 1]; the last position predicts nothing. Shifting the labels instead of
             # slicing h keeps h_out a view (no [B, T - 1, D] copy).
             targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # (B * T)
+            if docs is not None:  # the last token of a document predicts nothing
+                last = (docs.cu_seqlens[1:-1].long() - 1) % targets.numel()  # an empty first document: the end
+                targets = targets.index_fill(0, last, -100)
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
             # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))

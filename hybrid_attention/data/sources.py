@@ -1,5 +1,5 @@
 """Training text from a `--data` spec: the built-in corpus, `python-env`, local files or Hugging Face datasets, split
-into train and validation (docs/training.md, "Training data").
+into train and validation (docs/training.md, "Training data"); training reads it through the shards `tokenize` writes.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corp
     names = _walk(path, TEXT_SUFFIXES)
     if not names:
         raise ValueError(f"--data {path}: the directory holds no {'/'.join(TEXT_SUFFIXES)} files")
-    docs = _read_named(path, names, max_bytes, val_fraction, strict=True)
-    return _finish(docs, val_fraction, f"{path} ({len(names)} files)")
+    skipped: list[str] = []
+    docs = _read_named(path, names, max_bytes, val_fraction, strict=False, skipped=skipped)
+    note = f", {len(skipped)} that are not UTF-8 skipped (e.g. {skipped[0]})" if skipped else ""
+    return _finish(docs, val_fraction, f"{path} ({len(names)} files{note})")
 
 
 def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
@@ -80,13 +82,15 @@ def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _read_text(path: Path, *, strict: bool) -> str | None:
+def _read_text(path: Path, *, strict: bool, skipped: list[str] | None = None) -> str | None:
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        if not strict:
-            return None  # the standard library keeps a few deliberately non-UTF-8 test files
+        if not strict:  # the standard library keeps a few deliberately non-UTF-8 test files, user folders a stray one
+            if skipped is not None:
+                skipped.append(path.name)
+            return None
         raise ValueError(f"--data: {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
 
 
@@ -95,7 +99,7 @@ def _cap_text(text: str, max_bytes: int) -> str:
 
 
 def _read_named(
-    root: Path, names: list[str], max_bytes: int | None, val_fraction: float, *, strict: bool
+    root: Path, names: list[str], max_bytes: int | None, val_fraction: float, *, strict: bool, skipped=None
 ) -> list[tuple[str, str]]:
     """Read files in the given order, each split filled up to its share of `max_bytes` with whole files.
 
@@ -114,12 +118,12 @@ def _read_named(
         if used[split] + size > budget[split]:
             smallest[split] = min(smallest.get(split, (size, rel)), (size, rel))
             continue
-        text = _read_text(root / rel, strict=strict)
+        text = _read_text(root / rel, strict=strict, skipped=skipped)
         if text:
             docs.append((rel, text))
             used[split] += size
     for split, (_, rel) in smallest.items():
-        if used[split] == 0 and (text := _read_text(root / rel, strict=strict)):
+        if used[split] == 0 and (text := _read_text(root / rel, strict=strict, skipped=skipped)):
             docs.append((rel, text))
     return docs
 

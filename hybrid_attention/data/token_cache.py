@@ -1,16 +1,13 @@
-"""The tokenized-corpus cache: a corpus's train and validation token ids under one tokenizer, kept on disk.
+"""Shards of an in-memory corpus, and the token cache that keeps them: the built-in, python-env, file, folder and
+`hf:` sources of `train --data` become the same shards `tokenize` writes, the first time they are read.
 
-Tokenizing a few hundred MB with a BPE takes longer than the rest of a run's start, and every run on the same corpus
-with the same tokenizer would repeat it. So `encode_corpus` keeps one safetensors file per (corpus, tokenizer) in
-`cache_dir()`: $HYBRID_ATTENTION_CACHE, else $XDG_CACHE_HOME/hybrid-attention, else ~/.cache/hybrid-attention.
-
+`cached_shards(corpus, tokenizer)` keeps one shard folder per (corpus, tokenizer) under `cache_dir()`/shards:
+$HYBRID_ATTENTION_CACHE, else $XDG_CACHE_HOME/hybrid-attention, else ~/.cache/hybrid-attention.
 - The key is a sha256 over the format version, `Corpus.digest()` and the tokenizer's identity (for a BPE its whole
   tokenizers JSON), so a changed corpus or tokenizer never reads another one's entry.
-- The file holds `train` and `val` (uint16 when the vocabulary fits, else int32) and, as metadata, the key and a
-  sha256 of the token bytes. A file that does not load, names another key or fails its checksum is rebuilt, never
-  trusted. It is written atomically (`files.atomic_write`), so an interrupted write leaves no entry behind.
-- Byte-tokenized corpora are not cached: their encoding is a copy of the text.
-
+- An entry is built in a temporary folder beside it and renamed into place whole; one whose index does not read,
+  names another key, or whose shards fail their SHA-256, is rebuilt, never trusted. A cache folder that cannot be
+  written only costs the reuse: the shards then live in a temporary folder for the run.
 Encoding runs in groups of documents through the tokenizer's batch encoder (parallel over the machine's cores),
 with a progress bar over the bytes.
 """
@@ -19,26 +16,22 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from hybrid_attention.data.documents import Corpus
-from hybrid_attention.files import atomic_write
+from hybrid_attention.data.shards import SPLITS, open_split, read_index, token_dtype, write_index, write_shard
+from hybrid_attention.data.tokenizer import BPE_FILE
+from hybrid_attention.files import atomic_write_text
 
-FORMAT = "hybrid-attention tokens v1"
+FORMAT = "hybrid-attention tokens v2"
 GROUP_BYTES = 16_000_000  # text per batch-encoding call: large enough to keep every core busy
-
-
-@dataclass
-class TokenizedCorpus:
-    """Token ids of a corpus's splits ([N] int32 each) and where they came from."""
-
-    train: torch.Tensor
-    val: torch.Tensor
-    path: Path | None  # the cache file, or None when not cached
-    hit: bool  # read from the cache
+SHARD_TOKENS = 1 << 24  # tokens per shard: 32 MiB of uint16
 
 
 def cache_dir() -> Path:
@@ -51,77 +44,130 @@ def cache_dir() -> Path:
 
 def cache_key(corpus_digest: str, tokenizer) -> str:
     """sha256 (hex) naming the entry of this corpus under this tokenizer."""
-    identity = tokenizer.to_json() if tokenizer.kind == "bpe" else tokenizer.kind
-    return hashlib.sha256("\n".join([FORMAT, corpus_digest, identity]).encode("utf-8")).hexdigest()
+    return hashlib.sha256("\n".join([FORMAT, corpus_digest, tokenizer.identity()]).encode("utf-8")).hexdigest()
 
 
-def encode_with_progress(tokenizer, docs: list[str], *, desc: str, progress: bool = True) -> torch.Tensor:
-    """tokenizer.encode_documents(docs) ([N] int32), in groups of about GROUP_BYTES of text, with a progress bar."""
+def tokenizer_section(tokenizer) -> dict:
+    """The index's record of a tokenizer: config.json's section and a sha256 of its identity."""
+    return {**tokenizer.to_dict(), "sha256": hashlib.sha256(tokenizer.identity().encode()).hexdigest()}
+
+
+class SplitWriter:
+    """Documents of one split, appended in order, written as shards `{split}-{n:05d}.safetensors` of about
+    `shard_tokens` tokens each (whole documents, so a shard may run over)."""
+
+    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int = SHARD_TOKENS):
+        self.root, self.split, self.dtype, self.shard_tokens = root, split, dtype, shard_tokens
+        self.entries: list[dict] = []
+        self._ids: list[np.ndarray] = []
+        self._lengths: list[np.ndarray] = []
+        self._pending = 0
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        self._ids.append(ids)
+        self._lengths.append(lengths)
+        self._pending += ids.size
+        if self._pending >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.root / f"{self.split}-{len(self.entries):05d}.safetensors"
+        self.entries.append(write_shard(path, np.concatenate(self._ids), np.concatenate(self._lengths), self.dtype))
+        self._ids, self._lengths, self._pending = [], [], 0
+
+
+def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool = True, **index_fields) -> dict:
+    """Encode both splits of `corpus` into shards in the folder `root` (created) and write its index; returns it."""
     from tqdm import tqdm
 
-    total = sum(len(d) for d in docs)
-    parts, group, size = [], [], 0
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, leave=False) as bar:
-        for i, doc in enumerate(docs):
-            group.append(doc)
-            size += len(doc)
-            if size >= GROUP_BYTES or i == len(docs) - 1:
-                parts.append(tokenizer.encode_documents(group))
-                bar.update(size)
-                group, size = [], 0
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    root.mkdir(parents=True, exist_ok=True)
+    if tokenizer.kind == "bpe":
+        atomic_write_text(root / BPE_FILE, tokenizer.to_json())
+    dtype = token_dtype(tokenizer.vocab_size)
+    splits = {}
+    for split, docs in zip(SPLITS, (corpus.train, corpus.val), strict=True):
+        writer = SplitWriter(root, split, dtype, SHARD_TOKENS)
+        total = sum(len(d) for d in docs)
+        desc = f"tokenizing {'validation' if split == 'val' else split}"
+        with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, leave=False) as bar:
+            group, size = [], 0
+            for i, doc in enumerate(docs):
+                group.append(doc)
+                size += len(doc)
+                if size >= GROUP_BYTES or i == len(docs) - 1:
+                    writer.add(*tokenizer.encode_packed(group))
+                    bar.update(size)
+                    group, size = [], 0
+        writer.flush()
+        splits[split] = _split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
+    index = {
+        "tokenizer": tokenizer_section(tokenizer),
+        "source": corpus.source,
+        "dtype": dtype.name,
+        "splits": splits,
+        **index_fields,
+    }
+    write_index(root, index)
+    return read_index(root)
 
 
-def _checksum(train: torch.Tensor, val: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in (train, val):
-        h.update(t.numel().to_bytes(8, "little"))
-        h.update(t.contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
+def _split_section(entries: list[dict], text_bytes: int) -> dict:
+    return {
+        "num_tokens": sum(e["num_tokens"] for e in entries),
+        "num_documents": sum(e["num_documents"] for e in entries),
+        "text_bytes": text_bytes,
+        "shards": entries,
+    }
 
 
-def _load(path: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The entry's (train, val) as int32, or None when the file is missing, unreadable, for another key or damaged."""
-    from safetensors import safe_open
+@dataclass
+class CachedShards:
+    root: Path
+    index: dict
+    hit: bool  # read from the cache, not built now
+    temporary: tempfile.TemporaryDirectory | None = None  # holds the shards when the cache could not be written
 
-    if not path.is_file():
-        return None
+
+def _valid_entry(root: Path, key: str) -> dict | None:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            train, val = f.get_tensor("train"), f.get_tensor("val")
-    except Exception:  # safetensors raises its own error types for truncated or malformed files
+        index = read_index(root)
+        if index.get("key") != key:
+            return None
+        for split in SPLITS:
+            open_split(root, index, split).verify()
+        return index
+    except (ValueError, OSError):
         return None
-    if meta.get("format") != FORMAT or meta.get("key") != key or meta.get("checksum") != _checksum(train, val):
-        return None
-    return train.to(torch.int32), val.to(torch.int32)
 
 
-def _store(path: Path, key: str, train: torch.Tensor, val: torch.Tensor, vocab_size: int) -> None:
-    from safetensors.torch import save_file
-
-    dtype = torch.uint16 if vocab_size <= 2**16 else torch.int32
-    train, val = train.to(dtype), val.to(dtype)
-    meta = {"format": FORMAT, "key": key, "checksum": _checksum(train, val)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: save_file({"train": train, "val": val}, tmp, metadata=meta))
-
-
-def encode_corpus(tokenizer, corpus: Corpus, *, cache: Path | None = None, progress: bool = True) -> TokenizedCorpus:
-    """Both splits of `corpus` as token ids, from the cache in `cache` (default `cache_dir()`) when it holds a valid
-    entry, else encoded and stored there. A cache folder that cannot be written only costs the reuse."""
-    if tokenizer.kind == "byte":
-        train = tokenizer.encode_documents(corpus.train)
-        return TokenizedCorpus(train, tokenizer.encode_documents(corpus.val), None, False)
+def cached_shards(corpus: Corpus, tokenizer, *, cache: Path | None = None, progress: bool = True) -> CachedShards:
+    """The shards of `corpus` under `tokenizer`, from the cache in `cache` (default `cache_dir()`) when it holds a
+    valid entry, else built there (or in a temporary folder when the cache cannot be written)."""
     key = cache_key(corpus.digest(), tokenizer)
-    path = (cache or cache_dir()) / "tokens" / f"{key}.safetensors"
-    loaded = _load(path, key)
-    if loaded is not None:
-        return TokenizedCorpus(*loaded, path, True)
-    train = encode_with_progress(tokenizer, corpus.train, desc="tokenizing train", progress=progress)
-    val = encode_with_progress(tokenizer, corpus.val, desc="tokenizing validation", progress=progress)
+    final = (cache or cache_dir()) / "shards" / key
+    if final.is_dir() and (index := _valid_entry(final, key)) is not None:
+        return CachedShards(final, index, True)
     try:
-        _store(path, key, train, val, tokenizer.vocab_size)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        building = final.parent / f".{key}.{uuid.uuid4().hex}.tmp"
+        try:
+            write_corpus_shards(corpus, tokenizer, building, progress=progress, key=key)
+            if final.exists():  # a damaged entry (a valid one was returned above)
+                shutil.rmtree(final, ignore_errors=True)
+            try:
+                os.replace(building, final)
+            except OSError:  # another job put its entry there first: use it if it checks out
+                if (index := _valid_entry(final, key)) is None:
+                    raise
+                return CachedShards(final, index, False)
+        finally:
+            if building.exists():
+                shutil.rmtree(building, ignore_errors=True)
+        return CachedShards(final, read_index(final), False)
     except OSError:
-        path = None
-    return TokenizedCorpus(train, val, path, False)
+        temporary = tempfile.TemporaryDirectory(prefix="hybrid-attention-shards-")
+        root = Path(temporary.name)
+        index = write_corpus_shards(corpus, tokenizer, root, progress=progress, key=key)
+        return CachedShards(root, index, False, temporary)

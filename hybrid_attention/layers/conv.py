@@ -40,31 +40,45 @@ class ShortConv(nn.Module):
         dtype = dtype if dtype is not None else self.weight.dtype
         return torch.zeros(batch_size, self.channels, self.kernel_size - 1, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]. With `cache` ([B, C, W-1]) it is the left context, updated in place."""
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None, *, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]. With `cache` ([B, C, W-1]) it is the left context, updated in place.
+        `positions` (int [B, T], packed documents, no cache): each token's position in its document; no tap reaches
+        before a document's first token."""
         B, T, C = x.shape
         if C != self.channels:
             raise ValueError(f"ShortConv: expected {self.channels} channels, got input of shape {tuple(x.shape)}")
         if cache is not None and cache.shape != (B, C, self.kernel_size - 1):
             raise ValueError(f"ShortConv: cache shape {tuple(cache.shape)} != expected {(B, C, self.kernel_size - 1)}")
+        if positions is not None and cache is not None:
+            raise ValueError("ShortConv: packed documents (positions) start from zeros and take no cache")
         if use_triton(x) and self.kernel_size <= _fused_taps():
-            return self._fused(x, cache)
+            return self._fused(x, cache, positions)
         xt = x.transpose(1, 2)  # (B, C, T)
         left = xt.new_zeros(B, C, self.kernel_size - 1) if cache is None else cache.to(x.dtype)
         window = torch.cat([left, xt], dim=-1)  # (B, C, W-1+T)
+        if positions is not None:  # tap j of row t reaches W - 1 - j tokens back: zero where that leaves the document
+            taps = window.unfold(-1, self.kernel_size, 1)  # (B, C, T, W)
+            reach = torch.arange(self.kernel_size - 1, -1, -1, device=x.device)
+            inside = reach <= positions[:, None, :, None].to(reach.dtype)  # (B, 1, T, W)
+            y = (taps * inside * self.weight.to(x.dtype).view(1, C, 1, self.kernel_size)).sum(-1)
+            return F.silu(y).transpose(1, 2)
         y = F.conv1d(window, self.weight.to(x.dtype), groups=C)  # (B, C, T)
         if cache is not None and self.kernel_size > 1:
             cache.copy_(window[..., -(self.kernel_size - 1) :])
         return F.silu(y).transpose(1, 2)
 
-    def _fused(self, x: torch.Tensor, cache: torch.Tensor | None) -> torch.Tensor:
+    def _fused(
+        self, x: torch.Tensor, cache: torch.Tensor | None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The Triton kernel, with or without a cache. A cached prefill runs the same kernel as the whole-prompt
         forward (its left context prepended), so both give the same numbers; cuDNN's conv1d may use TF32."""
         from hybrid_attention.ops.short_conv import short_conv
 
         weight = self.weight.view(self.channels, self.kernel_size)
         if cache is None:
-            return short_conv(x, weight)
+            return short_conv(x, weight, positions)
         left = self.kernel_size - 1
         window = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)  # (B, W-1+T, C)
         y = short_conv(window, weight)[:, left:]

@@ -30,6 +30,7 @@ from torch import nn
 
 from hybrid_attention.checks import check_lower_bound
 from hybrid_attention.layers.conv import ShortConv
+from hybrid_attention.layers.documents import PackedDocuments
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear, project
 from hybrid_attention.ops.backends import use_triton
@@ -162,13 +163,20 @@ class KimiDeltaAttention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, cache: KDACache | None = None, *, decode: PackedProjections | None = None
+        self,
+        x: torch.Tensor,
+        cache: KDACache | None = None,
+        *,
+        decode: PackedProjections | None = None,
+        cu_seqlens: torch.Tensor | PackedDocuments | None = None,
     ) -> torch.Tensor:
         """x: [B, T, hidden_size] -> [B, T, hidden_size].
 
         With `cache`, the conv tails are the left context and the cached state is the initial state;
         both are updated in place to include these T tokens (T >= 1, any T). `decode`: a decode step's packed
-        projections (layers/packed.py), which then compute the products.
+        projections (layers/packed.py), which then compute the products. `cu_seqlens` (int [N + 1], B == 1, no
+        cache; or a `PackedDocuments`): N documents packed along T, each run as its own sequence (conv tails and
+        state start from zeros at every document).
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[1] == 0:
             raise ValueError(
@@ -179,14 +187,23 @@ class KimiDeltaAttention(nn.Module):
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        docs = None
+        if cu_seqlens is not None:
+            if B != 1 or cache is not None:
+                raise ValueError(
+                    f"KimiDeltaAttention: cu_seqlens packs documents into B == 1 without a cache, got x "
+                    f"of shape {tuple(x.shape)}{' and a cache' if cache is not None else ''}"
+                )
+            docs = PackedDocuments.of(cu_seqlens, T, x.device)
+        positions = None if docs is None else docs.positions
         if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size):
             return self._decode_fused(x, cache, decode)
         conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
 
         q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, decode)
-        q = self.q_conv(q_in, conv_q).view(B, T, H, D)
-        k = self.k_conv(k_in, conv_k).view(B, T, H, D)
-        v = self.v_conv(v_in, conv_v).view(B, T, H, D)
+        q = self.q_conv(q_in, conv_q, positions=positions).view(B, T, H, D)
+        k = self.k_conv(k_in, conv_k, positions=positions).view(B, T, H, D)
+        v = self.v_conv(v_in, conv_v, positions=positions).view(B, T, H, D)
         beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
         z, gate_args = self._gate_logits(linear(self.f_up, f_in, decode).view(B, T, H, -1))
 
@@ -201,7 +218,8 @@ class KimiDeltaAttention(nn.Module):
             initial_state = None if cache is None else cache.state.clone()
             o, state = chunk_kda(
                 q, k, v, z, beta, initial_state=initial_state, output_final_state=cache is not None,
-                backend=self.backend, use_qk_l2norm=True, **gate_args,
+                cu_seqlens=None if docs is None else docs.cu_seqlens, backend=self.backend, use_qk_l2norm=True,
+                **gate_args,
             )  # fmt: skip
         if cache is not None:
             cache.state.copy_(state.detach())

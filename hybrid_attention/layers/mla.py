@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_attention.layers.documents import PackedDocuments
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.layers.seqlens import SeqLens
@@ -35,6 +36,7 @@ from hybrid_attention.ops.backends import needs_grad, resolve, use_triton
 from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.mla.prefill import decompressed_break_even, mla_prefill
 from hybrid_attention.ops.mla.prefix import PrefixReader, contiguous_prefix
+from hybrid_attention.ops.mla.varlen import causal_varlen_attention
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -234,14 +236,19 @@ class GatedMLA(nn.Module):
         """kv_down x [B, T, d_c], k_shared x [B, T, d_s] -> cache rows [c ; k_s]: [B, T, d_c + d_s]."""
         return torch.cat([self.kv_norm(kv), k_shared], dim=-1)
 
-    def _prefill_attention(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _prefill_attention(
+        self, q: torch.Tensor, rows: torch.Tensor, docs: PackedDocuments | None = None
+    ) -> torch.Tensor:
         """Decompressed path, queries and keys of equal length: q [B, T, H, d_n + d_s], rows [B, T, d_c + d_s]
-        -> o [B, T, H, d_v]."""
+        -> o [B, T, H, d_v]. `docs` (B == 1): attend only within each packed document."""
         B, T, H, _ = q.shape
         c, k_s = rows.split([self.kv_lora_rank, self.qk_shared_head_dim], dim=-1)
         k_n = self.k_up(c).view(B, T, H, self.qk_nope_head_dim)
         v = self.v_up(c).view(B, T, H, self.v_head_dim)
         k = torch.cat([k_n, k_s.unsqueeze(2).expand(B, T, H, self.qk_shared_head_dim)], dim=-1)
+        if docs is not None:
+            o = causal_varlen_attention(q[0], k[0], v[0], docs.cu_seqlens, docs.max_len, scale=self.scale)
+            return o.unsqueeze(0)
         # is_causal is top-left aligned: correct here only because query and key lengths are equal.
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
@@ -299,10 +306,16 @@ class GatedMLA(nn.Module):
         return torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # (B, T, H, d_v): W_UV,h o_lat,h
 
     def forward(
-        self, x: torch.Tensor, cache: MLACache | None = None, *, decode: PackedProjections | None = None
+        self,
+        x: torch.Tensor,
+        cache: MLACache | None = None,
+        *,
+        decode: PackedProjections | None = None,
+        cu_seqlens: torch.Tensor | PackedDocuments | None = None,
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. `decode`: a decode step's packed projections (layers/packed.py),
-        which then compute the products.
+        which then compute the products. `cu_seqlens` (int [N + 1], B == 1, no cache; or a `PackedDocuments`): N
+        documents packed along T, each attending only to itself (`ops.mla.varlen`).
 
         With `cache` (whose lengths the caller has advanced by these T tokens), the new rows are written in place
         as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on
@@ -316,6 +329,14 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         if T == 0:
             raise ValueError("GatedMLA: x has no tokens (T = 0)")
+        docs = None
+        if cu_seqlens is not None:
+            if B != 1 or cache is not None:
+                raise ValueError(
+                    f"GatedMLA: cu_seqlens packs documents into B == 1 without a cache, got x of shape "
+                    f"{tuple(x.shape)}{' and a cache' if cache is not None else ''}"
+                )
+            docs = PackedDocuments.of(cu_seqlens, T, x.device)
         if cache is not None:
             # Validate before any write so a bad call leaves the cache untouched.
             cache.check_append(B, T, self.latent_dim)
@@ -330,7 +351,7 @@ class GatedMLA(nn.Module):
             return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
         if cache is None:
-            o = self._prefill_attention(q, new_rows)
+            o = self._prefill_attention(q, new_rows, docs)
         elif T > 1 and self._decompressed_chunk(cache.seqlens, T):
             cache.append(new_rows)
             o = self._chunk_attention(q, cache)

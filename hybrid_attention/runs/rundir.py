@@ -71,11 +71,14 @@ def data_fingerprint(train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> di
     return {"train_tokens": train_tokens.numel(), "val_tokens": val_tokens.numel(), "sha256": digest.hexdigest()}
 
 
-def check_fingerprint(saved, now: dict, source: str, where: str) -> None:
+def check_fingerprint(saved, now: dict, source: str, where: str, legacy=None) -> None:
     """ValueError unless `saved` (config.json's "data_fingerprint", `where`; None for runs older than it) equals
-    `now`, the fingerprint of the data `source` as read today."""
+    `now`, the fingerprint of the data `source` as read today. `legacy()`: the data's fingerprint in the form runs
+    saved before shards (no "format" key) store, computed only for such a run."""
     if saved is None:
         return
+    if isinstance(saved, dict) and "format" not in saved and "format" in now and legacy is not None:
+        now = legacy()
     if not isinstance(saved, dict) or set(saved) != set(now) or not isinstance(saved["sha256"], str):
         raise ValueError(f"{where}: data_fingerprint is damaged; expected {sorted(now)}")
     if saved != now:

@@ -7,7 +7,15 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, TOKENIZERS
+from hybrid_attention.choices import (
+    ATTNRES_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KDA_BACKENDS,
+    OPTIMIZERS,
+    REPORTERS,
+    TOKENIZERS,
+)
 from hybrid_attention.runs import run_config
 
 # Defaults that depend on the model size: the tiny preset must finish on a 2-core CPU in about 3 minutes; the larger
@@ -37,8 +45,9 @@ class TrainConfig:
     clip: float = 1.0
     data: str | None = None
     data_max_bytes: int | None = None
-    tokenizer: str = "byte"
+    tokenizer: str | None = None  # None: byte, or the one a folder of shards was tokenized with
     vocab_size: int | None = None
+    doc_mask: bool = False  # every document its own sequence (packed, `cu_seqlens`): docs/training.md
     seed: int = 0
     out: str = "runs/tiny"
     eval_every: int | None = _TINY["eval_every"]  # None: a tenth of the run (run_report.validation_interval)
@@ -52,6 +61,7 @@ class TrainConfig:
     attnres_backend: str | None = None  # None: "auto"
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
+    report_to: tuple[str, ...] = ()  # where the curves go besides log.jsonl: "tensorboard", "wandb"
     # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
     fsdp_reshard_after_forward: bool = False
     activation_checkpointing: bool = False
@@ -65,6 +75,7 @@ class TrainConfig:
         from config.json) and the given ones are type-checked like command-line input.
         """
         given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
+        given = {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}  # as JSON holds them
         run_config.check_fields(given, cls, "TrainConfig")
         if saved is not None:
             run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
@@ -106,14 +117,14 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.weight_decay >= 0 or not self.clip >= 0:
             raise ValueError(f"--weight-decay and --clip must be >= 0, got {self.weight_decay} and {self.clip}")
-        checks = (("optimizer", OPTIMIZERS), ("tokenizer", TOKENIZERS), ("device", DEVICES), ("dtype", DTYPES))
+        checks = (("optimizer", OPTIMIZERS), ("tokenizer", (None, *TOKENIZERS)), ("device", DEVICES), ("dtype", DTYPES))
         checks += (("kda_backend", (None, *KDA_BACKENDS)), ("attnres_backend", (None, *ATTNRES_BACKENDS)))
         for name, choices in checks:
             if getattr(self, name) not in choices:
                 allowed = ", ".join(c for c in choices if c is not None)
                 flag = name.replace("_", "-")
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.tokenizer == "byte" and self.vocab_size not in (None, 256):
+        if self.tokenizer != "bpe" and self.vocab_size not in (None, 256):
             raise ValueError(f"--vocab-size {self.vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
         if self.vocab_size is not None and self.vocab_size > MAX_VOCAB:
             raise ValueError(f"--vocab-size must be at most {MAX_VOCAB:,}, got {self.vocab_size:,}")
@@ -125,6 +136,14 @@ class TrainConfig:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
+        if self.doc_mask and self.cuda_graph:
+            raise ValueError(
+                "--doc-mask runs eagerly: the documents of a batch change its shapes; leave out --cuda-graph"
+            )
+        self.report_to = tuple(self.report_to)
+        unknown = [r for r in self.report_to if r not in REPORTERS]
+        if unknown:
+            raise ValueError(f"--report-to must be among {', '.join(REPORTERS)}, got {', '.join(map(str, unknown))}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
@@ -133,7 +152,7 @@ class TrainConfig:
 # where and how the run executes
 _WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend", "attnres_backend"}
 _WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
-_WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches"}  # when it logs, evaluates, stops
+_WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches", "report_to"}  # when and where it logs
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 # Settings every run has stored since the format began (a config.json without one is damaged, not old).
 SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",

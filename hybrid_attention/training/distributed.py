@@ -105,7 +105,7 @@ class Parallel:
         return self.mesh is not None
 
     def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a global batch [B, ...] -> [B / world_size, ...]."""
+        """This rank's rows of a global batch [B, ...] -> [B / world_size, ...] (a tensor or a list)."""
         if self.world_size == 1:
             return batch
         b = batch.shape[0] // self.world_size
@@ -305,6 +305,8 @@ class RankSlice(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kw):
         labels = None if labels is None else self.par.local_rows(labels)
+        if kw.get("doc_starts") is not None:  # one entry per row (`packed_rows.PackedRows`)
+            kw["doc_starts"] = self.par.local_rows(kw["doc_starts"])
         out = self.model(self.par.local_rows(input_ids), labels=labels, **kw)
         if out.loss is not None:
             out.loss = self.par.mean(out.loss)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hybrid_attention import files
-from hybrid_attention.data.batches import sample_batch
+from hybrid_attention.data.loader import TrainLoader
 from hybrid_attention.data.tokenizer import BPE_FILE
 from hybrid_attention.device import autocast_for, flush_denormals
 from hybrid_attention.runs import checkpoint as ckpt
@@ -26,8 +26,10 @@ from hybrid_attention.training.checkpointer import Checkpointer
 from hybrid_attention.training.config import TrainConfig
 from hybrid_attention.training.interrupts import StopRequests
 from hybrid_attention.training.metrics import flops_per_token, peak_flops
+from hybrid_attention.training.packed_rows import PackedRows
 from hybrid_attention.training.prepare import Prepared, prepare
 from hybrid_attention.training.report import epoch_report, is_validation_step, peak_memory
+from hybrid_attention.training.reporting import Reporters, scalars
 from hybrid_attention.training.step import TrainStep
 from hybrid_attention.training.validation import Validation
 
@@ -95,18 +97,33 @@ def _train(
 
     _write_run_files(config, p, rows, resume, par.is_main)
     autocast = autocast_for(p.device, config.dtype)
-    model = torch.compile(p.model) if config.compile else p.model
-    train_tokens, val_tokens = p.train_tokens.to(p.device), p.val_tokens.to(p.device)
+    # Rows with their document starts run as packed documents (--doc-mask); without, as plain rows.
+    model = PackedRows(torch.compile(p.model) if config.compile else p.model)
     tokens_per_step = config.batch_size * config.seq_len * config.grad_accum  # global: over all ranks
     _announce(config, p, par, echo, tokens_per_step)
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
     eval_model = distributed.RankSlice(model, par) if par.sharded else model
-    validation = Validation(eval_model, train_tokens, val_tokens, p.tokenizer, autocast, config, p.run_dir, par.is_main)
+    validation = Validation(eval_model, p, autocast, config, par.is_main)
+    loader = TrainLoader(
+        p.train_tokens,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        rank=par.rank,
+        world=par.world_size,
+        documents=config.doc_mask,
+        pin=p.device.type == "cuda",
+    )
+    job.callback(loader.close)
+    reporters = Reporters(config.report_to if par.is_main else (), p.run_dir, asdict(config), resume=resume)
+    job.callback(reporters.close)
+    fpt, peak = flops_per_token(p.model, config.seq_len), peak_flops(_device_name(p.device))
     checkpointer = Checkpointer(p, par, config)
     params = [q for opt in p.optimizers for group in opt.param_groups for q in group["params"]]
     train_step = TrainStep(
-        lambda ids: model(ids, labels=ids, return_logits=False).loss,
+        lambda ids, starts=None: model(ids, labels=ids, doc_starts=starts, return_logits=False).loss,
         params,
         p.optimizers,
         grad_accum=config.grad_accum,
@@ -131,9 +148,9 @@ def _train(
     step, stopped_by = p.step, None
     p.model.train()
     for step in range(p.step + 1, end + 1):
-        batches = _batches(config, train_tokens, step, par)
+        batch = loader.next(step)  # this rank's share of the global batch, prefetched
         # Under a CUDA graph both live in static buffers that the next step overwrites: read in this iteration only.
-        loss_sum, grad_norm = train_step.step(batches)  # grad_norm: the same on every rank
+        loss_sum, grad_norm = train_step.step(batch.ids.to(p.device, non_blocking=True), batch.doc_starts)
         lr = p.schedulers[-1].get_last_lr()[0]  # the rate this step used
         finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         bad_step = torch.where(finite | (bad_step > 0), bad_step, step)  # read at the next log or save: no sync here
@@ -160,6 +177,7 @@ def _train(
             validation(step, row, rows if par.is_main else [], bar.write)
         if par.is_main:
             ckpt.append_log(p.run_dir, row)
+            reporters.log(step, scalars(row, device=p.device, flops_per_token=fpt, peak_flops=peak))
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
         # A stop requested while this step logged or validated is this step's (every rank logs the same steps).
         stopped_by = stopped_by or _agree(par, stop, False)[1]
@@ -195,11 +213,12 @@ def _write_run_files(config: TrainConfig, p: Prepared, rows: list[dict], resume:
 
 
 def _announce(config: TrainConfig, p: Prepared, par: distributed.Parallel, echo, tokens_per_step: int) -> None:
-    n_train, n_val = p.corpus.num_bytes
+    n_train, n_val = p.data.text_bytes
     echo(
-        f"data: {p.corpus.source}: {n_train:,} train / {n_val:,} validation bytes; "
+        f"data: {p.data.source}: {n_train:,} train / {n_val:,} validation bytes; "
         f"{p.train_tokens.numel():,} / {p.val_tokens.numel():,} {p.tokenizer.kind} tokens"
         + (f" (from the token cache {p.token_cache})" if p.token_cache else "")
+        + ("; every document its own sequence (--doc-mask)" if config.doc_mask else "")
     )
     for line in epoch_report(config.steps, tokens_per_step, p.train_tokens.numel()):
         if line:
@@ -213,15 +232,6 @@ def _announce(config: TrainConfig, p: Prepared, par: distributed.Parallel, echo,
             f"distributed: {par.world_size} processes, FSDP2 on {p.device.type}; --batch-size {config.batch_size} "
             f"sequences per step in all, {config.batch_size // par.world_size} per process"
         )
-
-
-def _batches(config: TrainConfig, train_tokens: torch.Tensor, step: int, par: distributed.Parallel) -> torch.Tensor:
-    """[grad_accum, B_rank, seq_len]: this rank's share of each micro-batch of `step` (deterministic in seed, step)."""
-    rows = config.batch_size, config.seq_len
-    micro_batches = [
-        sample_batch(train_tokens, *rows, seed=config.seed, step=step, micro=m) for m in range(config.grad_accum)
-    ]
-    return torch.stack([par.local_rows(batch) for batch in micro_batches])
 
 
 def _agree(par: distributed.Parallel, stop: StopRequests, late: bool) -> tuple[bool, str | None]:
@@ -258,7 +268,7 @@ class _Throughput:
 def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation: Validation, timer: _Throughput) -> dict:
     tokens_per_s = timer.mean()
     fpt = flops_per_token(p.model, config.seq_len)
-    device_name = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
+    device_name = _device_name(p.device)
     memory = peak_memory(p.device)
     peak = peak_flops(device_name)
     last = validation.last
@@ -287,3 +297,7 @@ def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation: Va
     if par.is_main:
         files.atomic_write_text(p.run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
-from hybrid_attention.data.batches import eval_batches
+from hybrid_attention.data.loader import eval_starts
 
 KDA_CHUNK = 64  # the chunk length the FLOPs count assumes for the chunkwise KDA form
 
@@ -56,22 +57,40 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6.0 * non_embedding_parameters(model) + 3.0 * (mla + kda)
 
 
+def _windows(split, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+    """Windows [len(starts), seq_len] (int64) of a split: a 1-D token tensor or a `ShardSet`."""
+    if isinstance(split, torch.Tensor):
+        return split[torch.from_numpy(starts)[:, None].to(split.device) + torch.arange(seq_len, device=split.device)]
+    return torch.from_numpy(split.windows(starts, seq_len))
+
+
 @torch.no_grad()
-def evaluate(model, tokens: torch.Tensor, byte_lengths: torch.Tensor, *, batch_size, seq_len, num_batches, autocast):
-    """Mean loss (nats per predicted token) and bits per byte over fixed validation windows."""
+def evaluate(model, split, byte_lengths: torch.Tensor, *, batch_size, seq_len, num_batches, autocast, documents=False):
+    """Mean loss (nats per predicted token) and bits per byte over fixed validation windows (`loader.eval_starts`)
+    of `split` (a 1-D token tensor or a `ShardSet`). `documents` (a ShardSet and a `PackedRows` model): each window
+    cut at its document starts, as `train --doc-mask` trains; a position that would predict across one is skipped."""
     was_training = model.training
     model.eval()
     device = byte_lengths.device
     nll = torch.zeros((), dtype=torch.float64, device=device)
     count, nbytes = 0, torch.zeros((), dtype=torch.long, device=device)
-    for x in eval_batches(tokens, batch_size, seq_len, num_batches):
-        x = x.to(device, non_blocking=True)
+    starts = eval_starts(split.numel(), batch_size, seq_len, num_batches)
+    for i in range(0, len(starts), batch_size):
+        rows = starts[i : i + batch_size]
+        x = _windows(split, rows, seq_len).to(device, non_blocking=True).long()
+        predicted = torch.ones(x.shape, dtype=torch.bool)  # targets x[:, t] that some position predicts
+        predicted[:, 0] = False
+        kw = {}
+        if documents:
+            kw["doc_starts"] = [split.document_starts(int(s), seq_len) for s in rows]
+            for row, cut in enumerate(kw["doc_starts"]):
+                predicted[row, torch.from_numpy(cut)] = False
         with autocast():
-            loss = model(x, labels=x, return_logits=False).loss
-        n = x[:, 1:].numel()
+            loss = model(x, labels=x, return_logits=False, **kw).loss
+        n = int(predicted.sum())
         nll += loss.double() * n
         count += n
-        nbytes += byte_lengths[x[:, 1:]].sum()
+        nbytes += byte_lengths[x[predicted.to(device)]].sum()
     model.train(was_training)
     loss = float(nll) / count
     return loss, float(nll) / math.log(2) / max(1, int(nbytes))

@@ -9,21 +9,14 @@ from pathlib import Path
 import torch
 
 from hybrid_attention.config import HybridConfig
-from hybrid_attention.data.documents import Corpus
-from hybrid_attention.data.sources import load_corpus
-from hybrid_attention.data.token_cache import encode_corpus
-from hybrid_attention.data.tokenizer import (
-    DEFAULT_BPE_VOCAB,
-    BPETokenizer,
-    ByteTokenizer,
-    Tokenizer,
-    tokenizer_from_dict,
-)
+from hybrid_attention.data.shards import ShardSet
+from hybrid_attention.data.tokenizer import Tokenizer, tokenizer_from_dict
+from hybrid_attention.data.training_data import TrainingData, open_training_data
 from hybrid_attention.device import resolve_device, resolve_dtype
 from hybrid_attention.model import HybridLM
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
-from hybrid_attention.runs.rundir import check_fingerprint, data_fingerprint
+from hybrid_attention.runs.rundir import check_fingerprint
 from hybrid_attention.training import distributed
 from hybrid_attention.training.config import TrainConfig
 from hybrid_attention.training.optim import build_optimizers, build_schedulers
@@ -35,16 +28,16 @@ class Prepared:
 
     run_dir: Path
     device: torch.device
-    corpus: Corpus
+    data: TrainingData
     tokenizer: Tokenizer
     model: HybridLM
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LRScheduler]
     step: int  # the step of the checkpoint resumed from (0 for a new run)
-    train_tokens: torch.Tensor  # [N] token ids of the training split
-    val_tokens: torch.Tensor  # [M] of the validation split
-    fingerprint: dict  # runs/rundir.py's data fingerprint
-    token_cache: Path | None  # the token-cache file the tokens came from, when it held them
+    train_tokens: ShardSet  # the training split's token ids, read in place
+    val_tokens: ShardSet  # the validation split's
+    fingerprint: dict  # data/shards.py's fingerprint of the data
+    token_cache: Path | None  # the token-cache folder the shards came from, when it held them
 
 
 def prepare(
@@ -69,18 +62,21 @@ def prepare(
     if config.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    data = open_training_data(
+        config.data,
+        max_bytes=config.data_max_bytes,
+        tokenizer=tokenizer_from_dict(saved["tokenizer"], run_dir) if saved is not None else None,
+        new_tokenizer=config.tokenizer,
+        vocab_size=config.vocab_size,
+        verify=(par.rank, par.world_size),
+    )
+    tokenizer = data.tokenizer
     if saved is not None:
-        tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
         try:
             model_config = HybridConfig.from_dict(saved["model"])
         except ValueError as e:
             raise ValueError(f"{run_dir / run_config.CONFIG}: {e}") from None
     else:
-        if config.tokenizer == "bpe":
-            tokenizer = BPETokenizer.train(corpus.train, config.vocab_size or DEFAULT_BPE_VOCAB)  # on its first 32 MB
-        else:
-            tokenizer = ByteTokenizer()
         overrides = {**(model_overrides or {}), "vocab_size": tokenizer.vocab_size}
         model_config = HybridConfig.from_preset(config.preset, **overrides)
     if model_config.vocab_size != tokenizer.vocab_size:
@@ -88,22 +84,23 @@ def prepare(
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}"
         )
-    tokens = encode_corpus(tokenizer, corpus)
-    train_tokens, val_tokens = tokens.train, tokens.val
-    for name, toks in (("training", train_tokens), ("validation", val_tokens)):
-        if toks.numel() < config.seq_len:
+    for name, split in (("training", data.train), ("validation", data.val)):
+        if split.numel() < config.seq_len:
             raise ValueError(
-                f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
+                f"the {name} split of {data.source} has {split.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
-    fingerprint = data_fingerprint(train_tokens, val_tokens)
+    fingerprint = data.fingerprint
     if saved is not None:
-        check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / run_config.CONFIG))
+        where = str(run_dir / run_config.CONFIG)
+        check_fingerprint(
+            saved.get("data_fingerprint"), fingerprint, data.source, where, legacy=data.legacy_fingerprint
+        )
     torch.manual_seed(config.seed)
     backends = dict(kda_backend=config.kda_backend or "auto", attnres_backend=config.attnres_backend or "auto")
     model = HybridLM(model_config, **backends).to(device)
     build = build_optimizers
     if par.sharded:
-        distributed.shard_for_training(model, par, config, tokenizer, train_tokens)
+        distributed.shard_for_training(model, par, config, tokenizer, data.train)
         build = distributed.build_optimizers
     optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
@@ -115,14 +112,14 @@ def prepare(
     return Prepared(
         run_dir=run_dir,
         device=device,
-        corpus=corpus,
+        data=data,
         tokenizer=tokenizer,
         model=model,
         optimizers=optimizers,
         schedulers=schedulers,
         step=step,
-        train_tokens=train_tokens,
-        val_tokens=val_tokens,
+        train_tokens=data.train,
+        val_tokens=data.val,
         fingerprint=fingerprint,
-        token_cache=tokens.path if tokens.hit else None,
+        token_cache=data.root if data.cached else None,
     )

@@ -86,8 +86,9 @@ class TrainStep:
         optimized = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
         self._unoptimized = [p for p in self.params if id(p) not in optimized]  # clipped: their gradients reset too
 
-    def step(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """batches [grad_accum, B, T] token ids -> (loss_sum, grad_norm), detached scalar device tensors.
+    def step(self, batches: torch.Tensor, extras: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """batches [grad_accum, B, T] token ids -> (loss_sum, grad_norm), detached scalar device tensors. `extras`:
+        one more argument of `loss_of` per micro-batch (e.g. where its documents start; eager steps only).
 
         loss_sum is the sum of the micro-batches' `loss / grad_accum` (the step's mean loss), grad_norm the total
         gradient norm before clipping (None when `clip` is None). With a CUDA graph both are static buffers that
@@ -97,8 +98,12 @@ class TrainStep:
             raise ValueError(
                 f"TrainStep.step: expected batches [grad_accum={self.grad_accum}, ...], got {tuple(batches.shape)}"
             )
+        if extras is not None and (self.cuda_graph or len(extras) != self.grad_accum):
+            raise ValueError(
+                f"TrainStep.step: extras take an eager step and one item per micro-batch ({self.grad_accum})"
+            )
         if not self.cuda_graph:
-            out = self._accumulate_and_step(batches)
+            out = self._accumulate_and_step(batches, extras)
             self._zero_grad()
             return out
         if self.graph is None:
@@ -115,12 +120,13 @@ class TrainStep:
         return self.loss_sum, self.grad_norm
 
     # ------------------------------------------------------------------------------------------------- the step
-    def _accumulate_and_step(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _accumulate_and_step(self, batches: torch.Tensor, extras=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step itself, eager or under capture (gradients accumulate into whatever .grad holds)."""
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
+            args = () if extras is None else (extras[micro],)
             with self.autocast():
-                loss = self.loss_of(batches[micro]) / self.grad_accum
+                loss = self.loss_of(batches[micro], *args) / self.grad_accum
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = None

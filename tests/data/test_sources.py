@@ -11,14 +11,16 @@ import sysconfig
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hybrid_attention.data import sources
-from hybrid_attention.data.batches import eval_batches, sample_batch, unigram_loss
 from hybrid_attention.data.documents import in_validation
+from hybrid_attention.data.loader import eval_starts
 from hybrid_attention.data.sources import load_corpus
 from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet, tokenizer_from_dict
+from hybrid_attention.data.unigram import unigram_loss
 
 SAMPLE = "héllo wörld 🙂\n\tdef f(x):\n        return x ** 2  # naïve\n"
 
@@ -75,6 +77,15 @@ def test_directory_corpus_reads_text_files_recursively(tmp_path):
     assert all(in_validation(n) for n in corpus.val_names) and not any(in_validation(n) for n in corpus.train_names)
     by_name = dict(zip(corpus.train_names + corpus.val_names, corpus.train + corpus.val, strict=True))
     assert by_name["d1/file7.md"] == "document 7\n" * 8
+
+
+def test_a_file_that_is_not_utf8_in_a_folder_is_skipped_and_counted(tmp_path):
+    for i in range(60):
+        (tmp_path / f"good{i}.txt").write_text(f"document {i}\n" * 3, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    corpus = load_corpus(str(tmp_path))
+    assert len(corpus.train_names) + len(corpus.val_names) == 60 and "latin1.txt" not in corpus.train_names
+    assert "1 that are not UTF-8 skipped (e.g. latin1.txt)" in corpus.source
 
 
 def test_single_file_is_split_by_text_at_a_line(tmp_path):
@@ -185,43 +196,17 @@ def test_hf_data_errors(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------- batches
-def test_sample_batch_is_contiguous_and_a_function_of_seed_and_step():
-    tokens = torch.arange(1000, dtype=torch.int32)
-    a = sample_batch(tokens, 6, 17, seed=3, step=5)
-    assert a.shape == (6, 17) and a.dtype == torch.long
-    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(6, 16, dtype=torch.long))  # contiguous windows
-    assert int(a.min()) >= 0 and int(a.max()) <= 999
-    assert torch.equal(a, sample_batch(tokens, 6, 17, seed=3, step=5))
-    torch.manual_seed(123)  # the global RNG plays no part
-    assert torch.equal(a, sample_batch(tokens, 6, 17, seed=3, step=5))
-    for other in (dict(seed=4, step=5), dict(seed=3, step=6), dict(seed=3, step=5, micro=1)):
-        assert not torch.equal(a, sample_batch(tokens, 6, 17, **other))
-    # Every start is reachable, including the last one (n - seq_len).
-    starts = torch.cat([sample_batch(torch.arange(20), 64, 18, seed=0, step=s)[:, 0] for s in range(20)])
-    assert set(starts.tolist()) == {0, 1, 2}
-    with pytest.raises(ValueError, match="fewer than one window of --seq-len 21"):
-        sample_batch(torch.arange(20), 2, 21, seed=0, step=1)
-
-
-def test_eval_batches_fixed_windows():
-    tokens = torch.arange(10_000)
-    batches = list(eval_batches(tokens, 4, 50, num_batches=3))
-    assert [b.shape for b in batches] == [(4, 50)] * 3
-    starts = torch.cat([b[:, 0] for b in batches])
+def test_eval_starts_are_fixed_and_inside_the_split():
+    starts = eval_starts(10_000, 4, 50, 3)
+    assert starts.tolist() == eval_starts(10_000, 4, 50, 3).tolist() and len(starts) == 12
     assert starts[0] == 0 and starts[-1] == 10_000 - 50 and bool((starts[1:] - starts[:-1] >= 50).all())
-    assert all(torch.equal(x, y) for x, y in zip(batches, eval_batches(tokens, 4, 50, num_batches=3), strict=True))
-    every = list(eval_batches(torch.arange(1030), 8, 100))
-    assert [b.shape[0] for b in every] == [8, 2]
-    assert torch.equal(torch.cat(every).flatten(), torch.arange(1000))
-
-
-def test_eval_batches_stay_inside_a_split_longer_than_float32_integers():
-    """Spaced windows over 2**24 + 2048 + 1 tokens: the last one ends exactly at the last token (n - seq_len is odd
-    and above 2**24, where float32 holds only even integers)."""
+    assert eval_starts(1030, 8, 100, None).tolist() == list(range(0, 1000, 100))
+    # Over 2**24 + 2048 + 1 tokens the last window ends exactly at the last token (n - seq_len is odd and above
+    # 2**24, where float32 holds only even integers).
     n, seq_len = 2**24 + 2048 + 1, 2048
-    tokens = torch.arange(n, dtype=torch.int32)
-    last = list(eval_batches(tokens, 4, seq_len, num_batches=2))[-1]
-    assert int(last[-1, 0]) == n - seq_len and int(last[-1, -1]) == n - 1
+    assert int(eval_starts(n, 4, seq_len, 2)[-1]) == n - seq_len
+    with pytest.raises(ValueError, match="fewer than one window of --seq-len 21"):
+        eval_starts(20, 2, 21, None)
 
 
 def test_unigram_loss_matches_direct_computation():
@@ -237,10 +222,20 @@ def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     ids = tok.encode(SAMPLE)
     assert ids == list(SAMPLE.encode()) and tok.decode(ids) == SAMPLE
-    joined = tok.encode_documents(["ab", "é"])
-    assert joined.dtype == torch.int32 and joined.tolist() == list(b"ab\n\xc3\xa9\n")
+    joined = tok.encode_documents(["ab", "é"])  # each document ends with 0xFF, never a byte of UTF-8 text
+    assert joined.dtype == torch.int32 and joined.tolist() == list(b"ab\xff\xc3\xa9\xff")
     assert b"".join(tok.token_bytes(i) for i in ids) == SAMPLE.encode()
-    assert tok.byte_lengths().tolist() == [1] * 256
+    assert tok.token_bytes(255) == b"" and tok.decode(joined.tolist()) == "abé"
+    assert tok.byte_lengths().tolist() == [1] * 255 + [0]
+    ids, lengths = tok.encode_packed(["ab", "é", ""])
+    assert ids.tolist() == list(b"ab\xff\xc3\xa9\xff\xff") and lengths.tolist() == [3, 3, 1]
+
+
+def test_byte_tokenizer_of_older_runs_ends_documents_with_a_newline():
+    legacy = tokenizer_from_dict({"kind": "byte", "vocab_size": 256}, ".")  # config.json before the end token
+    assert legacy.eod_id is None and legacy.encode_documents(["ab", "é"]).tolist() == list(b"ab\n\xc3\xa9\n")
+    assert legacy.byte_lengths().tolist() == [1] * 256 and legacy.token_bytes(255) == b"\xff"
+    assert tokenizer_from_dict(ByteTokenizer().to_dict(), ".").eod_id == 255
 
 
 def test_byte_alphabet_matches_tokenizers_library():
@@ -276,6 +271,37 @@ def test_bpe_train_round_trip_save_load(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ValueError, match="not a valid tokenizers file"):
         tokenizer_from_dict(tok.to_dict(), tmp_path)
+
+
+def test_bpe_ends_documents_with_its_special_token_and_reads_it_as_text_inside_one():
+    docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
+    tok = BPETokenizer.train(docs, 300)
+    assert tok.eod_id == 0 and tok.token_bytes(0) == b"" and int(tok.byte_lengths()[0]) == 0
+    ids, lengths = tok.encode_packed(docs[:3])
+    ends = np.cumsum(lengths) - 1
+    assert ids[ends].tolist() == [0, 0, 0] and np.count_nonzero(ids == 0) == 3
+    assert ids[: lengths[0] - 1].tolist() == tok.encode(docs[0])
+    spelled = "a <|endoftext|> b"  # a document that names the token is text, not two documents
+    assert 0 not in tok.encode(spelled) and tok.decode(tok.encode(spelled)) == spelled
+
+
+def test_a_bpe_without_an_end_token_gets_one_or_keeps_its_newline():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs = [f"word{i} other{i}\n" for i in range(40)]
+    raw = Tokenizer(models.BPE())  # trained as before the end token: no special token
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    raw.train_from_iterator(docs, trainer=trainer)
+    old = BPETokenizer(raw)
+    assert old.eod_id is None
+    assert old.encode_documents(docs[:2]).tolist() == old.encode(docs[0] + "\n") + old.encode(docs[1] + "\n")
+    new = old.with_eod()
+    assert new.eod_id == old.vocab_size and new.vocab_size == old.vocab_size + 1 and new.with_eod() is new
+    assert new.encode_packed(docs[:1])[0].tolist() == old.encode(docs[0]) + [new.eod_id]
 
 
 def test_bpe_trains_on_the_first_documents_up_to_its_byte_cap():

@@ -1,13 +1,15 @@
-"""The tokenized-corpus cache (hybrid_attention/data/token_cache.py): hits, keys, damaged files, progress groups."""
+"""The token cache (hybrid_attention/data/token_cache.py): an in-memory corpus as shards, hits, keys, damaged
+entries, an unwritable cache."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from hybrid_attention.data import token_cache
 from hybrid_attention.data.documents import Corpus
-from hybrid_attention.data.token_cache import cache_key, encode_corpus, encode_with_progress
+from hybrid_attention.data.shards import INDEX, open_split
+from hybrid_attention.data.token_cache import cache_key, cached_shards
 from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 5)}\n" for i in range(60)]
@@ -23,71 +25,79 @@ def corpus():
     return Corpus(train=DOCS[:50], val=DOCS[50:], source="test")
 
 
-def _expected(tok, corpus):
-    return tok.encode_documents(corpus.train), tok.encode_documents(corpus.val)
+def _tokens(cached, split):
+    s = open_split(cached.root, cached.index, split)
+    return s.read(0, s.num_tokens).astype(np.int64)
+
+
+def _expected(tok, docs):
+    return tok.encode_documents(docs).numpy().astype(np.int64)
 
 
 def test_miss_then_hit_returns_the_same_tokens(bpe, corpus, tmp_path):
-    first = encode_corpus(bpe, corpus, cache=tmp_path, progress=False)
-    assert not first.hit and first.path.is_file() and first.path.parent == tmp_path / "tokens"
-    train, val = _expected(bpe, corpus)
-    assert torch.equal(first.train, train) and torch.equal(first.val, val)
-    second = encode_corpus(bpe, corpus, cache=tmp_path, progress=False)
-    assert second.hit and second.path == first.path
-    assert second.train.dtype == torch.int32 and torch.equal(second.train, train) and torch.equal(second.val, val)
-    assert [p.name for p in (tmp_path / "tokens").iterdir()] == [first.path.name]  # no temporary left behind
+    first = cached_shards(corpus, bpe, cache=tmp_path, progress=False)
+    assert not first.hit and first.root.parent == tmp_path / "shards" and (first.root / INDEX).is_file()
+    assert np.array_equal(_tokens(first, "train"), _expected(bpe, corpus.train))
+    assert np.array_equal(_tokens(first, "val"), _expected(bpe, corpus.val))
+    assert first.index["splits"]["train"]["num_documents"] == 50
+    second = cached_shards(corpus, bpe, cache=tmp_path, progress=False)
+    assert second.hit and second.root == first.root
+    assert np.array_equal(_tokens(second, "train"), _expected(bpe, corpus.train))
+    assert [p.name for p in (tmp_path / "shards").iterdir()] == [first.root.name]  # no temporary left behind
 
 
 def test_another_tokenizer_or_corpus_is_another_entry(bpe, corpus, tmp_path):
-    first = encode_corpus(bpe, corpus, cache=tmp_path, progress=False)
+    first = cached_shards(corpus, bpe, cache=tmp_path, progress=False)
     other_tok = BPETokenizer.train(DOCS, 280)
-    other = encode_corpus(other_tok, corpus, cache=tmp_path, progress=False)
-    assert not other.hit and other.path != first.path
-    assert torch.equal(other.train, other_tok.encode_documents(corpus.train))
+    other = cached_shards(corpus, other_tok, cache=tmp_path, progress=False)
+    assert not other.hit and other.root != first.root
+    assert np.array_equal(_tokens(other, "train"), _expected(other_tok, corpus.train))
     changed = Corpus(train=corpus.train[:-1] + [corpus.train[-1] + " "], val=corpus.val, source="test")
-    assert not encode_corpus(bpe, changed, cache=tmp_path, progress=False).hit
+    assert not cached_shards(changed, bpe, cache=tmp_path, progress=False).hit
     moved = Corpus(train=corpus.train[:-1], val=[corpus.train[-1], *corpus.val], source="test")  # same text, split
     assert cache_key(moved.digest(), bpe) != cache_key(corpus.digest(), bpe)
-    assert encode_corpus(bpe, corpus, cache=tmp_path, progress=False).hit  # the first entry is still there
+    assert cached_shards(corpus, bpe, cache=tmp_path, progress=False).hit  # the first entry is still there
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "other_key"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_index", "other_key"])
 def test_damaged_entry_is_rebuilt_not_trusted(bpe, corpus, tmp_path, damage):
-    path = encode_corpus(bpe, corpus, cache=tmp_path, progress=False).path
-    raw = path.read_bytes()
+    root = cached_shards(corpus, bpe, cache=tmp_path, progress=False).root
+    shard = root / "train-00000.safetensors"
+    raw = shard.read_bytes()
     if damage == "truncate":
-        path.write_bytes(raw[: len(raw) // 2])
-    elif damage == "flip":  # one token id changed: the file still loads, the checksum does not match
-        path.write_bytes(raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:])
-    elif damage == "garbage":
-        path.write_bytes(b"\x00" * 64)
+        shard.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip":  # one token id changed: the file still reads, its SHA-256 does not match
+        shard.write_bytes(raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:])
+    elif damage == "garbage_index":
+        (root / INDEX).write_bytes(b"\x00" * 64)
     else:  # a valid entry of another corpus under this name
         other = Corpus(train=DOCS[:40], val=DOCS[40:], source="test")
-        path.write_bytes(encode_corpus(bpe, other, cache=tmp_path / "o", progress=False).path.read_bytes())
-    again = encode_corpus(bpe, corpus, cache=tmp_path, progress=False)
+        (root / INDEX).write_bytes(
+            (cached_shards(other, bpe, cache=tmp_path / "o", progress=False).root / INDEX).read_bytes()
+        )
+    again = cached_shards(corpus, bpe, cache=tmp_path, progress=False)
     assert not again.hit
-    train, val = _expected(bpe, corpus)
-    assert torch.equal(again.train, train) and torch.equal(again.val, val)
-    assert encode_corpus(bpe, corpus, cache=tmp_path, progress=False).hit  # rewritten whole
+    assert np.array_equal(_tokens(again, "train"), _expected(bpe, corpus.train))
+    assert cached_shards(corpus, bpe, cache=tmp_path, progress=False).hit  # rewritten whole
 
 
-def test_unwritable_cache_still_encodes(bpe, corpus, tmp_path):
+def test_unwritable_cache_still_gives_shards(bpe, corpus, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    result = encode_corpus(bpe, corpus, cache=blocker, progress=False)
-    assert result.path is None and not result.hit and torch.equal(result.train, _expected(bpe, corpus)[0])
+    result = cached_shards(corpus, bpe, cache=blocker, progress=False)
+    assert result.temporary is not None and not result.hit
+    assert np.array_equal(_tokens(result, "val"), _expected(bpe, corpus.val))
 
 
-def test_byte_tokenizer_is_not_cached(corpus, tmp_path):
-    result = encode_corpus(ByteTokenizer(), corpus, cache=tmp_path, progress=False)
-    assert result.path is None and not (tmp_path / "tokens").exists()
-    assert torch.equal(result.val, ByteTokenizer().encode_documents(corpus.val))
-
-
-def test_grouped_encoding_equals_one_call(bpe, monkeypatch):
-    monkeypatch.setattr(token_cache, "GROUP_BYTES", 100)  # many groups
-    assert torch.equal(encode_with_progress(bpe, DOCS, desc="t", progress=False), bpe.encode_documents(DOCS))
-    assert encode_with_progress(bpe, [], desc="t", progress=False).numel() == 0
+def test_many_shards_and_groups_equal_one_encoding(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "GROUP_BYTES", 100)  # many encoding calls
+    monkeypatch.setattr(token_cache, "SHARD_TOKENS", 300)  # many shards, whole documents each
+    cached = cached_shards(corpus, ByteTokenizer(), cache=tmp_path, progress=False)
+    assert len(cached.index["splits"]["train"]["shards"]) > 3
+    assert np.array_equal(_tokens(cached, "train"), _expected(ByteTokenizer(), corpus.train))
+    train = open_split(cached.root, cached.index, "train")
+    ends = np.flatnonzero(train.read(0, train.num_tokens) == 0xFF) + 1  # each document ends with byte 0xFF
+    assert np.array_equal(np.concatenate([[0], ends[:-1]]), [0, *train.document_starts(0, train.num_tokens)])
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):

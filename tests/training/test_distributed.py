@@ -93,18 +93,18 @@ def _cli(rank: int, argv: list[str]) -> int:
 def _cli_with(rank: int, argv: list[str], fault: str) -> int:
     """The CLI, with something happening to rank 1 alone while it draws the batch of step 2: `fault` "error" (say,
     its copy of the data is unreadable) or "sigint" (a Ctrl-C that reached this one process)."""
-    import hybrid_attention.training.loop as train_module
+    from hybrid_attention.data.loader import TrainLoader
 
-    real = train_module.sample_batch
+    real = TrainLoader.next
 
-    def sample_batch(*a, step, **kw):
+    def next_batch(self, step):
         if rank == 1 and step == 2 and fault == "error":
             raise ValueError("injected: rank 1 cannot read its data")
         if rank == 1 and step == 2 and fault == "sigint":
             os.kill(os.getpid(), signal.SIGINT)
-        return real(*a, step=step, **kw)
+        return real(self, step)
 
-    train_module.sample_batch = sample_batch
+    TrainLoader.next = next_batch
     return cli_main(argv)
 
 

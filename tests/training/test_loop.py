@@ -183,7 +183,7 @@ def test_run_directory_contents(tmp_path):
     assert all({"step", "loss", "tokens_per_s"} <= r.keys() for r in rows) and "val_loss" in rows[-1]
     config = run_config.load_config(run)
     assert HybridConfig.from_dict(config["model"]) == HybridConfig.from_preset("tiny")
-    assert config["train"]["steps"] == 4 and config["tokenizer"] == {"kind": "byte", "vocab_size": 256}
+    assert config["train"]["steps"] == 4 and config["tokenizer"] == {"kind": "byte", "vocab_size": 256, "eod_id": 255}
     latest = ckpt.latest_checkpoint(run)
     assert ckpt.load_train_state(latest)["step"] == 4 and ckpt.weights_step(latest) == 4
     assert summary["val_loss"] == rows[-1]["val_loss"] and summary["unigram_loss"] > 0
