@@ -18,8 +18,10 @@ KERNELS = ("auto", "cudnn", "flash", "efficient", "triton", "math")
 # Scores the math path holds at once (B * H * query block * keys): long rows go in query blocks.
 MATH_SCORE_BUDGET = 1 << 24
 
-# Query and key lengths cuDNN takes (see `pick_kernel`).
+# Query and key lengths cuDNN takes, and the most batch x heads it is given (see `pick_kernel`): a batch of 32
+# sequences of 8 heads failed to execute on an H100, where one sequence runs at its best rate.
 CUDNN_LENGTH_MULTIPLE = 1024
+CUDNN_MAX_ROWS = 64
 
 # Kernels that raised on this process's GPU: "auto" passes them over from then on (the failure is warned once).
 _failed: set[str] = set()
@@ -31,7 +33,8 @@ def pick_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     On Hopper cuDNN, whose attention uses the card's asynchronous tensor-core instructions, while torch's flash backend
     is FlashAttention-2, written for Ampere, which leaves about a third of Hopper's rate unused. cuDNN builds an
     execution plan for each new shape (tens to hundreds of milliseconds), so it takes the lengths that are multiples
-    of `CUDNN_LENGTH_MULTIPLE`, the few shapes a chunked prefill repeats, and flash takes one-off lengths and Ampere.
+    of `CUDNN_LENGTH_MULTIPLE`, the few shapes a chunked prefill repeats, for up to `CUDNN_MAX_ROWS` sequences x
+    heads; flash takes one-off lengths, large batches and Ampere.
     Both need one head dim <= 256 for q, k and v and a half dtype; otherwise the memory-efficient kernel (dims that
     are multiples of 8, float32 too), else the math path. torch's own switches count (`sdpa_kernel(...)`,
     `torch.backends.cuda.enable_cudnn_sdp(False)`), and so does `use_reference()`.
@@ -43,12 +46,14 @@ def pick_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     regular = q.shape[2] % CUDNN_LENGTH_MULTIPLE == 0 and k.shape[2] % CUDNN_LENGTH_MULTIPLE == 0
     major, _ = torch.cuda.get_device_capability(q.device)
     b = torch.backends.cuda
+    few_rows = q.shape[0] * q.shape[1] <= CUDNN_MAX_ROWS
     if q.dtype in HALF_DTYPES and same_dim:
-        if major >= 9 and regular and b.cudnn_sdp_enabled() and "cudnn" not in _failed:
+        if major >= 9 and regular and few_rows and b.cudnn_sdp_enabled() and "cudnn" not in _failed:
             return "cudnn"
         if major >= 8 and b.flash_sdp_enabled() and "flash" not in _failed:
             return "flash"
-    if all(d % 8 == 0 for d in dims) and b.mem_efficient_sdp_enabled() and "efficient" not in _failed:
+    efficient = q.dtype in TRITON_DTYPES and all(d % 8 == 0 for d in dims)  # fp16, bf16, fp32: not float64
+    if efficient and b.mem_efficient_sdp_enabled() and "efficient" not in _failed:
         return "efficient"
     return "math"
 

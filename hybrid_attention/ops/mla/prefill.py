@@ -14,10 +14,11 @@ from hybrid_attention.ops.mla.prefix import PrefixReader
 from hybrid_attention.ops.numerics import compute_dtype
 
 # Bytes of decompressed keys and values one prefix tile may hold (B * tile * H * (d_n + d_s + d_v) numbers), small
-# next to a long cache; and the fewest keys a tile gets whatever the batch, since a merge costs about 1 / tile of the
-# tile's attention time (a few percent below 32K keys).
+# next to a long cache and far below 2 GiB, the most one attention call's tensor should span; and the fewest keys a
+# tile gets, the cuDNN length multiple. At batch 1 the bytes allow 64K keys, where a merge costs about 1 / tile of
+# the tile's attention time.
 TILE_BYTES = 512 << 20
-MIN_TILE_TOKENS = 1 << 15
+MIN_TILE_TOKENS = 1 << 10
 
 
 def up_projection_weights(w_uk: torch.Tensor, w_uv: torch.Tensor, d_s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +49,8 @@ def decompressed_break_even(num_heads: int, d_c: int, d_s: int, d_n: int, d_v: i
 
 def default_tile_size(batch_size: int, num_heads: int, head_dims: int, itemsize: int) -> int:
     """Prefix tokens per tile: a power of two, what `TILE_BYTES` holds of decompressed keys and values (head_dims =
-    d_n + d_s + d_v per head), at least `MIN_TILE_TOKENS`. Tiles start at multiples of it, so with chunks of a power
-    of two every tile but the last of each chunk is full and the calls repeat a few shapes."""
+    d_n + d_s + d_v per head) for the whole batch, at least `MIN_TILE_TOKENS`. Tiles start at multiples of it, so
+    with chunks of a power of two every tile but the last of each chunk is full and the calls repeat a few shapes."""
     tokens = TILE_BYTES // (batch_size * num_heads * head_dims * itemsize)
     return max(MIN_TILE_TOKENS, 1 << max(0, tokens.bit_length() - 1))
 

