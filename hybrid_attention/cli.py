@@ -385,46 +385,44 @@ def _eval(args) -> int:
 
 
 def _info(args) -> int:
-    import torch
-
-    from hybrid_attention.runs.checkpoint import load_run
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model_size import model_size
 
     if args.ckpt:
-        model, _, _ = load_run(args.ckpt, weights=False)
-        source = args.ckpt
-    else:
-        from hybrid_attention.config import HybridConfig
-        from hybrid_attention.model import HybridLM
+        from hybrid_attention.runs.checkpoint import run_model_config
 
+        c, source = run_model_config(args.ckpt), args.ckpt
+    else:
         preset = args.preset or "tiny"
-        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
-        with torch.device("meta"):  # shapes only: no memory, no initialisation time
-            model = HybridLM(HybridConfig.from_preset(preset, **overrides))
+        c = HybridConfig.from_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
         source = f"preset {preset}"
-    c = model.config
-    total = model.num_parameters()
-    embed = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    layers = model.layer_table()
-    in_layers = sum(row["parameters"] for row in layers)
-    print(f"{source}: hidden {c.hidden_size}, {c.num_layers} layers, vocabulary {c.vocab_size}, residual {c.residual}")
+    size = model_size(c)  # from one layer of each type: any depth answers at once
+    in_layers = sum(row["parameters"] for row in size.layers)
+    layers = _count(c.num_layers, "layer")
+    print(f"{source}: hidden {c.hidden_size}, {layers}, vocabulary {c.vocab_size}, residual {c.residual}")
     print(
-        f"parameters: {total:,} total; {embed:,} embedding; {in_layers:,} in decoder layers; "
-        f"{total - embed - in_layers:,} in the head, final norm and final AttnRes"
+        f"parameters: {size.parameters:,} total; {size.embedding:,} embedding; {in_layers:,} in decoder layers; "
+        f"{size.parameters - size.embedding - in_layers:,} in the head, final norm and final AttnRes"
     )
     print(f"{'layer':>5}  {'type':<4}  {'parameters':>12}")
-    for row in layers:
+    for row in size.layers:
         print(f"{row['index']:>5}  {row['type']:<4}  {row['parameters']:>12,}")
-    per_token = model.cache_bytes_per_token(torch.bfloat16)
-    state = model.state_bytes_per_sequence(torch.bfloat16)
+    per_token, state = size.cache_bytes_per_token, size.state_bytes_per_sequence
     num_mla = sum(t == "mla" for t in c.layer_types)
-    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {num_mla} MLA layers)")
+    mla_layers = _count(num_mla, "MLA layer")
+    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {mla_layers})")
     print(
         f"constant state per sequence: {state:,} bytes (fp32 KDA state + bf16 conv tails, "
-        f"{c.num_layers - num_mla} KDA layers)"
+        f"{_count(c.num_layers - num_mla, 'KDA layer')})"
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 MLA layer', '3 MLA layers'."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _export(args) -> int:

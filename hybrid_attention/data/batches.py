@@ -58,6 +58,18 @@ def eval_batches(
         yield tokens[_to_device(index, tokens.device)].long()
 
 
+def check_eval_windows(num_tokens: int, batch_size: int, seq_len: int, num_batches: int, split: str, flag: str) -> None:
+    """ValueError when `num_batches` batches of `batch_size` windows (`eval_batches`) are more than it takes to cover
+    every distinct window of a split of `num_tokens` tokens once: beyond that they only repeat windows."""
+    distinct = num_tokens - seq_len + 1
+    most = max(1, -(-distinct // batch_size))
+    if num_batches > most:
+        raise ValueError(
+            f"{flag} {num_batches:,}: {num_batches * batch_size:,} windows of {seq_len} tokens, more than the "
+            f"{distinct:,} distinct windows of the {split} split ({num_tokens:,} tokens); pass at most {most:,}"
+        )
+
+
 def unigram_loss(train_tokens: torch.Tensor, val_tokens: torch.Tensor, vocab_size: int) -> float:
     """Cross-entropy (nats per token) of the validation tokens under add-one-smoothed train unigram frequencies."""
     counts = torch.bincount(train_tokens.long().flatten(), minlength=vocab_size).double() + 1.0

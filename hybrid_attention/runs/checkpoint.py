@@ -402,6 +402,17 @@ def append_log(run_dir: str | Path, row: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- reading
+def run_model_config(run_dir: str | Path, config: dict | None = None):
+    """The `HybridConfig` of a saved run (from `config`, its config.json already read, or read here)."""
+    from hybrid_attention.config import HybridConfig
+
+    config = load_config(run_dir) if config is None else config
+    try:
+        return HybridConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{Path(run_dir) / CONFIG}: invalid model config: {e}") from None
+
+
 def load_run(
     run_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -412,15 +423,12 @@ def load_run(
 ):
     """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32), with the
     weights of its newest complete checkpoint; the backends choose its kernels (`HybridLM`)."""
-    from hybrid_attention.config import HybridConfig
     from hybrid_attention.data.tokenizer import tokenizer_from_dict
     from hybrid_attention.model import HybridLM
+    from hybrid_attention.model_size import check_model_fits
 
     config = load_config(run_dir)
-    try:
-        model_config = HybridConfig.from_dict(config["model"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{Path(run_dir) / CONFIG}: invalid model config: {e}") from None
+    model_config = run_model_config(run_dir, config)
     tokenizer = tokenizer_from_dict(config["tokenizer"], run_dir)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise ValueError(
@@ -437,6 +445,7 @@ def load_run(
         raise ValueError(
             f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
         )
+    check_model_fits(model_config, device, bytes_per_parameter=4, what=f"loading the model of {run_dir} in float32")
     with torch.device(device):  # the random initialisation the weights replace runs where it is cheap
         model = HybridLM(model_config, kda_backend=kda_backend, attnres_backend=attnres_backend)
     load_weights(directory, model)

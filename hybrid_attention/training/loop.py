@@ -29,7 +29,7 @@ import torch
 
 from hybrid_attention import files
 from hybrid_attention.config import HybridConfig
-from hybrid_attention.data.batches import sample_batch, unigram_loss
+from hybrid_attention.data.batches import check_eval_windows, sample_batch, unigram_loss
 from hybrid_attention.data.sources import load_corpus
 from hybrid_attention.data.token_cache import encode_corpus
 from hybrid_attention.data.tokenizer import (
@@ -40,7 +40,9 @@ from hybrid_attention.data.tokenizer import (
     tokenizer_from_dict,
 )
 from hybrid_attention.device import autocast_for, flush_denormals, resolve_device, resolve_dtype
+from hybrid_attention.machine import check_fits
 from hybrid_attention.model import HybridLM
+from hybrid_attention.model_size import check_model_fits
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import RunLock, check_fingerprint, data_fingerprint
@@ -79,6 +81,9 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
     if config.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
+    step_ids = config.grad_accum * config.batch_size * config.seq_len  # int64 on the device, stacked for one step
+    flags = f"--grad-accum {config.grad_accum:,} x --batch-size {config.batch_size:,} x --seq-len {config.seq_len:,}"
+    check_fits(8 * step_ids, f"a step's {step_ids:,} token ids ({flags})", device)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     if saved is not None:
         tokenizer = tokenizer_from_dict(saved["tokenizer"], run_dir)
@@ -98,6 +103,11 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}"
         )
+    # Lower bounds: float32 weights and gradients, and AdamW's two moments (Muon keeps one for the matrices).
+    per_parameter = (16 if config.optimizer == "adamw" else 12) / par.world_size
+    check_model_fits(
+        model_config, device, bytes_per_parameter=per_parameter, what=f"training the model with {config.optimizer}"
+    )
     tokens = encode_corpus(tokenizer, corpus)
     train_tokens, val_tokens = tokens.train, tokens.val
     for name, toks in (("training", train_tokens), ("validation", val_tokens)):
@@ -105,6 +115,7 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
             raise ValueError(
                 f"the {name} split of {corpus.source} has {toks.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
+        check_eval_windows(toks.numel(), config.batch_size, config.seq_len, config.eval_batches, name, "--eval-batches")
     fingerprint = data_fingerprint(train_tokens, val_tokens)
     if saved is not None:
         check_fingerprint(saved.get("data_fingerprint"), fingerprint, corpus.source, str(run_dir / run_config.CONFIG))
