@@ -11,6 +11,7 @@ import codecs
 import os
 import shlex
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +29,10 @@ from hybrid_attention.config import (  # torch-free: --help and bad flags answer
     PRESETS,
     IgnoredSetting,
 )
+
+# The context `generate` allows by default, in multiples of the length the run trained on: far enough to use what
+# the recurrent KDA state and the position-free MLA carry past it, short of a prompt that prefills for minutes.
+CONTEXT_FACTOR = 16
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
     g.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
+    g.add_argument(
+        "--max-context",
+        type=positive_int,
+        help=f"prompt + new tokens at most (default: {CONTEXT_FACTOR} x the --seq-len the run trained on)",
+    )
     g.add_argument("--device", choices=DEVICES, default="auto")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA")
     _backend_flags(g)
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, MemoryError) as err:
         if not _out_of_memory(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
             raise
-        detail = " ".join(str(err).split())[:160]
+        detail = textwrap.shorten(str(err), 160, placeholder=" ...")  # at a word boundary
         print(f"hybrid-attention {args.command}: error: out of memory ({detail}); {_MEMORY_ADVICE[args.command]}",
               file=sys.stderr)  # fmt: skip
         return 1
@@ -290,10 +300,12 @@ def _backends(args) -> dict:
 
 def _generate(args) -> int:
     import torch
+    from tqdm import tqdm
 
-    from hybrid_attention.inference.generate import generate_stream
+    from hybrid_attention.inference.generate import default_prefill_chunk_size, generate_stream
     from hybrid_attention.ops.warm_start import warm_start
     from hybrid_attention.runs.checkpoint import load_run
+    from hybrid_attention.training.config import TrainConfig
 
     prompt = args.prompt
     if prompt is None:
@@ -312,9 +324,10 @@ def _generate(args) -> int:
         raise ValueError("the prompt is empty; generation needs at least one token to start from")
     device, dtype = _device_and_dtype(args)
     warm_start(device, dtype=dtype)  # the first calls' one-time costs, beside the checkpoint's loading
-    model, _, tokenizer = load_run(args.ckpt, device, **_backends(args))
+    model, config, tokenizer = load_run(args.ckpt, device, **_backends(args))
     model.to(dtype)
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    max_new_tokens = _within_context(args, ids.shape[1], TrainConfig.create(config["train"], out=str(args.ckpt)))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(prompt)
@@ -322,13 +335,22 @@ def _generate(args) -> int:
     start = time.perf_counter()
     first = None
     count = 0
-    stream = generate_stream(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, None, generator)
-    for token in stream:
-        count += 1
-        if first is None:
-            first = time.perf_counter()
-        sys.stdout.write(decoder.decode(tokenizer.token_bytes(int(token[0]))))
-        sys.stdout.flush()
+    # A prompt longer than one prefill chunk shows its progress (on stderr) until the first token.
+    chunk = default_prefill_chunk_size(1) if device.type == "cuda" else _CPU_PREFILL_CHUNK
+    bar = tqdm(total=ids.shape[1], desc="prefill", unit="token", leave=False, disable=ids.shape[1] <= chunk)
+    options = dict(prefill_chunk_size=chunk, progress=lambda done: bar.update(done - bar.n))
+    try:
+        for token in generate_stream(
+            model, ids, max_new_tokens, args.temperature, args.top_k, args.top_p, None, generator, **options
+        ):
+            count += 1
+            if first is None:
+                first = time.perf_counter()
+                bar.close()
+            sys.stdout.write(decoder.decode(tokenizer.token_bytes(int(token[0]))))
+            sys.stdout.flush()
+    finally:
+        bar.close()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     sys.stdout.flush()
     end = time.perf_counter()
@@ -343,6 +365,29 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+# Prefill chunk on the CPU: short enough that a long prompt's progress moves every few seconds.
+_CPU_PREFILL_CHUNK = 1024
+
+
+def _within_context(args, prompt_tokens: int, run) -> int:
+    """--max-new-tokens bounded by the context limit (a line on stderr when it is); a prompt beyond it is refused."""
+    limit = args.max_context or CONTEXT_FACTOR * run.seq_len
+    why = "--max-context" if args.max_context else f"{CONTEXT_FACTOR} x the run's --seq-len {run.seq_len}"
+    if prompt_tokens > limit:
+        raise ValueError(
+            f"the prompt is {prompt_tokens:,} tokens, more than the context limit of {limit:,} ({why}); shorten it, "
+            "or pass a larger --max-context"
+        )
+    room = limit - prompt_tokens
+    if args.max_new_tokens > room:
+        print(
+            f"hybrid-attention generate: note: --max-new-tokens {args.max_new_tokens:,} reaches past the context "
+            f"limit of {limit:,} tokens ({why}); generating at most {room:,} after the {prompt_tokens:,}-token prompt",
+            file=sys.stderr,
+        )
+    return min(args.max_new_tokens, room)
 
 
 def _eval(args) -> int:

@@ -149,7 +149,6 @@ def test_mismatched_checkpoint_is_refused(run_dir, tmp_path, capsys):
         (["eval", "--ckpt", "{run}", "--data", "{tmp}/nothing"], "no such file or directory"),
         (["info", "--preset", "tiny", "--ckpt", "{run}"], "not allowed with argument --preset"),
         (["eval", "--ckpt", "{run}", "--seq-len", "1"], "argument --seq-len: expected a value >= 2, got 1"),
-        (["generate", "--ckpt", "{run}", "--prompt", "x", "--max-new-tokens", str(10**12)], "try a smaller --max-new"),
         (["generate", "--ckpt", "{run}", "--prompt", "ab\udcff"], "--prompt is not UTF-8 text"),
         (["generate", "--ckpt", "{run}", "--prompt", "x", "--seed", str(2**64)], "argument --seed: expected a value"),
         (["generate", "--ckpt", "{run}", "--prompt", "x", "--device", "cpu", "--dtype", "bfloat16"], "is for CUDA"),

@@ -65,9 +65,10 @@ def default_prefill_chunk_size(batch_size: int) -> int:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache, *, chunk_size: int | None = None) -> torch.Tensor:
+def prefill(model, input_ids: torch.Tensor, cache, *, chunk_size: int | None = None, progress=None) -> torch.Tensor:
     """Feed input_ids [B, T] into `cache` in chunks of `chunk_size` tokens (None: `default_prefill_chunk_size`);
-    returns the logits of the last position [B, vocab]."""
+    returns the logits of the last position [B, vocab]. `progress(n)`, when given, hears the tokens per sequence
+    prefilled so far after each chunk."""
     B, T = input_ids.shape
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"prefill: chunk_size={chunk_size!r}; expected None or an integer >= 1")
@@ -75,6 +76,8 @@ def prefill(model, input_ids: torch.Tensor, cache, *, chunk_size: int | None = N
     logits = None
     for start in range(0, T, chunk):
         logits = model(input_ids[:, start : start + chunk], cache=cache).logits[:, -1]
+        if progress is not None:
+            progress(min(T, start + chunk))
     return logits
 
 
@@ -169,6 +172,7 @@ def generate_stream(
     cuda_graph: bool | None = None,
     prefill_chunk_size: int | None = None,
     pack_projections: bool = True,
+    progress=None,
 ) -> Iterator[torch.Tensor]:
     """Yields one LongTensor [B] per new token. Stops early once every sequence has produced `eos_token_id`
     (sequences that finished earlier keep emitting eos).
@@ -177,7 +181,7 @@ def generate_stream(
     tokens of a padded batch (one run of ones per row: left or right padding). cuda_graph: None = on CUDA models,
     True = required, False = never. prefill_chunk_size: tokens per sequence per prefill call. pack_projections:
     decode with packed weight copies of the projections that read the same input (`graphs.DecodeStep`; one more
-    copy of those weights in memory while generating).
+    copy of those weights in memory while generating). progress: `prefill`'s, for each prompt in turn.
     """
     _check_args(max_new_tokens, temperature, top_k, top_p)
     if cuda_graph and not model.embed.weight.is_cuda:
@@ -194,12 +198,12 @@ def generate_stream(
     cache = model.make_cache(batch_size, longest + max_new_tokens)
     wait_warm_start()  # a warm start still running would otherwise repeat its work beside the prefill
     if prompts is None:
-        logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
+        logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size, progress=progress)
     else:
         rows = []
         for b, p in enumerate(prompts):
             single = model.make_cache(1, p.numel())
-            rows.append(prefill(model, p[None], single, chunk_size=prefill_chunk_size))
+            rows.append(prefill(model, p[None], single, chunk_size=prefill_chunk_size, progress=progress))
             cache.load_sequence(b, single)
             del single
         logits = torch.cat(rows, dim=0)
