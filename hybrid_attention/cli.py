@@ -307,6 +307,8 @@ def _generate(args) -> int:
     from hybrid_attention.runs.checkpoint import load_run
     from hybrid_attention.training.config import TrainConfig
 
+    if sys.stdout is None:  # started with stdout closed (`>&-`): there is nowhere to write the text
+        raise ValueError("stdout is closed, and generate writes the text there; redirect it (> FILE) instead")
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():

@@ -145,6 +145,16 @@ def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ValueError(f"generate: top_p={top_p!r}; expected None or a number in (0, 1]")
 
 
+def _check_finite(logits: torch.Tensor, index: int) -> None:
+    """ValueError when the logits [B, vocab] for new token `index` (0-based) hold NaN or infinite values, which no
+    sampling can turn into a token."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            f"generate: the logits for new token {index + 1} hold NaN or infinite values; the model's weights are "
+            f"damaged, diverged, or too large for {logits.dtype}"
+        )
+
+
 def _decode_step(model, cache, cuda_graph: bool | None, pack_projections: bool) -> DecodeStep:
     """The decode step: captured in a CUDA graph on CUDA (cuda_graph None or True), eager otherwise or on failure."""
     pack = dict(pack_projections=pack_projections)
@@ -210,6 +220,8 @@ def generate_stream(
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     step = None
     for i in range(max_new_tokens):
+        if i == 0 or not logits.is_cuda:  # on CUDA the first token's alone: a check is a host sync
+            _check_finite(logits, i)
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)

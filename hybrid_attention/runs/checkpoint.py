@@ -372,7 +372,21 @@ def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
         random.setstate(state["rng"]["python"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise ValueError(f"{directory / TRAIN_STATE} does not fit this run ({type(e).__name__}: {e})") from None
+    check_state_shapes(optimizers, directory / TRAIN_STATE)
     return int(state["step"])
+
+
+def check_state_shapes(optimizers, where) -> None:
+    """ValueError naming the first optimizer state tensor (a moment, a momentum) whose shape is not its parameter's:
+    `load_state_dict` takes any shape, and the first step would then fail."""
+    for opt in optimizers:
+        for p in (p for group in opt.param_groups for p in group["params"]):
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"{where}: the {type(opt).__name__} state {key!r} of a parameter of shape {tuple(p.shape)} "
+                        f"has shape {tuple(value.shape)}; the training state is damaged or from another model"
+                    )
 
 
 # ------------------------------------------------------------------------------------------------------ log.jsonl
