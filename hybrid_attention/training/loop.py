@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -336,7 +337,12 @@ def _train(
                 bar.write(memory_line(torch.cuda.get_device_name(device), memory))
                 memory_shown = True
             if main:
-                plot_losses(run_dir, rows)
+                try:
+                    plot_losses(run_dir, rows)
+                except OSError as e:  # a picture of log.jsonl: never worth the checkpoint that follows
+                    bar.write(
+                        f"warning: could not write {run_dir / ckpt.PLOT} ({e}); training goes on", file=sys.stderr
+                    )
         # A stop requested while this step logged or validated is this step's (every rank logs the same steps).
         stopped_by = stopped_by or agree(False)[1]
         # Step 1 validates early; a checkpoint of it is not worth the write.
