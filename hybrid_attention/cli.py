@@ -491,5 +491,8 @@ def _export(args) -> int:
         raise ValueError("--hf needs the optional transformers package: pip install 'hybrid-attention[hf]'") from None
 
     out = export_run(args.ckpt, args.hf)
-    print(f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(
+        f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+        "or without the package with trust_remote_code=True"
+    )
     return 0
