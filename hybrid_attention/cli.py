@@ -129,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
     e.add_argument("--seq-len", type=number(int, 2), help="default: the run's (at least 2: one prediction)")
-    e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
+    e.add_argument(
+        "--max-batches",
+        type=positive_int,
+        help="batches of windows evenly spaced over the split (default: the run's --eval-batches, so the windows its "
+        "training validated on)",
+    )
     e.add_argument("--device", choices=DEVICES, default="auto")
     e.add_argument("--dtype", choices=DTYPES, default="auto")
     _backend_flags(e)
@@ -259,7 +264,8 @@ def _train(args) -> int:
         print(f"stopped early; continue with `{resume_command}`")
     if s["val_loss"] is not None:
         print(
-            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte), "
+            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte) on "
+            f"{_count(s['val_windows'], 'window')} of {s['seq_len']} tokens, "
             f"{s['val_loss'] - s['train_eval_loss']:+.4f} from the training windows; "
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
@@ -393,6 +399,7 @@ def _within_context(args, prompt_tokens: int, run) -> int:
 
 
 def _eval(args) -> int:
+    from hybrid_attention.data.batches import check_eval_windows
     from hybrid_attention.data.sources import load_corpus
     from hybrid_attention.device import autocast_for
     from hybrid_attention.runs.checkpoint import load_run
@@ -411,8 +418,8 @@ def _eval(args) -> int:
     batch_size, seq_len = args.batch_size or run.batch_size, args.seq_len or run.seq_len
     if tokens.numel() < seq_len:
         raise ValueError(f"the validation split of {corpus.source} has {tokens.numel()} tokens, fewer than {seq_len}")
-    windows = tokens.numel() // seq_len
-    num_batches = None if windows <= args.max_batches * batch_size else args.max_batches
+    num_batches = args.max_batches or run.eval_batches  # the windows training validates on, by default
+    check_eval_windows(tokens.numel(), batch_size, seq_len, num_batches, "validation", "--max-batches")
     autocast = autocast_for(device, args.dtype)
     loss, bpb = evaluate(
         model,
@@ -423,10 +430,10 @@ def _eval(args) -> int:
         num_batches=num_batches,
         autocast=autocast,
     )
-    evaluated = min(windows, args.max_batches * batch_size) * seq_len
+    windows = f"{_count(num_batches * batch_size, 'window')} of {seq_len} tokens"
     print(
-        f"{args.ckpt} on {corpus.source} (validation split, {evaluated:,} of {tokens.numel():,} tokens, "
-        f"windows of {seq_len}): loss {loss:.4f} nats/token, {bpb:.4f} bits/byte"
+        f"{args.ckpt} on {corpus.source} (validation split: {windows} evenly spaced over its {tokens.numel():,}): "
+        f"loss {loss:.4f} nats/token, {bpb:.4f} bits/byte"
     )
     return 0
 

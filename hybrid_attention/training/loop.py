@@ -366,6 +366,8 @@ def _train(
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last_val[0] if last_val else None,
         "val_bpb": last_val[1] if last_val else None,
+        "val_windows": config.eval_batches * config.batch_size,  # of seq_len tokens, evenly spaced (data/batches.py)
+        "seq_len": config.seq_len,
         "train_eval_loss": rows[-1].get("train_eval_loss") if rows else None,
         "unigram_loss": unigram,
         "unigram_bpb": unigram_bpb,
