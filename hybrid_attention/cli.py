@@ -362,12 +362,14 @@ def _generate(args) -> int:
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     sys.stdout.flush()
     end = time.perf_counter()
+    if not count:
+        print("[no tokens generated: --max-new-tokens 0]", file=sys.stderr)
+        return 0
     total = ids.shape[1] + count
-    cache_bytes = model.make_cache(1, total).nbytes()
-    rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
+    timing = f"{_count(count, 'token')} in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
+    timing += f"{first - start:.3f} s" + (f", then {(count - 1) / (end - first):,.1f} tokens/s" if count > 1 else "")
     print(
-        f"[{count} tokens in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
-        f"{(first or end) - start:.3f} s, then {rate:,.1f} tokens/s; cache {cache_bytes:,} bytes for {total} tokens "
+        f"[{timing}; cache {model.make_cache(1, total).nbytes():,} bytes for {total} tokens "
         f"({model.cache_bytes_per_token(dtype):,} bytes/token of MLA latent + "
         f"{model.state_bytes_per_sequence(dtype):,} bytes of KDA state, {str(dtype).replace('torch.', '')})]",
         file=sys.stderr,

@@ -69,7 +69,7 @@ BAD_TRAIN = [
     (["--data", "{tmp}/empty.txt"], "holds no text"),
     (["--steps", "0"], "argument --steps: expected a value >= 1, got 0"),
     (["--lr", "-1"], "argument --lr: expected a value > 0.0"),
-    (["--lr", "nan"], "argument --lr: expected a value > 0.0"),
+    (["--lr", "nan"], "argument --lr: expected a finite value > 0.0"),
     (["--batch-size", "two"], "argument --batch-size: expected an integer, got 'two'"),
     (["--preset", "huge"], "argument --preset: invalid choice"),
     (["--steps", "5", "--warmup", "9"], "--warmup must be between 0 and --steps (5), got 9"),

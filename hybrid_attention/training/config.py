@@ -70,7 +70,7 @@ class TrainConfig:
             run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
                                     required=SAVED_REQUIRED)  # fmt: skip
             changed = [
-                f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
+                f"--{k.replace('_', '-')} {given[k]} (the run has {_stored(k, saved.get(k))})"
                 for k in sorted(given)
                 if k not in RUN_ONLY and given[k] != saved.get(k)
             ]
@@ -128,6 +128,13 @@ class TrainConfig:
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
+
+
+def _stored(name: str, value) -> str:
+    """A saved setting as a message shows it: None, which config.json stores for a default, by what it stands for."""
+    if value is not None:
+        return str(value)
+    return {"data": "builtin, the default"}.get(name, "the default")
 
 
 # where and how the run executes
