@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=seed_int, help="seed of the initialisation and the batches (default 0)")
     t.add_argument("--out", help="run directory (default runs/PRESET)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    t.add_argument(
+        "--extend-steps",
+        type=positive_int,
+        help="with --resume: train N steps past the run's --steps (finished or not), the learning rate rising again "
+        "to --lr and decaying by a cosine over the new steps",
+    )
     t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
     t.add_argument("--time-limit", type=positive_float, help="save and stop after this many minutes of training")
     t.add_argument("--eval-every", type=positive_int, help="validate, plot, checkpoint every N steps (default: 10%%)")
@@ -231,7 +237,7 @@ def _train(args) -> int:
         out = args.out or f"runs/{args.preset or 'tiny'}"
         saved = checkpoint.load_config(out)["train"]
         given["out"] = out
-    config = TrainConfig.create(saved, **given)
+    config = TrainConfig.create(saved, extend_steps=args.extend_steps, **given)
     from hybrid_attention.device import resolve_device
 
     _say_when_compiling(resolve_device(config.device))

@@ -3,10 +3,12 @@ and the checks that turn a bad flag or a damaged config.json into an error namin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
 
+from hybrid_attention.checks import is_int
 from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, TOKENIZERS
 from hybrid_attention.runs import run_config
 
@@ -50,6 +52,7 @@ class TrainConfig:
     cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, one process
     kda_backend: str | None = None  # None: "auto"; how the run executes, not part of the model
     attnres_backend: str | None = None  # None: "auto"
+    extended_at: tuple[int, ...] = ()  # the --steps at which --extend-steps added more: each starts a schedule tail
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
     # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
@@ -58,11 +61,12 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds
 
     @classmethod
-    def create(cls, saved: dict | None = None, **given) -> TrainConfig:
+    def create(cls, saved: dict | None = None, *, extend_steps: int | None = None, **given) -> TrainConfig:
         """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
 
-        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError. The saved settings (read
-        from config.json) and the given ones are type-checked like command-line input.
+        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError, and `extend_steps` adds
+        steps after the run's last one (`extended`). The saved settings (read from config.json) and the given ones
+        are type-checked like command-line input.
         """
         given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
         run_config.check_fields(given, cls, "TrainConfig")
@@ -76,16 +80,30 @@ class TrainConfig:
             ]
             if changed:
                 free = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RUN_ONLY - {"out"}))
-                raise ValueError(f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change")
+                more = "; --extend-steps N trains it N steps further" if "steps" in given else ""
+                raise ValueError(
+                    f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change{more}"
+                )
             once = {"stop_after", "time_limit"}  # they describe one invocation, not the run
             values = {k: v for k, v in saved.items() if k in {f.name for f in fields(cls)} and k not in once}
-            return cls(**{**values, **given}).validate()
+            config = cls(**{**values, **given})
+            return (config.extended(extend_steps) if extend_steps is not None else config).validate()
+        if extend_steps is not None:
+            raise ValueError("--extend-steps trains a run further: pass --resume (and its --out) with it")
         preset = given.get("preset", "tiny")
         defaults = _TINY if preset == "tiny" else _SCALED
         merged = {"out": f"runs/{preset}", **defaults, **given}
         if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
             merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
         return cls(**merged).validate()
+
+    def extended(self, more_steps: int) -> TrainConfig:
+        """The run with `more_steps` more steps after its last one, the learning rate on a new schedule tail from
+        there (`optim.lr_factor`)."""
+        if not isinstance(more_steps, int) or isinstance(more_steps, bool) or more_steps < 1:
+            raise ValueError(f"--extend-steps must be a positive integer, got {more_steps!r}")
+        extended_at = (*tuple(self.extended_at), self.steps)
+        return dataclasses.replace(self, steps=self.steps + more_steps, extended_at=extended_at)
 
     def validate(self) -> TrainConfig:
         if not self.out.strip():
@@ -125,6 +143,12 @@ class TrainConfig:
             raise ValueError(f"--time-limit must be a positive number of minutes, got {self.time_limit}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
+        self.extended_at = tuple(self.extended_at)  # a JSON list in config.json
+        bounds = (*self.extended_at, self.steps)
+        if not all(is_int(a) and 1 <= a < b for a, b in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(
+                f"extended_at must be increasing steps below --steps ({self.steps}), got {self.extended_at}"
+            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self

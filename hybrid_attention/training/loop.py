@@ -51,7 +51,7 @@ from hybrid_attention.training import distributed
 from hybrid_attention.training.config import TrainConfig
 from hybrid_attention.training.interrupts import StopRequests
 from hybrid_attention.training.metrics import evaluate, flops_per_token, peak_flops
-from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.optim import apply_schedule, build_optimizers, build_schedulers
 from hybrid_attention.training.plots import plot_losses
 from hybrid_attention.training.report import epoch_report, is_validation_step, memory_line, peak_memory, validation_line
 from hybrid_attention.training.step import TrainStep
@@ -128,10 +128,13 @@ def prepare(config: TrainConfig, *, resume: bool, par: distributed.Parallel | No
         distributed.shard_for_training(model, par, config, tokenizer, train_tokens)
         build = distributed.build_optimizers
     optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
+    schedule = dict(warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio, tails=config.extended_at)
+    schedulers = build_schedulers(optimizers, **schedule)
     step = 0
     if saved is not None:
         step = dist_checkpoint.restore_training(run_dir, par, model, optimizers, schedulers)
+        if saved["train"].get("steps") != config.steps:  # --extend-steps: the next update follows the new tail
+            apply_schedule(schedulers)
         if config.stop_after is not None and step < config.steps and config.stop_after <= step:
             raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return dict(run_dir=run_dir, device=device, corpus=corpus, tokenizer=tokenizer, model=model, optimizers=optimizers,
@@ -170,7 +173,10 @@ def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel, mod
                 raise ValueError("model_overrides apply to a new run; a resumed run keeps its saved model config")
             p = prepare(config, resume=resume, par=par, model_overrides=model_overrides)
             if resume and p["step"] >= config.steps:
-                echo(f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do")
+                echo(
+                    f"{run_dir}: the run is complete (step {p['step']} of {config.steps}); nothing to do "
+                    "(--extend-steps N trains it N steps further)"
+                )
                 return {"run_dir": str(run_dir), "step": p["step"], "steps": config.steps, "already_complete": True}
             p["rows"] = ckpt.read_log(run_dir, up_to_step=p["step"]) if resume else []  # drop rows after the ckpt
             par.barrier()  # every rank has read the run directory before rank 0 writes to it
@@ -197,6 +203,9 @@ def _train(
     # ---- from here on, the run directory is written (by rank 0; the other ranks write checkpoint shards only)
     if main and resume:
         ckpt.write_log(run_dir, rows)
+        saved = run_config.load_config(run_dir)
+        if saved["train"].get("steps") != config.steps:  # --extend-steps: the run's schedule from now on
+            run_config.save_config(run_dir, {**saved, "train": asdict(config)})
     elif main:
         if tokenizer.kind == "bpe":
             files.atomic_write_text(run_dir / BPE_FILE, tokenizer.to_json())
