@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import math
 import os
 import shlex
 import sys
@@ -383,7 +384,7 @@ def _generate(args) -> int:
     return 0
 
 
-# Prefill chunk on the CPU: short enough that a long prompt's progress moves every few seconds.
+# Prefill chunk on the CPU, where a chunk is slow: short enough that a long prompt's progress bar moves often.
 _CPU_PREFILL_CHUNK = 1024
 
 
@@ -410,6 +411,7 @@ def _eval(args) -> int:
     from hybrid_attention.data.batches import check_eval_windows
     from hybrid_attention.data.sources import load_corpus
     from hybrid_attention.device import autocast_for
+    from hybrid_attention.machine import check_fits
     from hybrid_attention.runs.checkpoint import load_run
     from hybrid_attention.training.config import TrainConfig
     from hybrid_attention.training.metrics import evaluate
@@ -428,6 +430,8 @@ def _eval(args) -> int:
         raise ValueError(f"the validation split of {corpus.source} has {tokens.numel()} tokens, fewer than {seq_len}")
     num_batches = args.max_batches or run.eval_batches  # the windows training validates on, by default
     check_eval_windows(tokens.numel(), batch_size, seq_len, num_batches, "validation", "--max-batches")
+    flags = f"--batch-size {batch_size:,} x --seq-len {seq_len:,}"
+    check_fits(8 * batch_size * seq_len, f"a batch's {batch_size * seq_len:,} token ids ({flags})", device)
     autocast = autocast_for(device, args.dtype)
     loss, bpb = evaluate(
         model,
@@ -439,6 +443,8 @@ def _eval(args) -> int:
         autocast=autocast,
     )
     windows = f"{_count(num_batches * batch_size, 'window')} of {seq_len} tokens"
+    if not math.isfinite(loss):  # finite weights can still overflow; checksums and the load check the rest
+        raise ValueError(f"{args.ckpt}: the validation loss on {windows} is {loss}; the weights are unusable")
     print(
         f"{args.ckpt} on {corpus.source} (validation split: {windows} evenly spaced over its {tokens.numel():,}): "
         f"loss {loss:.4f} nats/token, {bpb:.4f} bits/byte"

@@ -87,6 +87,8 @@ def test_logits_that_are_not_finite_are_one_line(run, capsys):
     manifest.add_file(directory, ckpt.WEIGHTS)
     code, _, err = run_cli(["generate", "--ckpt", run, "--prompt", "def "], capsys)
     assert one_line(code, err, "generate: the logits for new token 1 hold NaN or infinite values"), err
+    code, out, err = run_cli(["eval", "--ckpt", run], capsys)
+    assert one_line(code, err, "the validation loss on 6 windows of 16 tokens is nan; the weights are unusable"), err
     prompt = torch.tensor([[100, 101]])
     with pytest.raises(ValueError, match="the logits for new token 1 hold NaN or infinite values"):
         generate(model, prompt, 3, temperature=0)  # greedy would otherwise pick a token from NaN

@@ -99,6 +99,18 @@ def test_generation_is_bounded_by_the_context(run, capsys):
     assert one_line(code, err, limit), err
 
 
+def test_a_long_prompt_shows_its_prefill_progress(run, capsys):
+    prompt = "x = 1\n" * 200  # 1,200 tokens: two prefill chunks on the CPU
+    argv = ["generate", "--ckpt", run, "--prompt", prompt, "--max-new-tokens", 1, "--max-context", 1300]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and "prefill: " in err and "/1200 [" in err, err
+
+
+def test_an_eval_batch_beyond_the_memory_is_one_line(run, capsys):
+    code, _, err = run_cli(["eval", "--ckpt", run, "--batch-size", 10**12, "--max-batches", 1], capsys)
+    assert one_line(code, err, "a batch's 16,000,000,000,000 token ids (--batch-size 1,000,000,000,000 x --seq-len 16)")
+
+
 def test_a_cache_beyond_the_memory_is_refused_before_it_is_made():
     model = HybridLM(HybridConfig.from_preset("tiny"))
     with pytest.raises(ValueError, match=r"^a cache for 1 x 1,000,000,000,000,000,000,000,000,000,000 tokens would"):
