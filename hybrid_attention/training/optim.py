@@ -72,7 +72,7 @@ def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float, tails: tu
     bounds = [0, *tails, steps]
     k = min(bisect.bisect_right(bounds, step), len(bounds) - 1) - 1  # the segment `step` falls in (the last past it)
     start, end = bounds[k], bounds[k + 1]
-    warm = warmup if k == 0 else min(warmup, max(1, (end - start) // 5))
+    warm = warmup if k == 0 else min(warmup, (end - start) // 5)
     floor = 0.0 if k == 0 else min_ratio  # a tail starts from the rate the schedule before it ended at
     if step - start < warm:
         return floor + (1.0 - floor) * (step - start + 1) / warm

@@ -25,7 +25,7 @@ def test_a_tail_leaves_the_schedule_before_it_and_rises_from_where_it_ended():
     assert extended[110] == 1.0 and all(a > b for a, b in zip(extended[110:150], extended[111:150], strict=False))
     assert extended[150:] == [pytest.approx(0.1)] * 10
     short = [lr_factor(s, steps=103, tails=(100,), **plain) for s in range(100, 103)]
-    assert short[0] == pytest.approx(1.0) and short[-1] < 1  # a tail shorter than 5 steps: a one-step warm-up
+    assert short[0] == pytest.approx(1.0) and short[-1] < 1  # a tail shorter than 5 steps: no warm-up
 
 
 def test_a_finished_run_is_extended(tmp_path, capsys):
