@@ -11,9 +11,10 @@ on a second call up to 128K so that first-call tuning stays out, skipped when th
 previous context exceeds the time left). Cases that do not fit in memory are skipped with a note; all-MLA at
 32 x 512K needs 126 GB of cache and is always skipped.
 
-    python benchmarks/bench_decode.py [--quick] [--out results.json] [--plot benchmarks/decode_latency.png]
+    python benchmarks/bench_decode.py [--quick] [--out results.json] [--plot decode_latency.png]
 
-Prints tables, then one JSON line (also written to --out). Every case runs in try/except: failures are reported and
+Prints tables, then one JSON line (also written to --out); the plot goes to benchmarks/decode_latency.png unless --plot
+names another file, from whatever directory it runs. Every case runs in try/except: failures are reported and
 the run continues. The thresholds of `check_thresholds` are checked at the end; figures: docs/performance.md.
 """
 
@@ -25,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from bench_common import emit_json, env_info, log
@@ -247,17 +249,25 @@ def plot(decode, path: str) -> str | None:
     return path
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="contexts 4K and 16K, fewer repetitions, prefill at 4K only")
     p.add_argument("--out", help="also write the JSON result here")
-    p.add_argument("--plot", default="benchmarks/decode_latency.png", help="PNG of time per token against context")
+    p.add_argument(
+        "--plot",
+        default=str(Path(__file__).resolve().with_name("decode_latency.png")),
+        help="PNG of time per token against context (default: decode_latency.png beside this script)",
+    )
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting new prefill cases after this")
     p.add_argument("--reps", type=int, default=None, help="replays timed per decode case (default 50, quick 15)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill call (default 8192)")
     p.add_argument("--no-pack", action="store_true", help="decode without packed projections (layers/packed.py)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -21,7 +21,8 @@ def number(kind, low, *, inclusive=True, high=None):
         ok = math.isfinite(value) and (value >= low if inclusive else value > low) and (high is None or value <= high)
         if not ok:
             bound = f"{'>=' if inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
-            raise argparse.ArgumentTypeError(f"expected a value {bound}, got {text}")
+            finite = "" if math.isfinite(value) else "finite "  # inf and nan parse as floats
+            raise argparse.ArgumentTypeError(f"expected a {finite}value {bound}, got {text}")
         return value
 
     return parse

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import math
 import os
 import shlex
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +31,10 @@ from hybrid_attention.config import (  # torch-free: --help and bad flags answer
     PRESETS,
     IgnoredSetting,
 )
+
+# The context `generate` allows by default, in multiples of the length the run trained on: far enough to use what
+# the recurrent KDA state and the position-free MLA carry past it, short of a prompt that prefills for minutes.
+CONTEXT_FACTOR = 16
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=seed_int, help="seed of the initialisation and the batches (default 0)")
     t.add_argument("--out", help="run directory (default runs/PRESET)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    t.add_argument(
+        "--extend-steps",
+        type=positive_int,
+        help="with --resume: train N steps past the run's --steps (finished or not), the learning rate rising again "
+        "to --lr and decaying by a cosine over the new steps",
+    )
     t.add_argument("--stop-after", type=positive_int, help="save and stop after this step (the schedule keeps --steps)")
     t.add_argument("--time-limit", type=positive_float, help="save and stop after this many minutes of training")
     t.add_argument("--eval-every", type=positive_int, help="validate, plot, checkpoint every N steps (default: 10%%)")
@@ -130,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=number(float, 0.0, inclusive=False, high=1.0), help="nucleus sampling mass")
     g.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
+    g.add_argument(
+        "--max-context",
+        type=positive_int,
+        help=f"prompt + new tokens at most (default: {CONTEXT_FACTOR} x the --seq-len the run trained on)",
+    )
     g.add_argument("--device", choices=DEVICES, default="auto")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA")
     _backend_flags(g)
@@ -145,7 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-max-bytes", type=positive_int, help="read at most this much text")
     e.add_argument("--batch-size", type=positive_int, help="default: the run's")
     e.add_argument("--seq-len", type=number(int, 2), help="default: the run's (at least 2: one prediction)")
-    e.add_argument("--max-batches", type=positive_int, default=32, help="windows spread over the split (default 32)")
+    e.add_argument(
+        "--max-batches",
+        type=positive_int,
+        help="batches of windows evenly spaced over the split (default: the run's --eval-batches, so the windows its "
+        "training validated on)",
+    )
     e.add_argument("--device", choices=DEVICES, default="auto")
     e.add_argument("--dtype", choices=DTYPES, default="auto")
     _backend_flags(e)
@@ -288,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, MemoryError) as err:
         if not _out_of_memory(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
             raise
-        detail = " ".join(str(err).split())[:160]
+        detail = textwrap.shorten(str(err), 160, placeholder=" ...")  # at a word boundary
         print(f"hybrid-attention {args.command}: error: out of memory ({detail}); {_MEMORY_ADVICE[args.command]}",
               file=sys.stderr)  # fmt: skip
         return 1
@@ -327,7 +349,7 @@ def _train(args) -> int:
         out = args.out or f"runs/{args.preset or 'tiny'}"
         saved = checkpoint.load_config(out)["train"]
         given["out"] = out
-    config = TrainConfig.create(saved, **given)
+    config = TrainConfig.create(saved, extend_steps=args.extend_steps, **given)
     from hybrid_attention.device import resolve_device
 
     _say_when_compiling(resolve_device(config.device))
@@ -360,7 +382,8 @@ def _train(args) -> int:
         print(f"stopped early; continue with `{resume_command}`")
     if s["val_loss"] is not None:
         print(
-            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte), "
+            f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte) on "
+            f"{_count(s['val_windows'], 'window')} of {s['seq_len']} tokens, "
             f"{s['val_loss'] - s['train_eval_loss']:+.4f} from the training windows; "
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
@@ -426,7 +449,10 @@ def _generate(args) -> int:
     from hybrid_attention.inference.generate import generate_stream
     from hybrid_attention.ops.warm_start import warm_start
     from hybrid_attention.runs.checkpoint import load_run
+    from hybrid_attention.training.config import TrainConfig
 
+    if sys.stdout is None:  # started with stdout closed (`>&-`): there is nowhere to write the text
+        raise ValueError("stdout is closed, and generate writes the text there; redirect it (> FILE) instead")
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
@@ -444,9 +470,10 @@ def _generate(args) -> int:
         raise ValueError("the prompt is empty; generation needs at least one token to start from")
     device, dtype = _device_and_dtype(args)
     warm_start(device, dtype=dtype)  # the first calls' one-time costs, beside the checkpoint's loading
-    model, _, tokenizer = load_run(args.ckpt, device, **_backends(args))
+    model, config, tokenizer = load_run(args.ckpt, device, **_backends(args))
     model.to(dtype)
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    max_new_tokens = _within_context(args, ids.shape[1], TrainConfig.create(config["train"], out=str(args.ckpt)))
     generator = torch.Generator(device=device).manual_seed(args.seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(prompt)
@@ -454,8 +481,8 @@ def _generate(args) -> int:
     start = time.perf_counter()
     first = None
     count = 0
-    stream = generate_stream(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, None, generator)
-    for token in stream:
+    # A prefill that takes more than a few seconds shows its progress on stderr (inference/prefill.py).
+    for token in generate_stream(model, ids, max_new_tokens, args.temperature, args.top_k, args.top_p, None, generator):
         count += 1
         if first is None:
             first = time.perf_counter()
@@ -464,12 +491,14 @@ def _generate(args) -> int:
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     sys.stdout.flush()
     end = time.perf_counter()
+    if not count:
+        print("[no tokens generated: --max-new-tokens 0]", file=sys.stderr)
+        return 0
     total = ids.shape[1] + count
-    cache_bytes = model.make_cache(1, total).nbytes()
-    rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
+    timing = f"{_count(count, 'token')} in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
+    timing += f"{first - start:.3f} s" + (f", then {(count - 1) / (end - first):,.1f} tokens/s" if count > 1 else "")
     print(
-        f"[{count} tokens in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
-        f"{(first or end) - start:.3f} s, then {rate:,.1f} tokens/s; cache {cache_bytes:,} bytes for {total} tokens "
+        f"[{timing}; cache {model.make_cache(1, total).nbytes():,} bytes for {total} tokens "
         f"({model.cache_bytes_per_token(dtype):,} bytes/token of MLA latent + "
         f"{model.state_bytes_per_sequence(dtype):,} bytes of KDA state, {str(dtype).replace('torch.', '')})]",
         file=sys.stderr,
@@ -477,9 +506,30 @@ def _generate(args) -> int:
     return 0
 
 
+def _within_context(args, prompt_tokens: int, run) -> int:
+    """--max-new-tokens bounded by the context limit (a line on stderr when it is); a prompt beyond it is refused."""
+    limit = args.max_context or CONTEXT_FACTOR * run.seq_len
+    why = "--max-context" if args.max_context else f"{CONTEXT_FACTOR} x the run's --seq-len {run.seq_len}"
+    if prompt_tokens > limit:
+        raise ValueError(
+            f"the prompt is {prompt_tokens:,} tokens, more than the context limit of {limit:,} ({why}); shorten it, "
+            "or pass a larger --max-context"
+        )
+    room = limit - prompt_tokens
+    if args.max_new_tokens > room:
+        print(
+            f"hybrid-attention generate: note: --max-new-tokens {args.max_new_tokens:,} reaches past the context "
+            f"limit of {limit:,} tokens ({why}); generating at most {room:,} after the {prompt_tokens:,}-token prompt",
+            file=sys.stderr,
+        )
+    return min(args.max_new_tokens, room)
+
+
 def _eval(args) -> int:
+    from hybrid_attention.data.loader import check_eval_windows
     from hybrid_attention.data.training_data import open_training_data
     from hybrid_attention.device import autocast_for
+    from hybrid_attention.machine import check_fits
     from hybrid_attention.runs.checkpoint import load_run
     from hybrid_attention.training.config import TrainConfig
     from hybrid_attention.training.metrics import evaluate
@@ -497,8 +547,10 @@ def _eval(args) -> int:
     batch_size, seq_len = args.batch_size or run.batch_size, args.seq_len or run.seq_len
     if tokens.numel() < seq_len:
         raise ValueError(f"the validation split of {source.source} has {tokens.numel()} tokens, fewer than {seq_len}")
-    windows = tokens.numel() // seq_len
-    num_batches = None if windows <= args.max_batches * batch_size else args.max_batches
+    num_batches = args.max_batches or run.eval_batches  # the windows training validates on, by default
+    check_eval_windows(tokens.numel(), batch_size, seq_len, num_batches, "validation", "--max-batches")
+    flags = f"--batch-size {batch_size:,} x --seq-len {seq_len:,}"
+    check_fits(8 * batch_size * seq_len, f"a batch's {batch_size * seq_len:,} token ids ({flags})", device)
     autocast = autocast_for(device, args.dtype)
     loss, bpb = evaluate(
         PackedRows(model),
@@ -510,52 +562,47 @@ def _eval(args) -> int:
         autocast=autocast,
         documents=run.doc_mask,
     )
-    evaluated = min(windows, args.max_batches * batch_size) * seq_len
+    windows = f"{_count(num_batches * batch_size, 'window')} of {seq_len} tokens"
+    if not math.isfinite(loss):  # finite weights can still overflow; checksums and the load check the rest
+        raise ValueError(f"{args.ckpt}: the validation loss on {windows} is {loss}; the weights are unusable")
     print(
-        f"{args.ckpt} on {source.source} (validation split, {evaluated:,} of {tokens.numel():,} tokens, "
-        f"windows of {seq_len}{', every document its own sequence' if run.doc_mask else ''}): loss {loss:.4f} "
-        f"nats/token, {bpb:.4f} bits/byte"
+        f"{args.ckpt} on {source.source} (validation split: {windows} evenly spaced over its {tokens.numel():,}"
+        f"{', every document its own sequence' if run.doc_mask else ''}): loss {loss:.4f} nats/token, "
+        f"{bpb:.4f} bits/byte"
     )
     return 0
 
 
 def _info(args) -> int:
-    import torch
-
-    from hybrid_attention.runs.checkpoint import load_run
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model_size import model_size
 
     if args.ckpt:
-        model, _, _ = load_run(args.ckpt, weights=False)
-        source = args.ckpt
-    else:
-        from hybrid_attention.config import HybridConfig
-        from hybrid_attention.model import HybridLM
+        from hybrid_attention.runs.checkpoint import run_model_config
 
+        c, source = run_model_config(args.ckpt), args.ckpt
+    else:
         preset = args.preset or "tiny"
-        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
-        with torch.device("meta"):  # shapes only: no memory, no initialisation time
-            model = HybridLM(HybridConfig.from_preset(preset, **overrides))
+        c = HybridConfig.from_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
         source = f"preset {preset}"
-    c = model.config
-    total = model.num_parameters()
-    embed = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    layers = model.layer_table()
-    in_layers = sum(row["parameters"] for row in layers)
-    print(f"{source}: hidden {c.hidden_size}, {c.num_layers} layers, vocabulary {c.vocab_size}, residual {c.residual}")
+    size = model_size(c)  # from one layer of each type: any depth answers at once
+    in_layers = sum(row["parameters"] for row in size.layers)
+    layers = _count(c.num_layers, "layer")
+    print(f"{source}: hidden {c.hidden_size}, {layers}, vocabulary {c.vocab_size}, residual {c.residual}")
     print(
-        f"parameters: {total:,} total; {embed:,} embedding; {in_layers:,} in decoder layers; "
-        f"{total - embed - in_layers:,} in the head, final norm and final AttnRes"
+        f"parameters: {size.parameters:,} total; {size.embedding:,} embedding; {in_layers:,} in decoder layers; "
+        f"{size.parameters - size.embedding - in_layers:,} in the head, final norm and final AttnRes"
     )
     print(f"{'layer':>5}  {'type':<4}  {'parameters':>12}")
-    for row in layers:
+    for row in size.layers:
         print(f"{row['index']:>5}  {row['type']:<4}  {row['parameters']:>12,}")
-    per_token = model.cache_bytes_per_token(torch.bfloat16)
-    state = model.state_bytes_per_sequence(torch.bfloat16)
+    per_token, state = size.cache_bytes_per_token, size.state_bytes_per_sequence
     num_mla = sum(t == "mla" for t in c.layer_types)
-    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {num_mla} MLA layers)")
+    mla_layers = _count(num_mla, "MLA layer")
+    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {mla_layers})")
     print(
         f"constant state per sequence: {state:,} bytes (fp32 KDA state + bf16 conv tails, "
-        f"{c.num_layers - num_mla} KDA layers)"
+        f"{_count(c.num_layers - num_mla, 'KDA layer')})"
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
@@ -618,6 +665,11 @@ def _serve(args) -> int:
     return 0
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 MLA layer', '3 MLA layers'."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def _export(args) -> int:
     from hybrid_attention.runs import checkpoint, dist_checkpoint
 
@@ -637,5 +689,8 @@ def _export(args) -> int:
         raise ValueError("--hf needs the optional transformers package: pip install 'hybrid-attention[hf]'") from None
 
     out = export_run(args.ckpt, args.hf)
-    print(f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(
+        f"wrote {out}; load with `import hybrid_attention.hf` and AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+        "or without the package with trust_remote_code=True"
+    )
     return 0

@@ -24,6 +24,7 @@ from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.layers.stream import Step, residual_stream
+from hybrid_attention.machine import check_fits
 from hybrid_attention.ops.cross_entropy import linear_cross_entropy
 
 
@@ -215,7 +216,10 @@ class HybridLM(nn.Module):
             raise ValueError(f"make_cache: batch_size={batch_size!r}, max_seq_len={max_seq_len!r}; expected integers")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"make_cache: batch_size={batch_size}, max_seq_len={max_seq_len}; expected both >= 1")
-        seqlens = SeqLens(batch_size, max_seq_len, device=self.embed.weight.device)
+        weight = self.embed.weight
+        rows = batch_size * max_seq_len * self.cache_bytes_per_token(weight.dtype)  # the MLA rows, preallocated
+        check_fits(rows, f"a cache for {batch_size:,} x {max_seq_len:,} tokens", weight.device)
+        seqlens = SeqLens(batch_size, max_seq_len, device=weight.device)
         layers = []
         for layer in self.layers:
             if layer.layer_type == "kda":

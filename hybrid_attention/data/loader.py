@@ -189,6 +189,18 @@ class TrainLoader:
             self._thread = None
 
 
+def check_eval_windows(num_tokens: int, batch_size: int, seq_len: int, num_batches: int, split: str, flag: str) -> None:
+    """ValueError when `num_batches` batches of `batch_size` windows (`eval_batches`) are more than it takes to cover
+    every distinct window of a split of `num_tokens` tokens once: beyond that they only repeat windows."""
+    distinct = num_tokens - seq_len + 1
+    most = max(1, -(-distinct // batch_size))
+    if num_batches > most:
+        raise ValueError(
+            f"{flag} {num_batches:,}: {num_batches * batch_size:,} windows of {seq_len} tokens, more than the "
+            f"{distinct:,} distinct windows of the {split} split ({num_tokens:,} tokens); pass at most {most:,}"
+        )
+
+
 def eval_starts(num_tokens: int, batch_size: int, seq_len: int, num_batches: int | None) -> np.ndarray:
     """Fixed validation window starts (int64): `num_batches * batch_size` evenly spaced over the split, or every
     non-overlapping window in order when `num_batches` is None."""

@@ -125,6 +125,16 @@ def _check_args(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ValueError(f"generate: top_p={top_p!r}; expected None or a number in (0, 1]")
 
 
+def _check_finite(logits: torch.Tensor, index: int) -> None:
+    """ValueError when the logits [B, vocab] for new token `index` (0-based) hold NaN or infinite values, which no
+    sampling can turn into a token."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            f"generate: the logits for new token {index + 1} hold NaN or infinite values; the model's weights are "
+            f"damaged, diverged, or too large for {logits.dtype}"
+        )
+
+
 def _decode_step(model, cache, cuda_graph: bool | None, pack_projections: bool) -> DecodeStep:
     """The decode step: captured in a CUDA graph on CUDA (cuda_graph None or True), eager otherwise or on failure."""
     pack = dict(pack_projections=pack_projections)
@@ -152,6 +162,7 @@ def generate_stream(
     cuda_graph: bool | None = None,
     prefill_chunk_size: int | None = None,
     pack_projections: bool = True,
+    progress: bool | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yields one LongTensor [B] per new token. Stops early once every sequence has produced `eos_token_id`
     (sequences that finished earlier keep emitting eos).
@@ -161,6 +172,7 @@ def generate_stream(
     True = required, False = never. prefill_chunk_size: tokens per sequence per prefill call. pack_projections:
     decode with packed weight copies of the projections that read the same input (`graphs.DecodeStep`; one more
     copy of those weights in memory while generating).
+    progress: `prefill`'s bar (None: once it runs a few seconds), for each prompt in turn.
     """
     _check_args(max_new_tokens, temperature, top_k, top_p)
     if cuda_graph and not model.embed.weight.is_cuda:
@@ -177,18 +189,20 @@ def generate_stream(
     cache = model.make_cache(batch_size, longest + max_new_tokens)
     wait_warm_start()  # a warm start still running would otherwise repeat its work beside the prefill
     if prompts is None:
-        logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size)
+        logits = prefill(model, input_ids, cache, chunk_size=prefill_chunk_size, progress=progress)
     else:
         rows = []
         for b, p in enumerate(prompts):
             single = model.make_cache(1, p.numel())
-            rows.append(prefill(model, p[None], single, chunk_size=prefill_chunk_size))
+            rows.append(prefill(model, p[None], single, chunk_size=prefill_chunk_size, progress=progress))
             cache.load_sequence(b, single)
             del single
         logits = torch.cat(rows, dim=0)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     step = None
     for i in range(max_new_tokens):
+        if i == 0 or not logits.is_cuda:  # on CUDA the first token's alone: a check is a host sync
+            _check_finite(logits, i)
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)

@@ -389,7 +389,21 @@ def restore_training(run_dir: str | Path, model, optimizers, schedulers) -> int:
         random.setstate(state["rng"]["python"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise ValueError(f"{directory / TRAIN_STATE} does not fit this run ({type(e).__name__}: {e})") from None
+    check_state_shapes(optimizers, directory / TRAIN_STATE)
     return int(state["step"])
+
+
+def check_state_shapes(optimizers, where) -> None:
+    """ValueError naming the first optimizer state tensor (a moment, a momentum) whose shape is not its parameter's:
+    `load_state_dict` takes any shape, and the first step would then fail."""
+    for opt in optimizers:
+        for p in (p for group in opt.param_groups for p in group["params"]):
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"{where}: the {type(opt).__name__} state {key!r} of a parameter of shape {tuple(p.shape)} "
+                        f"has shape {tuple(value.shape)}; the training state is damaged or from another model"
+                    )
 
 
 # ------------------------------------------------------------------------------------------------------ log.jsonl
@@ -419,6 +433,17 @@ def append_log(run_dir: str | Path, row: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- reading
+def run_model_config(run_dir: str | Path, config: dict | None = None):
+    """The `HybridConfig` of a saved run (from `config`, its config.json already read, or read here)."""
+    from hybrid_attention.config import HybridConfig
+
+    config = load_config(run_dir) if config is None else config
+    try:
+        return HybridConfig.from_dict(config["model"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{Path(run_dir) / CONFIG}: invalid model config: {e}") from None
+
+
 def load_run(
     run_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -429,15 +454,12 @@ def load_run(
 ):
     """(model, config dict, tokenizer) of a saved run, the model in eval mode on `device` (float32), with the
     weights of its newest complete checkpoint; the backends choose its kernels (`HybridLM`)."""
-    from hybrid_attention.config import HybridConfig
     from hybrid_attention.data.tokenizer import tokenizer_from_dict
     from hybrid_attention.model import HybridLM
+    from hybrid_attention.model_size import check_model_fits
 
     config = load_config(run_dir)
-    try:
-        model_config = HybridConfig.from_dict(config["model"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{Path(run_dir) / CONFIG}: invalid model config: {e}") from None
+    model_config = run_model_config(run_dir, config)
     tokenizer = tokenizer_from_dict(config["tokenizer"], run_dir)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise ValueError(
@@ -454,6 +476,7 @@ def load_run(
         raise ValueError(
             f"{directory} is sharded (a torchrun run); gather it with `hybrid-attention export --ckpt {run_dir}`"
         )
+    check_model_fits(model_config, device, bytes_per_parameter=4, what=f"loading the model of {run_dir} in float32")
     with torch.device(device):  # the random initialisation the weights replace runs where it is cheap
         model = HybridLM(model_config, kda_backend=kda_backend, attnres_backend=attnres_backend)
     load_weights(directory, model)

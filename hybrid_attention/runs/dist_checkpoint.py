@@ -178,8 +178,8 @@ def export(run_dir: str | Path) -> Path:
     """Gather the model of the run's newest (sharded) checkpoint into `model.safetensors` in its step directory, the
     step in its metadata, readable on one device. Needs no process group; holds the run's lock while it writes.
     Returns the file written."""
-    from hybrid_attention.config import HybridConfig
     from hybrid_attention.model import HybridLM
+    from hybrid_attention.model_size import check_model_fits
     from hybrid_attention.runs.rundir import RunLock
 
     config = run_config.load_config(run_dir)
@@ -190,7 +190,9 @@ def export(run_dir: str | Path) -> Path:
         if not is_sharded(directory):
             raise ValueError(f"{directory} is a single-process checkpoint: its {ckpt.WEIGHTS} is read as it is")
         manifest.verify(directory)
-        model = HybridLM(HybridConfig.from_dict(config["model"]))
+        model_config = ckpt.run_model_config(run_dir, config)
+        check_model_fits(model_config, "cpu", bytes_per_parameter=4, what=f"gathering the model of {run_dir}")
+        model = HybridLM(model_config)
         state = {"model": model.state_dict(), "train": _train_template(directory)}
         try:
             _load(state, directory)

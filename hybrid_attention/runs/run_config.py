@@ -42,10 +42,10 @@ def _type_error(value, hint) -> str | None:
         return None if is_finite_number(value) else "expected a finite number"
     if hint is str:
         return None if isinstance(value, str) else "expected a string"
-    if typing.get_origin(hint) is tuple:  # tuple[str, ...], stored as a JSON list
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...] or tuple[int, ...], stored as a JSON list
         item = typing.get_args(hint)[0]
         ok = isinstance(value, list) and all(_type_error(v, item) is None for v in value)
-        return None if ok else "expected a list of strings"
+        return None if ok else f"expected a list of {'integers' if item is int else 'strings'}"
     return None  # a type without a JSON rule here: the dataclass's own checks apply
 
 

@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from hybrid_attention.device import resolve_device
+    from hybrid_attention.machine import check_fits
     from hybrid_attention.synth.plots import plot_accuracy
     from hybrid_attention.synth.run import Settings, best_by_lr, grid_runs, read_rows, run_grid
 
@@ -72,6 +73,10 @@ def run(args) -> int:
     device = resolve_device(args.device)
     if args.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device}")
+    for name, length in sorted({(spec.task, spec.seq_len) for spec in runs}):
+        per_token = 16 + 2 * settings.task(name, length).vocab_size  # int64 ids and labels, bf16 logits at least
+        what = f"a batch of {args.batch_size:,} {name} sequences of {length:,} tokens (--grid, --batch-size)"
+        check_fits(args.batch_size * length * per_token, what, device)
     budget = args.time_budget * 60 if args.time_budget else None
     finals, skipped = run_grid(runs, settings, args.out, device=device, dtype=args.dtype, budget_s=budget,
                                cuda_graph=args.cuda_graph)  # fmt: skip

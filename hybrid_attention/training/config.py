@@ -3,10 +3,12 @@ and the checks that turn a bad flag or a damaged config.json into an error namin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
 
+from hybrid_attention.checks import is_int
 from hybrid_attention.choices import (
     ATTNRES_BACKENDS,
     DEVICES,
@@ -59,6 +61,7 @@ class TrainConfig:
     cuda_graph: bool = False  # replay the whole step from a CUDA graph (train_step.py): CUDA, one process
     kda_backend: str | None = None  # None: "auto"; how the run executes, not part of the model
     attnres_backend: str | None = None  # None: "auto"
+    extended_at: tuple[int, ...] = ()  # the --steps at which --extend-steps added more: each starts a schedule tail
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
     report_to: tuple[str, ...] = ()  # where the curves go besides log.jsonl: "tensorboard", "wandb"
@@ -68,11 +71,12 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds
 
     @classmethod
-    def create(cls, saved: dict | None = None, **given) -> TrainConfig:
+    def create(cls, saved: dict | None = None, *, extend_steps: int | None = None, **given) -> TrainConfig:
         """Settings from preset defaults, then the run's saved settings (on resume), then the flags `given`.
 
-        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError. The saved settings (read
-        from config.json) and the given ones are type-checked like command-line input.
+        On resume a given flag that changes a setting outside RUN_ONLY raises ValueError, and `extend_steps` adds
+        steps after the run's last one (`extended`). The saved settings (read from config.json) and the given ones
+        are type-checked like command-line input.
         """
         given = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
         given = {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}  # as JSON holds them
@@ -81,22 +85,36 @@ class TrainConfig:
             run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
                                     required=SAVED_REQUIRED)  # fmt: skip
             changed = [
-                f"--{k.replace('_', '-')} {given[k]} (the run has {saved.get(k)})"
+                f"--{k.replace('_', '-')} {given[k]} (the run has {_stored(k, saved.get(k))})"
                 for k in sorted(given)
                 if k not in RUN_ONLY and given[k] != saved.get(k)
             ]
             if changed:
                 free = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RUN_ONLY - {"out"}))
-                raise ValueError(f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change")
+                more = "; --extend-steps N trains it N steps further" if "steps" in given else ""
+                raise ValueError(
+                    f"a resumed run keeps its settings, but {'; '.join(changed)}; only {free} may change{more}"
+                )
             once = {"stop_after", "time_limit"}  # they describe one invocation, not the run
             values = {k: v for k, v in saved.items() if k in {f.name for f in fields(cls)} and k not in once}
-            return cls(**{**values, **given}).validate()
+            config = cls(**{**values, **given})
+            return (config.extended(extend_steps) if extend_steps is not None else config).validate()
+        if extend_steps is not None:
+            raise ValueError("--extend-steps trains a run further: pass --resume (and its --out) with it")
         preset = given.get("preset", "tiny")
         defaults = _TINY if preset == "tiny" else _SCALED
         merged = {"out": f"runs/{preset}", **defaults, **given}
         if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
             merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
         return cls(**merged).validate()
+
+    def extended(self, more_steps: int) -> TrainConfig:
+        """The run with `more_steps` more steps after its last one, the learning rate on a new schedule tail from
+        there (`optim.lr_factor`)."""
+        if not isinstance(more_steps, int) or isinstance(more_steps, bool) or more_steps < 1:
+            raise ValueError(f"--extend-steps must be a positive integer, got {more_steps!r}")
+        extended_at = (*tuple(self.extended_at), self.steps)
+        return dataclasses.replace(self, steps=self.steps + more_steps, extended_at=extended_at)
 
     def validate(self) -> TrainConfig:
         if not self.out.strip():
@@ -144,9 +162,22 @@ class TrainConfig:
         unknown = [r for r in self.report_to if r not in REPORTERS]
         if unknown:
             raise ValueError(f"--report-to must be among {', '.join(REPORTERS)}, got {', '.join(map(str, unknown))}")
+        self.extended_at = tuple(self.extended_at)  # a JSON list in config.json
+        bounds = (*self.extended_at, self.steps)
+        if not all(is_int(a) and 1 <= a < b for a, b in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(
+                f"extended_at must be increasing steps below --steps ({self.steps}), got {self.extended_at}"
+            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         return self
+
+
+def _stored(name: str, value) -> str:
+    """A saved setting as a message shows it: None, which config.json stores for a default, by what it stands for."""
+    if value is not None:
+        return str(value)
+    return {"data": "builtin, the default"}.get(name, "the default")
 
 
 # where and how the run executes

@@ -65,7 +65,10 @@ def _job(config: TrainConfig, resume: bool, echo, par: distributed.Parallel, mod
                 raise ValueError("model_overrides apply to a new run; a resumed run keeps its saved model config")
             p = prepare(config, resume=resume, par=par, model_overrides=model_overrides)
             if resume and p.step >= config.steps:
-                echo(f"{run_dir}: the run is complete (step {p.step} of {config.steps}); nothing to do")
+                echo(
+                    f"{run_dir}: the run is complete (step {p.step} of {config.steps}); nothing to do "
+                    "(--extend-steps N trains it N steps further)"
+                )
                 return {"run_dir": str(run_dir), "step": p.step, "steps": config.steps, "already_complete": True}
             rows = ckpt.read_log(run_dir, up_to_step=p.step) if resume else []  # drop rows after the checkpoint
             par.barrier()  # every rank has read the run directory before rank 0 writes to it
@@ -198,6 +201,9 @@ def _write_run_files(config: TrainConfig, p: Prepared, rows: list[dict], resume:
         return
     if resume:
         ckpt.write_log(p.run_dir, rows)
+        saved = run_config.load_config(p.run_dir)
+        if saved["train"].get("steps") != config.steps:  # --extend-steps: the run's schedule from now on
+            run_config.save_config(p.run_dir, {**saved, "train": asdict(config)})
         return
     if p.tokenizer.kind == "bpe":
         files.atomic_write_text(p.run_dir / BPE_FILE, p.tokenizer.to_json())
@@ -280,6 +286,8 @@ def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation: Va
         "train_loss": rows[-1]["loss"] if rows else None,
         "val_loss": last[0] if last else None,
         "val_bpb": last[1] if last else None,
+        "val_windows": config.eval_batches * config.batch_size,  # of seq_len tokens, evenly spaced (data/loader.py)
+        "seq_len": config.seq_len,
         "train_eval_loss": rows[-1].get("train_eval_loss") if rows else None,
         "unigram_loss": validation.unigram,
         "unigram_bpb": validation.unigram_bpb,

@@ -4,6 +4,7 @@ matrices of one shape orthogonalised together."""
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -62,17 +63,36 @@ def build_optimizers(
     return [muon, adamw]
 
 
-def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """Multiplier of --lr for the update that follows `step` completed steps: linear warm-up, cosine to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
+def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float, tails: tuple[int, ...] = ()) -> float:
+    """Multiplier of --lr for the update that follows `step` completed steps: linear warm-up, cosine to min_ratio.
+
+    `tails`: the steps where the run was extended (`--extend-steps`), each the start of a tail up to the next one (or
+    `steps`): the rate rises linearly from min_ratio back to --lr over min(warmup, a fifth of the tail) steps and
+    decays by a cosine to min_ratio at the tail's end. The schedule before a tail stays as it was."""
+    bounds = [0, *tails, steps]
+    k = min(bisect.bisect_right(bounds, step), len(bounds) - 1) - 1  # the segment `step` falls in (the last past it)
+    start, end = bounds[k], bounds[k + 1]
+    warm = warmup if k == 0 else min(warmup, (end - start) // 5)
+    floor = 0.0 if k == 0 else min_ratio  # a tail starts from the rate the schedule before it ended at
+    if step - start < warm:
+        return floor + (1.0 - floor) * (step - start + 1) / warm
+    progress = (step - start - warm) / max(1, end - start - warm)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def build_schedulers(
-    optimizers, *, warmup: int, steps: int, min_ratio: float
+    optimizers, *, warmup: int, steps: int, min_ratio: float, tails: tuple[int, ...] = ()
 ) -> list[torch.optim.lr_scheduler.LambdaLR]:
     """One LambdaLR per optimizer, all following `lr_factor`."""
-    factor = lambda step: lr_factor(step, warmup=warmup, steps=steps, min_ratio=min_ratio)
+    factor = lambda step: lr_factor(step, warmup=warmup, steps=steps, min_ratio=min_ratio, tails=tails)
     return [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
+
+
+def apply_schedule(schedulers) -> None:
+    """Set each optimizer's rate to what its scheduler gives at its current step: after a checkpoint loads into
+    schedulers built with a new tail, the rate stored with the optimizer is the old schedule's."""
+    for sched in schedulers:
+        rates = [base * factor(sched.last_epoch) for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(sched.optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+        sched._last_lr = rates  # what get_last_lr() reports (torch keeps it in this attribute)

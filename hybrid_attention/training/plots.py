@@ -29,5 +29,7 @@ def plot_losses(run_dir: str | Path, rows: list[dict]) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(Path(run_dir) / PLOT, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
+    try:
+        atomic_write(Path(run_dir) / PLOT, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    finally:
+        plt.close(fig)

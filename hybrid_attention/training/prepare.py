@@ -9,17 +9,20 @@ from pathlib import Path
 import torch
 
 from hybrid_attention.config import HybridConfig
+from hybrid_attention.data.loader import check_eval_windows
 from hybrid_attention.data.shards import ShardSet
 from hybrid_attention.data.tokenizer import Tokenizer, tokenizer_from_dict
 from hybrid_attention.data.training_data import TrainingData, open_training_data
 from hybrid_attention.device import resolve_device, resolve_dtype
+from hybrid_attention.machine import check_fits
 from hybrid_attention.model import HybridLM
+from hybrid_attention.model_size import check_model_fits
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import check_fingerprint
 from hybrid_attention.training import distributed
 from hybrid_attention.training.config import TrainConfig
-from hybrid_attention.training.optim import build_optimizers, build_schedulers
+from hybrid_attention.training.optim import apply_schedule, build_optimizers, build_schedulers
 
 
 @dataclass
@@ -62,6 +65,9 @@ def prepare(
     if config.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
+    step_ids = config.grad_accum * config.batch_size * config.seq_len  # int64 on the device, stacked for one step
+    flags = f"--grad-accum {config.grad_accum:,} x --batch-size {config.batch_size:,} x --seq-len {config.seq_len:,}"
+    check_fits(8 * step_ids, f"a step's {step_ids:,} token ids ({flags})", device)
     data = open_training_data(
         config.data,
         max_bytes=config.data_max_bytes,
@@ -84,11 +90,18 @@ def prepare(
             f"{run_dir}/config.json: the model has {model_config.vocab_size} tokens, the tokenizer "
             f"{tokenizer.vocab_size}"
         )
+    # Lower bounds: float32 weights and gradients, and AdamW's two moments (Muon keeps one for the matrices).
+    per_parameter = (16 if config.optimizer == "adamw" else 12) / par.world_size
+    what = f"training the model with {config.optimizer}"
+    check_model_fits(model_config, device, bytes_per_parameter=per_parameter, what=what)
     for name, split in (("training", data.train), ("validation", data.val)):
         if split.numel() < config.seq_len:
             raise ValueError(
                 f"the {name} split of {data.source} has {split.numel()} tokens, fewer than --seq-len {config.seq_len}"
             )
+        check_eval_windows(
+            split.numel(), config.batch_size, config.seq_len, config.eval_batches, name, "--eval-batches"
+        )
     fingerprint = data.fingerprint
     if saved is not None:
         where = str(run_dir / run_config.CONFIG)
@@ -103,10 +116,13 @@ def prepare(
         distributed.shard_for_training(model, par, config, tokenizer, data.train)
         build = distributed.build_optimizers
     optimizers = build(model, optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    schedulers = build_schedulers(optimizers, warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio)
+    schedule = dict(warmup=config.warmup, steps=config.steps, min_ratio=config.min_lr_ratio, tails=config.extended_at)
+    schedulers = build_schedulers(optimizers, **schedule)
     step = 0
     if saved is not None:
         step = dist_checkpoint.restore_training(run_dir, par, model, optimizers, schedulers)
+        if saved["train"].get("steps") != config.steps:  # --extend-steps: the next update follows the new tail
+            apply_schedule(schedulers)
         if config.stop_after is not None and step < config.steps and config.stop_after <= step:
             raise ValueError(f"--stop-after {config.stop_after}: the run's checkpoint is already at step {step}")
     return Prepared(

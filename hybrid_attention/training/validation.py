@@ -4,6 +4,7 @@ plot it redraws."""
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -41,7 +42,12 @@ class Validation:
             write(memory_line(torch.cuda.get_device_name(device), memory))
             self._memory_shown = True
         if self.main:
-            plot_losses(self.run_dir, rows)
+            try:
+                plot_losses(self.run_dir, rows)
+            except OSError as e:  # a picture of log.jsonl: never worth the checkpoint that follows
+                print(
+                    f"warning: could not write the loss plot in {self.run_dir} ({e}); training goes on", file=sys.stderr
+                )
 
     @property
     def finite(self) -> bool:

@@ -1,0 +1,55 @@
+"""A model's size from its config alone: parameters per layer, in all and in bytes, without building every layer.
+
+Every decoder layer of one mixer type has the same parameters, and the rest (embedding, head, final norm and AttnRes)
+does not depend on the depth; so a model with one layer of each type, built on the meta device, sizes a model of any
+depth at once (building 100,000 layers would take hours, even on the meta device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_attention.config import HybridConfig
+from hybrid_attention.machine import check_fits
+from hybrid_attention.model import HybridLM
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What `HybridLM(config)` would hold. layers: one row per decoder layer (1-based index, type, parameters)."""
+
+    parameters: int
+    embedding: int
+    layers: list[dict]
+    cache_bytes_per_token: int  # MLA latent rows per token of context, bf16
+    state_bytes_per_sequence: int  # KDA states and conv tails per sequence, fp32 state and bf16 tails
+
+
+def model_size(config: HybridConfig) -> ModelSize:
+    kinds = tuple(dict.fromkeys(config.layer_types))
+    with torch.device("meta"):
+        probe = HybridLM(dataclasses.replace(config, layer_types=kinds))
+    per_type = {row["type"]: row["parameters"] for row in probe.layer_table()}
+    rest = probe.num_parameters() - sum(per_type.values())
+    layers = [{"index": i + 1, "type": t, "parameters": per_type[t]} for i, t in enumerate(config.layer_types)]
+    count = {t: config.layer_types.count(t) for t in kinds}  # the probe holds one layer of each type
+    return ModelSize(
+        parameters=rest + sum(row["parameters"] for row in layers),
+        embedding=probe.embed.weight.numel(),
+        layers=layers,
+        cache_bytes_per_token=count.get("mla", 0) * probe.cache_bytes_per_token(torch.bfloat16),
+        state_bytes_per_sequence=count.get("kda", 0) * probe.state_bytes_per_sequence(torch.bfloat16),
+    )
+
+
+def check_model_fits(
+    config: HybridConfig, device: torch.device | str, *, bytes_per_parameter: float, what: str
+) -> None:
+    """ValueError, before anything is built, when `bytes_per_parameter` bytes per parameter (4: float32 weights; 16:
+    weights, gradients and AdamW's two moments) cannot fit `device`. `what` names the work, e.g. "training the
+    model"."""
+    n = model_size(config).parameters
+    check_fits(int(n * bytes_per_parameter), f"{what} ({n:,} parameters in {config.num_layers:,} layers)", device)
