@@ -34,21 +34,24 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 def hf_tokenizer(tokenizer: ByteTokenizer | BPETokenizer) -> PreTrainedTokenizerFast:
-    """A run's tokenizer as a transformers fast tokenizer that encodes to the same ids (no special tokens added). It
-    pads on the left, the side generation needs (new tokens follow the last column), with the NUL byte's token:
-    neither tokenizer has a padding, end or start token of its own, and padded positions are masked anyway."""
+    """A run's tokenizer as a transformers fast tokenizer that encodes to the same ids (no special tokens added). Its
+    end-of-document token is the end (`eos_token`), where the run has one. It pads on the left, the side generation
+    needs (new tokens follow the last column), with the NUL byte's token: neither tokenizer has a padding token of
+    its own, and padded positions are masked anyway."""
     if isinstance(tokenizer, ByteTokenizer):
         tok = byte_level_tokenizer()
     elif isinstance(tokenizer, BPETokenizer):
         tok = Tokenizer.from_str(tokenizer.to_json())
     else:
         raise ValueError(f"unknown tokenizer {type(tokenizer).__name__}; expected the byte or BPE tokenizer")
+    eos = None if tokenizer.eod_id is None else tok.id_to_token(tokenizer.eod_id)
     # split_special_tokens: a NUL byte (or its stand-in character) in the text still encodes as the byte it is.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         clean_up_tokenization_spaces=False,
         padding_side="left",
         pad_token=byte_alphabet()[0],
+        eos_token=eos,
         split_special_tokens=True,
     )
 
@@ -62,7 +65,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(f"{out} already exists and is not an empty directory; choose a new one")
     model, _, tokenizer = load_run(run_dir)
     tok = hf_tokenizer(tokenizer)
-    wrapper = HybridAttentionForCausalLM.from_hybrid_lm(model, pad_token_id=tok.pad_token_id)
+    wrapper = HybridAttentionForCausalLM.from_hybrid_lm(
+        model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted export left

@@ -29,7 +29,7 @@ def load_for_serving(
     """(model in eval mode on `device` in `dtype`, tokenizer, the name it is served under) from exactly one of
     `ckpt` (a run directory or an exported transformers folder) and `preset`."""
     from hybrid_attention.config import HybridConfig
-    from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer
+    from hybrid_attention.data.tokenizer import ByteTokenizer
     from hybrid_attention.model import HybridLM
     from hybrid_attention.runs.checkpoint import load_run
 
@@ -52,7 +52,7 @@ def load_for_serving(
         except ImportError:
             raise ValueError(f"{ckpt} is a transformers folder: pip install 'hybrid-attention[hf]'") from None
         model = AutoModelForCausalLM.from_pretrained(ckpt).model
-        tokenizer, name = BPETokenizer.load(Path(ckpt) / "tokenizer.json"), Path(ckpt).resolve().name
+        tokenizer, name = exported_tokenizer(Path(ckpt)), Path(ckpt).resolve().name
     else:
         model, _, tokenizer = load_run(ckpt, device, kda_backend=kda_backend, attnres_backend=attnres_backend)
         name = Path(ckpt).resolve().name
@@ -61,3 +61,19 @@ def load_for_serving(
             f"{ckpt}: the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}"
         )
     return model.to(device=device, dtype=dtype).eval(), tokenizer, name
+
+
+def exported_tokenizer(folder: Path):
+    """The tokenizer of an `export --hf` folder as the run's own: its byte-level vocabulary without merges is the
+    byte tokenizer (the end token, when the folder names one, ends documents), anything else a BPE."""
+    import json
+
+    from hybrid_attention.data.tokenizer import BYTE_EOD, BPETokenizer, ByteTokenizer, byte_alphabet
+
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    model = spec.get("model", {})
+    if model.get("merges") or model.get("vocab") != {char: byte for byte, char in byte_alphabet().items()}:
+        return BPETokenizer.load(folder / "tokenizer.json")
+    config = folder / "tokenizer_config.json"
+    eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+    return ByteTokenizer(eod_id=BYTE_EOD if eos == byte_alphabet()[BYTE_EOD] else None)

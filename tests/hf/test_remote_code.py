@@ -99,8 +99,10 @@ def test_the_readme_transformers_example_runs_as_written(run, exported, capsys):
     rows = eval(capsys.readouterr().out.strip().splitlines()[-1])  # the batch's texts, a printed list
     ours, _, tokenizer = load_run(run)
     for prompt, text in zip(["def ", "import os\n"], rows, strict=True):
-        alone = generate(ours, torch.tensor([tokenizer.encode(prompt)]), 6, temperature=0)[0].tolist()
-        assert text == tokenizer.decode(alone).replace("\x00", "")  # padded on the left, each row as if alone
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        alone = generate(ours, ids, 6, temperature=0, eos_token_id=tokenizer.eod_id)[0].tolist()
+        # padded on the left, each row as if alone; the end of a document ends it (the export's eos_token)
+        assert text == tokenizer.decode(alone).replace("\x00", "")
 
 
 def test_the_folder_loads_with_trust_remote_code_without_the_package(run, exported, tmp_path):
