@@ -91,6 +91,8 @@ class HybridConfig:
     mla_v_head_dim: int = 32
     mla_q_lora_rank: int | None = None
     mla_output_gate: bool = True  # the sigmoid gate on the heads (False: plain MLA with NoPE, as in Kimi Linear)
+    mla_rope: bool = False  # RoPE on the shared key part (a position-encoded baseline; the recipe is NoPE)
+    mla_rope_theta: float = 10000.0  # the rotary base, with mla_rope
     # Embeddings and init
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -131,6 +133,16 @@ class HybridConfig:
             raise ValueError(f"HybridConfig: kda_gate={self.kda_gate!r}; expected one of {GATE_FORMS}")
         if not isinstance(self.mla_output_gate, bool):
             raise ValueError(f"HybridConfig: mla_output_gate={self.mla_output_gate!r}; expected True or False")
+        if not isinstance(self.mla_rope, bool):
+            raise ValueError(f"HybridConfig: mla_rope={self.mla_rope!r}; expected True or False")
+        if self.mla_rope and (self.mla_qk_shared_head_dim < 2 or self.mla_qk_shared_head_dim % 2):
+            raise ValueError(
+                f"HybridConfig: mla_rope rotates the shared key part in pairs of channels; mla_qk_shared_head_dim="
+                f"{self.mla_qk_shared_head_dim} must be even and >= 2"
+            )
+        theta = self.mla_rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+            raise ValueError(f"HybridConfig: mla_rope_theta={theta!r}; expected a number > 1")
         check_lower_bound(self.kda_lower_bound, name="HybridConfig: kda_lower_bound")
         if not self.norm_eps > 0:
             raise ValueError(f"HybridConfig: norm_eps={self.norm_eps}; expected > 0")

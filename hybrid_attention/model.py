@@ -64,6 +64,7 @@ class DecoderLayer(nn.Module):
                 q_lora_rank=c.mla_q_lora_rank,
                 norm_eps=c.norm_eps,
                 output_gate=c.mla_output_gate,
+                rope_theta=c.mla_rope_theta if c.mla_rope else None,
             )
         self.mlp_norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)

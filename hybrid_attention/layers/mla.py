@@ -16,7 +16,9 @@ Two forms compute the same function (docs/inference.md, "Long prompts"):
   folded into the query and W_UV is applied after attending in latent space, so the only per-token data read is the
   cache row `[c ; k_s]` (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The
   attention itself is `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
-There is no rotary embedding anywhere, so cache rows do not depend on their position.
+There is no rotary embedding anywhere, so cache rows do not depend on their position. The `rope_theta` option (a
+baseline to compare against, not the recipe) rotates q_s and k_s by RoPE, DeepSeek-style: the cache then holds k_s
+rotated, and both forms stay exact.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.mla.prefill import decompressed_break_even, mla_prefill
 from hybrid_attention.ops.mla.prefix import PrefixReader, contiguous_prefix
 from hybrid_attention.ops.mla.varlen import causal_varlen_attention
+from hybrid_attention.ops.rope import apply_rope
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -140,7 +143,9 @@ class GatedMLA(nn.Module):
 
     Sizes: H = num_heads, d_c = kv_lora_rank, d_n = qk_nope_head_dim, d_s = qk_shared_head_dim,
     d_v = v_head_dim, d_q = q_lora_rank (None: a direct query projection). output_gate: the sigmoid gate
-    `sigmoid(W_g x)` on the concatenated heads (False: no `g_proj`, the heads go straight to `W_o`).
+    `sigmoid(W_g x)` on the concatenated heads (False: no `g_proj`, the heads go straight to `W_o`). rope_theta:
+    None (NoPE), or the base of a rotary embedding on the shared parts q_s and k_s (d_s even), at each token's
+    position in its sequence (its document's, when packed).
     """
 
     def __init__(
@@ -154,10 +159,19 @@ class GatedMLA(nn.Module):
         q_lora_rank: int | None = None,
         norm_eps: float = 1e-6,
         output_gate: bool = True,
+        rope_theta: float | None = None,
     ):
         super().__init__()
         if not isinstance(output_gate, bool):
             raise ValueError(f"GatedMLA: output_gate must be a bool, got {output_gate!r}")
+        if rope_theta is not None:
+            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 1:
+                raise ValueError(f"GatedMLA: rope_theta must be None or a number > 1, got {rope_theta!r}")
+            if qk_shared_head_dim < 2 or qk_shared_head_dim % 2:
+                raise ValueError(
+                    f"GatedMLA: RoPE rotates the shared key part in pairs of channels; qk_shared_head_dim must be "
+                    f"even and >= 2, got {qk_shared_head_dim!r}"
+                )
         sizes = dict(
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -181,6 +195,7 @@ class GatedMLA(nn.Module):
         self.v_head_dim = v_head_dim
         self.q_lora_rank = q_lora_rank
         self.output_gate = output_gate
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.qk_head_dim = qk_nope_head_dim + qk_shared_head_dim
         # The per-head QK dot product has d_n + d_s terms, whichever path computes it.
         self.scale = self.qk_head_dim**-0.5
@@ -344,6 +359,8 @@ class GatedMLA(nn.Module):
         q_in, kv, k_shared, *gate = project(self, x, decode)
         g_in = gate[0] if gate else None
         q = self._query(q_in, decode)  # (B, T, H, d_n + d_s)
+        if self.rope_theta is not None:
+            q, k_shared = self._rotate(q, k_shared, self._positions(x, cache, docs))
         if cache is not None and T == 1 and _fused_append_ok(x):
             # Decoding on CUDA: norm + row + write in one kernel (same values as the eager append).
             cache.append_token(kv, k_shared, self.kv_norm)
@@ -360,6 +377,22 @@ class GatedMLA(nn.Module):
             o = self._absorbed_attention(q, cache, cache.seqlens.lengths)
         return self._output(g_in, o, decode)
 
+    def _positions(self, x: torch.Tensor, cache: MLACache | None, docs: PackedDocuments | None) -> torch.Tensor:
+        """Each token's position in its sequence, [B, T] or [1, T]: after the cached ones (read on the device, so a
+        captured decode step stays valid), in its packed document, or 0..T-1."""
+        T = x.shape[1]
+        if cache is not None:  # the lengths already count these T tokens
+            return cache.seqlens.lengths.long()[:, None] - T + torch.arange(T, device=x.device)
+        if docs is not None:
+            return docs.positions
+        return torch.arange(T, device=x.device)[None]
+
+    def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, positions: torch.Tensor):
+        """RoPE on the shared parts: q [B, T, H, d_n + d_s], k_shared [B, T, d_s] -> the same, q_s and k_s rotated."""
+        q_n, q_s = q.split([self.qk_nope_head_dim, self.qk_shared_head_dim], dim=-1)
+        q = torch.cat([q_n, apply_rope(q_s, positions, self.rope_theta)], dim=-1)
+        return q, apply_rope(k_shared, positions, self.rope_theta)
+
     def _output(
         self, g_in: torch.Tensor | None, o: torch.Tensor, decode: PackedProjections | None = None
     ) -> torch.Tensor:
@@ -375,5 +408,5 @@ class GatedMLA(nn.Module):
         return (
             f"heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, qk_nope={self.qk_nope_head_dim}, "
             f"qk_shared={self.qk_shared_head_dim}, v={self.v_head_dim}, q_lora_rank={self.q_lora_rank}, "
-            f"output_gate={self.output_gate}"
+            f"output_gate={self.output_gate}" + ("" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}")
         )

@@ -16,9 +16,9 @@ from tests.helpers import assert_close, poisoned_like
 SIZES = dict(hidden_size=24, num_heads=3, kv_lora_rank=10, qk_nope_head_dim=5, qk_shared_head_dim=3, v_head_dim=7)
 
 
-def make_layer(q_lora_rank=None, dtype=torch.float64, seed=0) -> GatedMLA:
+def make_layer(q_lora_rank=None, dtype=torch.float64, seed=0, **options) -> GatedMLA:
     torch.manual_seed(seed)
-    layer = GatedMLA(**SIZES, q_lora_rank=q_lora_rank).to(dtype)
+    layer = GatedMLA(**{**SIZES, **options}, q_lora_rank=q_lora_rank).to(dtype)
     with torch.no_grad():  # non-trivial norm weights, so that a missing or misplaced norm shows
         layer.kv_norm.weight.uniform_(0.5, 1.5)
         if q_lora_rank is not None:
@@ -30,10 +30,24 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def reference_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [B, T, ..., d] at positions 0..T-1 rotated as complex numbers: channel i (real) and i + d/2 (imaginary)
+    times exp(i t theta^(-2i/d))."""
+    d, T = x.shape[-1], x.shape[1]
+    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * freq  # (T, d/2)
+    angle = angle.view(1, T, *([1] * (x.dim() - 3)), d // 2)
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double()) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
 def reference_rows(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
-    """[c ; k_s] recomputed from the weights: [B, T, d_c + d_s]."""
+    """[c ; k_s] recomputed from the weights (k_s rotated with RoPE): [B, T, d_c + d_s]."""
     c = _rms(x @ layer.kv_down.weight.T, layer.kv_norm.weight, layer.kv_norm.eps)
-    return torch.cat([c, x @ layer.k_shared.weight.T], dim=-1)
+    k_s = x @ layer.k_shared.weight.T
+    if layer.rope_theta is not None:
+        k_s = reference_rope(k_s, layer.rope_theta)
+    return torch.cat([c, k_s], dim=-1)
 
 
 def reference_forward(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +65,8 @@ def reference_forward(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
     else:
         q = _rms(x @ layer.q_down.weight.T, layer.q_norm.weight, layer.q_norm.eps) @ layer.q_up.weight.T
     q = q.view(B, T, H, d_n + d_s)
+    if layer.rope_theta is not None:
+        q = torch.cat([q[..., :d_n], reference_rope(q[..., d_n:], layer.rope_theta)], dim=-1)
     rows = reference_rows(layer, x)
     c, k_s = rows[..., :d_c], rows[..., d_c:]
     allowed = torch.ones(T, T, dtype=torch.bool).tril()
