@@ -168,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches of windows evenly spaced over the split (default: the run's --eval-batches, so the windows its "
         "training validated on)",
     )
+    e.add_argument(
+        "--per-position",
+        action="store_true",
+        help="the loss in buckets of position in the window, through the cache a chunk at a time (memory-bounded at "
+        "any --seq-len): does it hold past the length the run trained on? A table, then a JSON line",
+    )
+    e.add_argument("--buckets", type=positive_int, help="with --per-position: K equal buckets (default: powers of two)")
+    e.add_argument("--plot", help="with --per-position: draw the loss against position into this .png, .pdf or .svg")
     e.add_argument("--device", choices=DEVICES, default="auto")
     e.add_argument("--dtype", choices=DTYPES, default="auto")
     _backend_flags(e)
@@ -535,9 +543,15 @@ def _eval(args) -> int:
     from hybrid_attention.training.metrics import evaluate
     from hybrid_attention.training.packed_rows import PackedRows
 
+    plot = _check_per_position_flags(args)
     device, _ = _device_and_dtype(args)
     model, config, tokenizer = load_run(args.ckpt, device, **_backends(args))
     run = TrainConfig.create(config["train"], out=str(args.ckpt))  # the saved settings, checked
+    if args.per_position and run.doc_mask:
+        raise ValueError(
+            f"--per-position reads each window as one sequence, but {args.ckpt} trained with --doc-mask, where "
+            "positions restart at every document"
+        )
     if args.data is None:
         data, max_bytes = run.data, args.data_max_bytes or run.data_max_bytes
     else:
@@ -552,6 +566,8 @@ def _eval(args) -> int:
     flags = f"--batch-size {batch_size:,} x --seq-len {seq_len:,}"
     check_fits(8 * batch_size * seq_len, f"a batch's {batch_size * seq_len:,} token ids ({flags})", device)
     autocast = autocast_for(device, args.dtype)
+    if args.per_position:
+        return _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size, num_batches, plot)
     loss, bpb = evaluate(
         PackedRows(model),
         tokens,
@@ -570,6 +586,45 @@ def _eval(args) -> int:
         f"{', every document its own sequence' if run.doc_mask else ''}): loss {loss:.4f} nats/token, "
         f"{bpb:.4f} bits/byte"
     )
+    return 0
+
+
+def _check_per_position_flags(args):
+    """--buckets and --plot belong to --per-position; the checked --plot path."""
+    from hybrid_attention.inference.position_report import check_plot_path
+
+    for flag, value in (("--buckets", args.buckets), ("--plot", args.plot)):
+        if value is not None and not args.per_position:
+            raise ValueError(f"{flag} needs --per-position")
+    return None if args.plot is None else check_plot_path(args.plot)
+
+
+def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size, num_batches, plot) -> int:
+    from hybrid_attention.device import autocast_for, resolve_dtype
+    from hybrid_attention.inference.position_loss import position_buckets, position_losses
+    from hybrid_attention.inference.position_report import device_name, report
+
+    if args.buckets is not None and args.buckets > seq_len - 1:
+        raise ValueError(f"--buckets {args.buckets}: a window of {seq_len:,} tokens predicts {seq_len - 1:,} positions")
+    device = model.embed.weight.device
+    print(
+        f"{args.ckpt} on {source.source}: the loss against position in {_count(num_batches * batch_size, 'window')} "
+        f"of {seq_len:,} tokens ({seq_len / run.seq_len:g} x the --seq-len {run.seq_len:,} it trained at)",
+        file=sys.stderr,
+    )
+    result = position_losses(
+        model,
+        source.val,
+        tokenizer.byte_lengths(),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        num_batches=num_batches,
+        buckets=position_buckets(seq_len, args.buckets),
+        autocast=autocast_for(device, args.dtype),
+    )
+    dtype = str(resolve_dtype(device, args.dtype)).removeprefix("torch.")
+    context = dict(ckpt=str(args.ckpt), data=source.source, device=device_name(device), dtype=dtype)
+    report(result, train_seq_len=run.seq_len, plot=plot, **context)
     return 0
 
 
