@@ -6,17 +6,23 @@ schedule and token budget, once per seed:
     hybrid          the base: 3 KDA : 1 Gated MLA, Full AttnRes
     all-mla         every layer Gated MLA                      (the Kimi Linear report's full-attention baseline)
     all-kda         every layer KDA
+    all-mla-rope    every layer MLA with RoPE on the shared key part (the position-encoded baseline)
     mla-no-gate     Gated MLA without its output gate          (plain MLA with NoPE)
     block-attnres   Block AttnRes, blocks of 4 sublayers       (the k3-scaled-block preset)
     standard        the standard residual instead of AttnRes
     gdn             Gated DeltaNet (one decay per head) in place of the KDA layers
 
 Groups compare against "hybrid": ratio (all-mla, all-kda), gate (mla-no-gate), residual (block-attnres, standard),
-delta (gdn). Each run lives in OUT/VARIANT-seedN (a run directory: `hybrid-attention eval --ckpt` works on it); a
-finished run is read back instead of trained again, so an interrupted sweep continues where it stopped.
+delta (gdn); `--variants extrapolation` names hybrid, all-kda, all-mla and all-mla-rope, the layouts whose loss past
+the training length is in question. Each run lives in OUT/VARIANT-seedN (a run directory: `hybrid-attention eval
+--ckpt` works on it); a finished run is read back instead of trained again, so an interrupted sweep continues where it
+stopped. `--per-position` then evaluates each run with `hybrid-attention eval --per-position` at 4x and 16x its
+training length (`--position-factors`), keeping each evaluation's output in RUN/per-position-N.log (its JSON in
+RUN/per-position-N.json, read back on a rerun) and drawing OUT/per_position.png.
 
     python benchmarks/ablations.py                                  # every variant, seed 0, python-env, k3-scaled
     python benchmarks/ablations.py --variants hybrid,mla-no-gate --seeds 0,1 --tokens 20000000
+    python benchmarks/ablations.py --variants extrapolation --seeds 0,1 --per-position   # loss against position
     python benchmarks/ablations.py --quick                          # CPU, tiny preset, a few steps: a smoke check
 
 Table of validation loss and bits per byte on stdout (with the difference to the hybrid of the same seed), curves in
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +49,7 @@ def variants(num_layers: int) -> dict[str, dict]:
         "hybrid": {},
         "all-mla": {"layer_types": ["mla"] * num_layers},
         "all-kda": {"layer_types": ["kda"] * num_layers},
+        "all-mla-rope": {"layer_types": ["mla"] * num_layers, "mla_rope": True},
         "mla-no-gate": {"mla_output_gate": False},
         "block-attnres": {"residual": "block_attnres", "attnres_block_size": 4},
         "standard": {"residual": "standard"},
@@ -49,11 +58,14 @@ def variants(num_layers: int) -> dict[str, dict]:
 
 
 VARIANTS = tuple(variants(1))
+GROUPS = {"extrapolation": ("hybrid", "all-kda", "all-mla", "all-mla-rope")}
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    variant_help = f"comma list of {', '.join(VARIANTS)}, or a group: {', '.join(GROUPS)}"
+    p.add_argument("--variants", default=",".join(VARIANTS), help=variant_help)
     p.add_argument("--seeds", default="0", help="comma list of seeds (default 0; 0,1 where a gap is small)")
     p.add_argument("--preset", default="k3-scaled", help="base model preset (default k3-scaled)")
     p.add_argument("--tokens", type=int, default=360 * 16 * 2048, help="training tokens per run (default ~11.8M)")
@@ -70,13 +82,17 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--cuda-graph", action="store_true", help="replay each training step from a CUDA graph (train's "
                    "--cuda-graph: CUDA, AdamW; the same steps, less host time)")  # fmt: skip
+    p.add_argument("--per-position", action="store_true", help="evaluate every run's loss against position")
+    p.add_argument("--position-factors", default="4,16", help="evaluate at these multiples of --seq-len (default 4,16)")
+    p.add_argument("--position-batches", type=int, default=4, help="batches of windows per evaluation (default 4)")
+    p.add_argument("--position-batch-size", type=int, help="windows per batch (default: --batch-size)")
     p.add_argument("--quick", action="store_true", help="CPU smoke check: tiny preset, builtin data, a few steps")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.tokens, args.batch_size, args.seq_len, args.grad_accum = "tiny", 3 * 2 * 32, 2, 32, 1
         args.data, args.data_max_bytes, args.tokenizer, args.eval_batches = "builtin", 200_000, "byte", 1
         args.device = "cpu"
-    names = [v for v in args.variants.split(",") if v]
+    names = [n for v in args.variants.split(",") if v for n in GROUPS.get(v, (v,))]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         p.error(f"--variants: unknown {unknown}; expected a comma list of {', '.join(VARIANTS)}")
@@ -85,6 +101,12 @@ def parse_args(argv):
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds: expected a comma list of integers, got {args.seeds!r}")
+    try:
+        args.position_factors = [int(f) for f in args.position_factors.split(",")]
+    except ValueError:
+        p.error(f"--position-factors: expected a comma list of integers, got {args.position_factors!r}")
+    if min(args.position_factors) < 1 or args.position_batches < 1:
+        p.error("--position-factors and --position-batches: expected integers >= 1")
     args.steps = args.tokens // (args.batch_size * args.seq_len * args.grad_accum)
     if args.steps < 1:
         p.error(f"--tokens {args.tokens} is less than one step of {args.batch_size * args.seq_len * args.grad_accum}")
@@ -116,6 +138,75 @@ def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
     return {"variant": name, "seed": seed, "overrides": overrides, "run_dir": str(out), "curve": curve,
             **{k: summary.get(k) for k in ("val_loss", "val_bpb", "train_loss", "parameters", "step", "steps",
                                            "tokens_per_s", "device")}}  # fmt: skip
+
+
+def evaluate_positions(args, result: dict, seq_len: int) -> dict:
+    """`hybrid-attention eval --per-position` of one run at windows of `seq_len` tokens, in a process of its own (as
+    a user runs it), its output kept in RUN/per-position-N.log; the JSON line, also kept (and read back on a rerun)
+    in RUN/per-position-N.json."""
+    run = Path(result["run_dir"])
+    saved = run / f"per-position-{seq_len}.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    log(f"{result['variant']} seed {result['seed']}: loss against position in windows of {seq_len:,} tokens")
+    windows = [
+        "--batch-size",
+        str(args.position_batch_size or args.batch_size),
+        "--max-batches",
+        str(args.position_batches),
+    ]
+    argv = [sys.executable, "-m", "hybrid_attention", "eval", "--ckpt", str(run), "--seq-len", str(seq_len)]
+    argv += ["--per-position", *windows, "--device", args.device, "--plot", str(run / f"per-position-{seq_len}.png")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(run / f"per-position-{seq_len}.log", "w") as out:
+        out.write(" ".join(argv) + "\n")
+        out.flush()
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=out, text=True, env=env)
+        out.write(done.stdout)
+    if done.returncode != 0:
+        raise SystemExit(f"the evaluation failed (exit {done.returncode}); see {out.name}")
+    line = done.stdout.strip().splitlines()[-1]
+    saved.write_text(line + "\n")
+    return json.loads(line)
+
+
+def position_table(results: list[dict], seq_len: int, train_seq_len: int) -> None:
+    """The loss per bucket from half the training length on, at windows of `seq_len`, one row per run; the change
+    from the last bucket inside the training length to the last one of the window."""
+    first = next(r for r in results if seq_len in r["per_position"])["per_position"][seq_len]["buckets"]
+    shown = [b for b in first if b["stop"] > train_seq_len // 2]
+    heads = [f"{b['start']:,}-{b['stop'] - 1:,}" for b in shown]
+    print(f"\nloss (nats per token) against position, windows of {seq_len:,} tokens, trained at {train_seq_len:,}:\n")
+    print("| variant | seed | " + " | ".join(heads) + " | last - inside |")
+    print("|---|---|" + "---|" * (len(heads) + 1))
+    for r in results:
+        buckets = r["per_position"][seq_len]["buckets"][-len(shown) :]
+        inside = [b for b in buckets if b["past_training"] == "no"][-1]["loss"]
+        cells = " | ".join(f"{b['loss']:.4f}" for b in buckets)
+        print(f"| {r['variant']} | {r['seed']} | {cells} | {buckets[-1]['loss'] - inside:+.4f} |")
+
+
+def plot_positions(results: list[dict], factors: list[int], train_seq_len: int, path: Path) -> None:
+    """One panel per window length: the loss against position of every run (a colour per variant, a line style per
+    seed), the training length marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybrid_attention.inference.position_report import draw, finish_axes
+
+    fig, axes = plt.subplots(1, len(factors), figsize=(6 * len(factors), 4.5), squeeze=False)
+    names = sorted({r["variant"] for r in results}, key=VARIANTS.index)
+    for ax, factor in zip(axes[0], factors, strict=True):
+        for r in results:
+            style = dict(color=f"C{names.index(r['variant'])}", ls=("-", "--", ":", "-.")[r["seed"] % 4])
+            label = f"{r['variant']} (seed {r['seed']})"
+            draw(ax, r["per_position"][factor * train_seq_len]["buckets"], label, **style)
+        finish_axes(ax, train_seq_len, f"windows of {factor * train_seq_len:,} tokens ({factor}x the training length)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -157,6 +248,13 @@ def main(argv=None) -> int:
         print(f"| {r['variant']} | {r['seed']} | {r['parameters']:,} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} | "
               f"{delta} |")  # fmt: skip
     plot(results, Path(args.out) / "ablations.png")
+    if args.per_position:
+        for r in results:
+            lengths = [f * args.seq_len for f in args.position_factors]
+            r["per_position"] = {n: evaluate_positions(args, r, n) for n in lengths}
+        for factor in args.position_factors:
+            position_table(results, factor * args.seq_len, args.seq_len)
+        plot_positions(results, args.position_factors, args.seq_len, Path(args.out) / "per_position.png")
     result = {"preset": args.preset, "steps": args.steps, "tokens_per_run": args.steps * args.batch_size *
               args.seq_len * args.grad_accum, "data": args.data, "tokenizer": args.tokenizer, "results": results,
               "plot": str(Path(args.out) / "ablations.png"), "command": "python " + " ".join(sys.argv)}  # fmt: skip
