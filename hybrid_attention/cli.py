@@ -600,13 +600,15 @@ def _check_per_position_flags(args):
 
 
 def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size, num_batches, plot) -> int:
-    from hybrid_attention.device import autocast_for, resolve_dtype
+    from hybrid_attention.device import resolve_dtype
     from hybrid_attention.inference.position_loss import position_buckets, position_losses
     from hybrid_attention.inference.position_report import device_name, report
 
     if args.buckets is not None and args.buckets > seq_len - 1:
         raise ValueError(f"--buckets {args.buckets}: a window of {seq_len:,} tokens predicts {seq_len - 1:,} positions")
     device = model.embed.weight.device
+    dtype = resolve_dtype(device, args.dtype)
+    model.to(dtype)  # as `generate` runs it: the cache and the decode kernels in one dtype (bf16 on CUDA by default)
     print(
         f"{args.ckpt} on {source.source}: the loss against position in {_count(num_batches * batch_size, 'window')} "
         f"of {seq_len:,} tokens ({seq_len / run.seq_len:g} x the --seq-len {run.seq_len:,} it trained at)",
@@ -620,10 +622,9 @@ def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size,
         batch_size=batch_size,
         num_batches=num_batches,
         buckets=position_buckets(seq_len, args.buckets),
-        autocast=autocast_for(device, args.dtype),
     )
-    dtype = str(resolve_dtype(device, args.dtype)).removeprefix("torch.")
-    context = dict(ckpt=str(args.ckpt), data=source.source, device=device_name(device), dtype=dtype)
+    precision = str(dtype).removeprefix("torch.")
+    context = dict(ckpt=str(args.ckpt), data=source.source, device=device_name(device), dtype=precision)
     report(result, train_seq_len=run.seq_len, plot=plot, **context)
     return 0
 

@@ -4,7 +4,6 @@ bounded at any window length (docs/fidelity.md, "Loss against position")."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -54,12 +53,13 @@ def logits_chunk_size(model, batch_size: int) -> int:
 
 
 @torch.no_grad()
-def token_losses(model, x: torch.Tensor, *, chunk_size: int | None = None, autocast=contextlib.nullcontext, bar=None):
+def token_losses(model, x: torch.Tensor, *, chunk_size: int | None = None, bar=None) -> torch.Tensor:
     """Cross-entropy of every target of windows x [B, N]: nll [B, N - 1] (float32), nll[:, p - 1] for the token at
     position p predicted from positions 0 .. p - 1.
 
-    The windows go through a fresh cache `chunk_size` tokens at a time (None: `logits_chunk_size`); the last position
-    of a chunk predicts the first token of the next one. bar: a tqdm bar advanced by the tokens fed."""
+    The windows go through a fresh cache `chunk_size` tokens at a time (None: `logits_chunk_size`), the model in its
+    own dtype as `generate` runs it; the last position of a chunk predicts the first token of the next one. bar: a
+    tqdm bar advanced by the tokens fed."""
     B, N = x.shape
     if N < 2:
         raise ValueError(f"token_losses: windows of {N} token(s); expected at least 2 (one prediction)")
@@ -68,8 +68,7 @@ def token_losses(model, x: torch.Tensor, *, chunk_size: int | None = None, autoc
     nll = torch.empty(B, N - 1, dtype=torch.float32, device=x.device)
     for start in range(0, N, chunk):
         stop = min(N, start + chunk)
-        with autocast():
-            logits = model(x[:, start:stop], cache=cache).logits  # (B, stop - start, vocab)
+        logits = model(x[:, start:stop], cache=cache).logits  # (B, stop - start, vocab)
         n = min(stop, N - 1) - start  # the predictions of this chunk: targets start + 1 .. start + n
         if n > 0:
             targets = x[:, start + 1 : start + 1 + n]
@@ -139,7 +138,6 @@ def position_losses(
     batch_size: int,
     num_batches: int,
     buckets: list[tuple[int, int]],
-    autocast=contextlib.nullcontext,
     chunk_size: int | None = None,
     progress: bool | None = None,
 ) -> PositionLoss:
@@ -158,7 +156,7 @@ def position_losses(
               disable=progress is False) as bar:  # fmt: skip
         for i in range(0, len(starts), batch_size):
             x = _windows(split, starts[i : i + batch_size], seq_len).to(device).long()
-            total += token_losses(model, x, chunk_size=chunk_size, autocast=autocast, bar=bar).double().sum(0)
+            total += token_losses(model, x, chunk_size=chunk_size, bar=bar).double().sum(0)
             nbytes += byte_lengths.to(device)[x[:, 1:]].sum(0)
     model.train(was_training)
     per_position = (total / len(starts)).cpu().numpy()
