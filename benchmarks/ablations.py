@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -86,8 +87,11 @@ def parse_args(argv):
     p.add_argument("--position-factors", default="4,16", help="evaluate at these multiples of --seq-len (default 4,16)")
     p.add_argument("--position-batches", type=int, default=4, help="batches of windows per evaluation (default 4)")
     p.add_argument("--position-batch-size", type=int, help="windows per batch (default: --batch-size)")
+    budget_help = "minutes for this sitting: the run in progress saves and stops when they are up, later ones wait"
+    p.add_argument("--time-budget", type=float, help=budget_help + " for a rerun of the same command")
     p.add_argument("--quick", action="store_true", help="CPU smoke check: tiny preset, builtin data, a few steps")
     args = p.parse_args(argv)
+    args.deadline = None if args.time_budget is None else time.monotonic() + 60 * args.time_budget
     if args.quick:
         args.preset, args.tokens, args.batch_size, args.seq_len, args.grad_accum = "tiny", 3 * 2 * 32, 2, 32, 1
         args.data, args.data_max_bytes, args.tokenizer, args.eval_batches = "builtin", 200_000, "byte", 1
@@ -121,18 +125,32 @@ def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
 
     out = Path(args.out) / f"{name}-seed{seed}"
     summary_path = out / checkpoint.SUMMARY
-    if summary_path.is_file():
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if summary is not None and summary["step"] >= summary["steps"]:
         log(f"{name} seed {seed}: finished earlier in {out}")
-        summary = json.loads(summary_path.read_text())
     else:
-        log(f"{name} seed {seed}: training {args.steps} steps into {out}")
-        config = TrainConfig.create(
-            preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            grad_accum=args.grad_accum, lr=args.lr, data=args.data, data_max_bytes=args.data_max_bytes,
-            tokenizer=args.tokenizer, seed=seed, out=str(out), eval_batches=args.eval_batches,
-            eval_every=args.eval_every, device=args.device, cuda_graph=args.cuda_graph,
-        )  # fmt: skip
-        summary = train(config, model_overrides=overrides, echo=log)
+        minutes = minutes_left(args)
+        if minutes is not None and minutes <= 0:
+            log(f"{name} seed {seed}: no time left in --time-budget; rerun the same command to train it")
+            return None
+        if checkpoint.holds_run(out):  # stopped by --time-budget, a signal or a kill: continue where it saved
+            log(f"{name} seed {seed}: continuing from step {checkpoint.checkpoint_step(out)} in {out}")
+            config = TrainConfig.create(checkpoint.load_config(out)["train"], out=str(out), time_limit=minutes)
+            summary = train(config, resume=True, echo=log)
+            if summary.get("already_complete"):
+                summary = json.loads(summary_path.read_text())
+        else:
+            log(f"{name} seed {seed}: training {args.steps} steps into {out}")
+            config = TrainConfig.create(
+                preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                grad_accum=args.grad_accum, lr=args.lr, data=args.data, data_max_bytes=args.data_max_bytes,
+                tokenizer=args.tokenizer, seed=seed, out=str(out), eval_batches=args.eval_batches,
+                eval_every=args.eval_every, device=args.device, cuda_graph=args.cuda_graph, time_limit=minutes,
+            )  # fmt: skip
+            summary = train(config, model_overrides=overrides, echo=log)
+        if summary["step"] < summary["steps"]:
+            log(f"{name} seed {seed}: stopped at step {summary['step']} of {summary['steps']}; rerun to continue")
+            return None
     rows = checkpoint.read_log(out)
     curve = [(r["tokens"], r["val_loss"]) for r in rows if "val_loss" in r]
     return {"variant": name, "seed": seed, "overrides": overrides, "run_dir": str(out), "curve": curve,
@@ -140,7 +158,12 @@ def run_variant(args, name: str, seed: int, overrides: dict) -> dict:
                                            "tokens_per_s", "device")}}  # fmt: skip
 
 
-def evaluate_positions(args, result: dict, seq_len: int) -> dict:
+def minutes_left(args) -> float | None:
+    """What is left of --time-budget, in minutes (None without one)."""
+    return None if args.deadline is None else (args.deadline - time.monotonic()) / 60
+
+
+def evaluate_positions(args, result: dict, seq_len: int) -> dict | None:
     """`hybrid-attention eval --per-position` of one run at windows of `seq_len` tokens, in a process of its own (as
     a user runs it), its output kept in RUN/per-position-N.log; the JSON line, also kept (and read back on a rerun)
     in RUN/per-position-N.json."""
@@ -148,6 +171,9 @@ def evaluate_positions(args, result: dict, seq_len: int) -> dict:
     saved = run / f"per-position-{seq_len}.json"
     if saved.is_file():
         return json.loads(saved.read_text())
+    if (minutes_left(args) or 1) <= 0:
+        log(f"{run}: no time left in --time-budget for its loss against position; rerun the same command")
+        return None
     log(f"{result['variant']} seed {result['seed']}: loss against position in windows of {seq_len:,} tokens")
     windows = [
         "--batch-size",
@@ -173,7 +199,7 @@ def evaluate_positions(args, result: dict, seq_len: int) -> dict:
 def position_table(results: list[dict], seq_len: int, train_seq_len: int) -> None:
     """The loss per bucket from half the training length on, at windows of `seq_len`, one row per run; the change
     from the last bucket inside the training length to the last one of the window."""
-    first = next(r for r in results if seq_len in r["per_position"])["per_position"][seq_len]["buckets"]
+    first = results[0]["per_position"][seq_len]["buckets"]
     shown = [b for b in first if b["stop"] > train_seq_len // 2]
     heads = [f"{b['start']:,}-{b['stop'] - 1:,}" for b in shown]
     print(f"\nloss (nats per token) against position, windows of {seq_len:,} tokens, trained at {train_seq_len:,}:\n")
@@ -236,7 +262,10 @@ def main(argv=None) -> int:
     num_layers = HybridConfig.from_preset(args.preset).num_layers
     table = variants(num_layers)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = [run_variant(args, name, seed, table[name]) for seed in args.seeds for name in args.variants]
+    runs = [run_variant(args, name, seed, table[name]) for seed in args.seeds for name in args.variants]
+    results = [r for r in runs if r is not None]
+    if len(results) < len(runs):
+        log(f"{len(runs) - len(results)} of {len(runs)} runs are not finished; rerun the same command to continue")
     base = {r["seed"]: r for r in results if r["variant"] == "hybrid"}
     print(f"\nfixed budget: {args.steps} steps x {args.batch_size * args.seq_len * args.grad_accum} tokens, "
           f"preset {args.preset} with overrides, data {args.data}, tokenizer {args.tokenizer}\n")  # fmt: skip
@@ -247,14 +276,17 @@ def main(argv=None) -> int:
         delta = f"{r['val_loss'] - ref['val_loss']:+.4f}" if ref and r is not ref and r["val_loss"] else ""
         print(f"| {r['variant']} | {r['seed']} | {r['parameters']:,} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} | "
               f"{delta} |")  # fmt: skip
-    plot(results, Path(args.out) / "ablations.png")
+    if results:
+        plot(results, Path(args.out) / "ablations.png")
     if args.per_position:
         for r in results:
             lengths = [f * args.seq_len for f in args.position_factors]
             r["per_position"] = {n: evaluate_positions(args, r, n) for n in lengths}
-        for factor in args.position_factors:
-            position_table(results, factor * args.seq_len, args.seq_len)
-        plot_positions(results, args.position_factors, args.seq_len, Path(args.out) / "per_position.png")
+        evaluated = [r for r in results if None not in r["per_position"].values()]
+        if evaluated:
+            for factor in args.position_factors:
+                position_table(evaluated, factor * args.seq_len, args.seq_len)
+            plot_positions(evaluated, args.position_factors, args.seq_len, Path(args.out) / "per_position.png")
     result = {"preset": args.preset, "steps": args.steps, "tokens_per_run": args.steps * args.batch_size *
               args.seq_len * args.grad_accum, "data": args.data, "tokenizer": args.tokenizer, "results": results,
               "plot": str(Path(args.out) / "ablations.png"), "command": "python " + " ".join(sys.argv)}  # fmt: skip
