@@ -1,8 +1,5 @@
-"""A model's size from its config alone: parameters per layer, in all and in bytes, without building every layer.
-
-Every decoder layer of one mixer type has the same parameters, and the rest (embedding, head, final norm and AttnRes)
-does not depend on the depth; so a model with one layer of each type, built on the meta device, sizes a model of any
-depth at once (building 100,000 layers would take hours, even on the meta device).
+"""A model's size from its config alone: parameters per layer, in all and in bytes, from one layer of each type built on
+the meta device (docs/training.md, "Sizes the machine cannot hold").
 """
 
 from __future__ import annotations

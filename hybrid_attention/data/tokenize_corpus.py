@@ -1,11 +1,5 @@
-"""`hybrid-attention tokenize`: a source into shards (shards.py) on every core, resumable after a kill.
-
-The source is cut into units of about `--shard-tokens` tokens of input (formats.py); each unit becomes one shard per
-split, written by a worker process, and its record (the shards' entries, checksums included) is then written to
-parts/. A rerun of the same command finds plan.json, checks that the settings, the tokenizer and the source's units are
-unchanged, keeps every unit whose shards still match their record and tokenizes the rest; index.json, written last,
-marks the folder complete. The built-in and python-env corpora and single text files are read in memory as
-`train --data` reads them (token_cache.py), in one pass.
+"""`hybrid-attention tokenize`: a source into shards (shards.py) on every core, resumable after a kill
+(docs/training.md, "Shards").
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ def _in_memory(spec: str) -> bool:
 
 
 def tokenize(settings: Settings, out: str | Path, *, workers: int | None = None, progress: bool = True, echo=print):
-    """Tokenize `settings.data` into the folder `out` (see the module docstring); returns the index."""
+    """Tokenize `settings.data` into the folder `out` (docs/training.md, "Shards"); returns the index."""
     out = Path(out)
     if settings.shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be a positive number of tokens, got {settings.shard_tokens}")
