@@ -232,7 +232,7 @@ class Engine:
         self._fail_all("the server is shutting down", status=503)
 
     def step(self) -> None:
-        """One iteration (see the module docstring)."""
+        """One iteration: admit, prefill chunks, decode every running sequence, hand out the previous tokens."""
         self._take_inbox()
         if self._drain_deadline is None:
             for seq in self.scheduler.admit():

@@ -139,8 +139,8 @@ class PagedBatch:
 
 
 class PagedCache:
-    """Pages for the MLA rows and slots for the KDA states of up to `num_slots` sequences of `model` (see the
-    module docstring); every tensor zeroed, on `device` in `dtype` (KDA states in float32)."""
+    """Pages for the MLA rows and slots for the KDA states of up to `num_slots` sequences of `model` (page 0 is
+    scratch); every tensor zeroed, on `device` in `dtype` (KDA states in float32)."""
 
     def __init__(
         self, model, *, num_pages: int, page_size: int, num_slots: int, max_context: int, device, dtype: torch.dtype
