@@ -1,8 +1,5 @@
-"""A model's size from its config alone: parameters per layer, in all and in bytes, without building every layer.
-
-Every decoder layer of one mixer type has the same parameters, and the rest (embedding, head, final norm and AttnRes)
-does not depend on the depth; so a model with one layer of each type, built on the meta device, sizes a model of any
-depth at once (building 100,000 layers would take hours, even on the meta device).
+"""A model's size from its config alone: parameters per layer, in all and in bytes, from one layer of each type built on
+the meta device (docs/training.md, "Sizes the machine cannot hold").
 """
 
 from __future__ import annotations
@@ -30,18 +27,28 @@ class ModelSize:
 
 def model_size(config: HybridConfig) -> ModelSize:
     kinds = tuple(dict.fromkeys(config.layer_types))
+    # The first layer, then one more of each type: the first differs (its mixer reads the embedding alone, with no
+    # AttnRes), every later layer of a type is the same.
+    probe_types = (config.layer_types[0], *kinds)
     with torch.device("meta"):
-        probe = HybridLM(dataclasses.replace(config, layer_types=kinds))
-    per_type = {row["type"]: row["parameters"] for row in probe.layer_table()}
-    rest = probe.num_parameters() - sum(per_type.values())
-    layers = [{"index": i + 1, "type": t, "parameters": per_type[t]} for i, t in enumerate(config.layer_types)]
-    count = {t: config.layer_types.count(t) for t in kinds}  # the probe holds one layer of each type
+        probe = HybridLM(dataclasses.replace(config, layer_types=probe_types))
+    rows = probe.layer_table()
+    per_type = {row["type"]: row["parameters"] for row in rows[1:]}
+    rest = probe.num_parameters() - sum(row["parameters"] for row in rows)
+    layers = [
+        {"index": i + 1, "type": t, "parameters": rows[0]["parameters"] if i == 0 else per_type[t]}
+        for i, t in enumerate(config.layer_types)
+    ]
+    count = {t: config.layer_types.count(t) for t in kinds}
+    probe_count = {t: probe_types.count(t) for t in kinds}
+    per_mla = probe.cache_bytes_per_token(torch.bfloat16) // max(1, probe_count.get("mla", 0))
+    per_kda = probe.state_bytes_per_sequence(torch.bfloat16) // max(1, probe_count.get("kda", 0))
     return ModelSize(
         parameters=rest + sum(row["parameters"] for row in layers),
         embedding=probe.embed.weight.numel(),
         layers=layers,
-        cache_bytes_per_token=count.get("mla", 0) * probe.cache_bytes_per_token(torch.bfloat16),
-        state_bytes_per_sequence=count.get("kda", 0) * probe.state_bytes_per_sequence(torch.bfloat16),
+        cache_bytes_per_token=count.get("mla", 0) * per_mla,
+        state_bytes_per_sequence=count.get("kda", 0) * per_kda,
     )
 
 
