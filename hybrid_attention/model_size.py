@@ -1,8 +1,9 @@
 """A model's size from its config alone: parameters per layer, in all and in bytes, without building every layer.
 
-Every decoder layer of one mixer type has the same parameters, and the rest (embedding, head, final norm and AttnRes)
-does not depend on the depth; so a model with one layer of each type, built on the meta device, sizes a model of any
-depth at once (building 100,000 layers would take hours, even on the meta device).
+Every decoder layer of one mixer type has the same parameters but the first (no AttnRes before its mixer), and the
+rest (embedding, head, final norm and AttnRes) does not depend on the depth; so a model with the first layer and one
+layer of each type, built on the meta device, sizes a model of any depth at once (building 100,000 layers would take
+hours, even on the meta device).
 """
 
 from __future__ import annotations
@@ -26,22 +27,44 @@ class ModelSize:
     layers: list[dict]
     cache_bytes_per_token: int  # MLA latent rows per token of context, bf16
     state_bytes_per_sequence: int  # KDA states and conv tails per sequence, fp32 state and bf16 tails
+    # Per layer type: the parameters of its mixer and of its MLP, and its 2-D hidden matrices (Muon's share).
+    sublayers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def model_size(config: HybridConfig) -> ModelSize:
     kinds = tuple(dict.fromkeys(config.layer_types))
+    # The first layer has no AttnRes before its mixer (it reads the embedding alone), so the probe holds it and then
+    # one later layer of each type.
+    probe_types = (config.layer_types[0], *kinds)
     with torch.device("meta"):
-        probe = HybridLM(dataclasses.replace(config, layer_types=kinds))
-    per_type = {row["type"]: row["parameters"] for row in probe.layer_table()}
-    rest = probe.num_parameters() - sum(per_type.values())
-    layers = [{"index": i + 1, "type": t, "parameters": per_type[t]} for i, t in enumerate(config.layer_types)]
-    count = {t: config.layer_types.count(t) for t in kinds}  # the probe holds one layer of each type
+        probe = HybridLM(dataclasses.replace(config, layer_types=probe_types))
+    table = probe.layer_table()
+    per_type = {row["type"]: row["parameters"] for row in table[1:]}
+    rest = probe.num_parameters() - sum(row["parameters"] for row in table)
+    layers = [
+        {"index": i + 1, "type": t, "parameters": table[0]["parameters"] if i == 0 else per_type[t]}
+        for i, t in enumerate(config.layer_types)
+    ]
+    count = {t: config.layer_types.count(t) for t in kinds}
+    probe_count = {t: probe_types.count(t) for t in kinds}
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    sublayers = {
+        layer.layer_type: {
+            "mixer": numel(layer.mixer),
+            "mlp": numel(layer.mlp),
+            "matrices": sum(p.numel() for p in layer.parameters() if p.ndim == 2),
+        }
+        for layer in probe.layers[1:]
+    }
+    per_mla = probe.cache_bytes_per_token(torch.bfloat16) // probe_count.get("mla", 1)
+    per_kda = probe.state_bytes_per_sequence(torch.bfloat16) // probe_count.get("kda", 1)
     return ModelSize(
         parameters=rest + sum(row["parameters"] for row in layers),
         embedding=probe.embed.weight.numel(),
         layers=layers,
-        cache_bytes_per_token=count.get("mla", 0) * probe.cache_bytes_per_token(torch.bfloat16),
-        state_bytes_per_sequence=count.get("kda", 0) * probe.state_bytes_per_sequence(torch.bfloat16),
+        cache_bytes_per_token=count.get("mla", 0) * per_mla,
+        state_bytes_per_sequence=count.get("kda", 0) * per_kda,
+        sublayers=sublayers,
     )
 
 
