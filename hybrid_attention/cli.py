@@ -26,7 +26,18 @@ from hybrid_attention.arg_types import (
     positive_int,
     seed_int,
 )
-from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, REPORTERS, TOKENIZERS
+from hybrid_attention.choices import (
+    ACTIVATION_CHECKPOINTING,
+    ATTNRES_BACKENDS,
+    CARDS,
+    DEVICES,
+    DTYPES,
+    FP8_RECIPES,
+    KDA_BACKENDS,
+    OPTIMIZERS,
+    REPORTERS,
+    TOKENIZERS,
+)
 from hybrid_attention.config import (  # torch-free: --help and bad flags answer before torch loads
     PRESETS,
     IgnoredSetting,
@@ -69,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
+    t.add_argument(
+        "--model-config",
+        metavar="FILE",
+        help="a JSON object of model settings (HybridConfig fields) over the preset's, saved with the run",
+    )
     t.add_argument("--steps", type=positive_int, help="optimizer steps (tiny: 250, larger presets: 300)")
     t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch, all ranks together (default 8)")
     t.add_argument("--seq-len", type=positive_int, help="tokens per sequence (tiny: 128, larger: 2048)")
@@ -122,8 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_flags(t, default=None)
     t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
                    "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip
-    t.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="torchrun: recompute each mixer and MLP in the backward (less memory)")  # fmt: skip
+    t.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="all",
+        choices=ACTIVATION_CHECKPOINTING,
+        help="recompute the mixers, the MLPs or all of both in the backward instead of keeping their activations (less "
+        "memory; alone: all)",
+    )
+    t.add_argument(
+        "--fp8",
+        nargs="?",
+        const="tensorwise",
+        choices=FP8_RECIPES,
+        help="the large projections in FP8 through torchao's float8 training, with tensorwise (alone) or rowwise "
+        "scaling (an Ada or Hopper GPU; fast with --compile)",
+    )
     t.add_argument("--dist-timeout", type=positive_float, help="torchrun: seconds a rank waits for the others (600)")
     t.add_argument(
         "--report-to",
@@ -178,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=PRESETS, help="a model preset (default tiny)")
     src.add_argument("--ckpt", help="run directory written by `train`")
     i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
+    i.add_argument("--model-config", metavar="FILE", help="a JSON object of model settings over the preset's")
+    i.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default: the run's or train's)")
+    i.add_argument("--seq-len", type=number(int, 2), help="tokens per sequence (default: the run's or train's)")
+    i.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default: the run's or train's)")
+    i.add_argument("--optimizer", choices=OPTIMIZERS, help="whose state to count (default: the run's, or adamw)")
+    card = i.add_mutually_exclusive_group()
+    card.add_argument("--card", choices=CARDS, help="say whether a step fits this card (default: this machine's GPU)")
+    card.add_argument("--device-memory", type=positive_float, metavar="GIB", help="...or a card of this many GiB")
     i.set_defaults(func=_info)
 
     x = sub.add_parser("export", help="gather a torchrun run's sharded checkpoint into model.safetensors; --hf: "
@@ -345,18 +383,25 @@ def _train(args) -> int:
 
     given = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
     saved = None
+    if args.resume and args.model_config:
+        raise ValueError("--model-config sets a new run's model; a resumed run keeps the one in its config.json")
     if args.resume:
         out = args.out or f"runs/{args.preset or 'tiny'}"
         saved = checkpoint.load_config(out)["train"]
         given["out"] = out
     config = TrainConfig.create(saved, extend_steps=args.extend_steps, **given)
+    overrides = None
+    if args.model_config:
+        from hybrid_attention.runs.run_config import read_model_config
+
+        overrides = read_model_config(args.model_config, config.preset)
     from hybrid_attention.device import resolve_device
 
     _say_when_compiling(resolve_device(config.device))
     start = time.perf_counter()
     resume_command = f"hybrid-attention train --resume --out {shlex.quote(config.out)}"
     try:
-        s = train(config, resume=args.resume)
+        s = train(config, resume=args.resume, model_overrides=overrides)
     except KeyboardInterrupt:
         try:
             step = checkpoint.checkpoint_step(config.out)
@@ -576,15 +621,26 @@ def _eval(args) -> int:
 def _info(args) -> int:
     from hybrid_attention.config import HybridConfig
     from hybrid_attention.model_size import model_size
+    from hybrid_attention.training.config import TrainConfig
 
     if args.ckpt:
         from hybrid_attention.runs.checkpoint import run_model_config
+        from hybrid_attention.runs.run_config import load_config
 
+        if args.model_config:
+            raise ValueError("--model-config applies to --preset; a run's model is the one in its config.json")
         c, source = run_model_config(args.ckpt), args.ckpt
+        run = TrainConfig.create(load_config(args.ckpt)["train"], out=str(args.ckpt))
     else:
         preset = args.preset or "tiny"
-        c = HybridConfig.from_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
-        source = f"preset {preset}"
+        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+        if args.model_config:
+            from hybrid_attention.runs.run_config import read_model_config
+
+            overrides = {**read_model_config(args.model_config, preset), **overrides}
+        c = HybridConfig.from_preset(preset, **overrides)
+        source = f"preset {preset}" + (f" with {args.model_config}" if args.model_config else "")
+        run = TrainConfig.create(preset=preset)  # train's defaults for the preset
     size = model_size(c)  # from one layer of each type: any depth answers at once
     in_layers = sum(row["parameters"] for row in size.layers)
     layers = _count(c.num_layers, "layer")
@@ -606,7 +662,36 @@ def _info(args) -> int:
     )
     for context in (4096, 131072):
         print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
+    _info_training(args, c, size, run)
     return 0
+
+
+def _info_training(args, c, size, run) -> None:
+    """FLOPs per token and the memory of a training step (training/memory_report.py)."""
+    from hybrid_attention.training.memory import CARD_MEMORY, CARD_NAMES
+    from hybrid_attention.training.memory_report import training_lines
+
+    card_bytes, card_name = None, None
+    if args.card:
+        card_bytes, card_name = CARD_MEMORY[args.card], f"an {CARD_NAMES[args.card]}"
+    elif args.device_memory:
+        card_bytes, card_name = args.device_memory * 2**30, "the card"
+    else:
+        import torch
+
+        if torch.cuda.is_available():
+            card_bytes, card_name = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    lines = training_lines(
+        c,
+        size,
+        batch_size=args.batch_size or run.batch_size,
+        seq_len=args.seq_len or run.seq_len,
+        grad_accum=args.grad_accum or run.grad_accum,
+        optimizer=args.optimizer or run.optimizer,
+        card_bytes=card_bytes,
+        card_name=card_name,
+    )
+    print("\n".join(lines))
 
 
 def _serve(args) -> int:

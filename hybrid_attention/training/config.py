@@ -10,9 +10,11 @@ from dataclasses import dataclass, fields
 
 from hybrid_attention.checks import is_int
 from hybrid_attention.choices import (
+    ACTIVATION_CHECKPOINTING,
     ATTNRES_BACKENDS,
     DEVICES,
     DTYPES,
+    FP8_RECIPES,
     KDA_BACKENDS,
     OPTIMIZERS,
     REPORTERS,
@@ -65,9 +67,12 @@ class TrainConfig:
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
     report_to: tuple[str, ...] = ()  # where the curves go besides log.jsonl: "tensorboard", "wandb"
+    # Which sublayers recompute their activations in the backward: "none", "mixer", "mlp" or "all" (runs saved before
+    # the choice stored True for "all" and False for "none").
+    activation_checkpointing: str | bool = "none"
+    fp8: str | None = None  # torchao float8 training of the large projections: "tensorwise" or "rowwise" scaling
     # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
     fsdp_reshard_after_forward: bool = False
-    activation_checkpointing: bool = False
     dist_timeout: float = 600.0  # seconds
 
     @classmethod
@@ -158,6 +163,14 @@ class TrainConfig:
             raise ValueError(
                 "--doc-mask runs eagerly: the documents of a batch change its shapes; leave out --cuda-graph"
             )
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, bool):
+            self.activation_checkpointing = "all" if checkpointing else "none"
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            allowed = ", ".join(ACTIVATION_CHECKPOINTING)
+            raise ValueError(f"--activation-checkpointing must be one of {allowed}, got {checkpointing!r}")
+        if self.fp8 not in (None, *FP8_RECIPES):
+            raise ValueError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         self.report_to = tuple(self.report_to)
         unknown = [r for r in self.report_to if r not in REPORTERS]
         if unknown:
@@ -182,7 +195,8 @@ def _stored(name: str, value) -> str:
 
 # where and how the run executes
 _WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend", "attnres_backend"}
-_WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
+_WHERE |= {"activation_checkpointing", "fp8"}  # how it computes: the model and its results are the same run's
+_WHERE |= {"fsdp_reshard_after_forward", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches", "report_to"}  # when and where it logs
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 # Settings every run has stored since the format began (a config.json without one is damaged, not old).
