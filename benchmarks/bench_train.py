@@ -94,7 +94,7 @@ def run_case(
 
         # On the CPU (--quick) torchao emulates the FP8 products in higher precision.
         convert_to_fp8(model, spec.fp8, emulate=device.type != "cuda")
-    if spec is not None:
+    if spec is not None and spec.checkpointing != "none":  # our models only (`parse_spec`)
         apply_activation_checkpointing(model, spec.checkpointing)
     if args.optimizer == "muon":
         optimizers = build_optimizers(model, optimizer="muon", lr=1e-4, weight_decay=0.1)
