@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     sources = {s: ["--preset", PRESETS[s]] for s in PRESETS}
     if args.quick:  # tiny run directories: there is no tiny all-MLA preset
         from hybrid_attention.data.tokenizer import ByteTokenizer
-        from hybrid_attention.runs.model_run import save_model_run
+        from hybrid_attention.training.model_run import save_model_run
 
         for system, layers in (("hybrid", None), ("all-mla", ("mla",) * 4)):
             torch.manual_seed(0)

@@ -15,30 +15,19 @@ from hybrid_attention.layers.mla import MLACache
 from hybrid_attention.layers.seqlens import SeqLens
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def layer_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a per-layer cache (a KDACache or an MLACache dataclass), in field order."""
     return [v for f in fields(obj) if isinstance(v := getattr(obj, f.name), torch.Tensor)]
 
 
-class HybridCache:
-    """Per-layer caches of a `HybridLM` for `seqlens.batch_size` sequences of up to `seqlens.max_seq_len` tokens.
+class LayerCaches:
+    """What `HybridLM.forward` and `DecodeStep` read of a cache: `layers` (one per decoder layer: a `KDACache`, or an
+    MLA cache counting its tokens with `seqlens`) and the one length record, with what a decode step changes."""
 
-    layers: one `KDACache` or `MLACache` per decoder layer, in order (built by `HybridLM.make_cache`); every
-        `MLACache` counts its tokens with `seqlens`.
-    seqlens: the tokens cached per sequence (advanced by `HybridLM.forward`).
-    """
-
-    def __init__(self, layers: list[KDACache | MLACache], seqlens: SeqLens):
-        if not layers:
-            raise ValueError("HybridCache: layers is empty; expected one KDACache or MLACache per decoder layer")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, (KDACache, MLACache)):
-                raise ValueError(f"HybridCache: layers[{i}] is a {type(layer).__name__}; expected KDACache or MLACache")
-            if isinstance(layer, MLACache) and layer.seqlens is not seqlens:
-                raise ValueError(f"HybridCache: the MLA cache of layers[{i}] counts its tokens with another SeqLens")
+    def __init__(self, layers: list, seqlens: SeqLens):
         self.layers = layers
         self.seqlens = seqlens
 
-    # ------------------------------------------------------------------------------------------------- lengths
     @property
     def batch_size(self) -> int:
         return self.seqlens.batch_size
@@ -70,24 +59,9 @@ class HybridCache:
         """Count `num_tokens` more tokens for every sequence (`SeqLens.advance`); `HybridLM.forward` calls it."""
         self.seqlens.advance(num_tokens, on_device=on_device)
 
-    def set_lengths(self, lengths: Sequence[int] | int) -> None:
-        """Declare that sequence b holds `lengths[b]` tokens (one int: all of them), on the device and the host.
-
-        Used to start from rows written directly (benchmarks) or after `load_sequence`; the caller is responsible for
-        the rows and states matching those lengths.
-        """
-        self.seqlens.set(lengths)
-
     def _recurrent_tensors(self) -> list[torch.Tensor]:
         """The KDA states and conv tails: what a step overwrites, as opposed to the MLA rows it appends."""
-        return [t for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)]
-
-    def reset(self) -> None:
-        """Forget every sequence: zero the KDA states and conv tails and the lengths (MLA rows are left as they are:
-        nothing past a sequence's length is ever read)."""
-        for t in self._recurrent_tensors():
-            t.zero_()
-        self.set_lengths(0)
+        return [t for layer in self.layers if isinstance(layer, KDACache) for t in layer_tensors(layer)]
 
     def snapshot(self) -> tuple[list[int], list[torch.Tensor]]:
         """What a decoding step changes besides the rows past each sequence's length: the lengths (host ints) and
@@ -99,10 +73,44 @@ class HybridCache:
         lengths, saved = snapshot
         mine = self._recurrent_tensors()
         if len(mine) != len(saved) or any(a.shape != b.shape for a, b in zip(mine, saved, strict=True)):
-            raise ValueError("HybridCache.restore: the snapshot was taken from a cache of another shape")
+            raise ValueError(f"{type(self).__name__}.restore: the snapshot was taken from a cache of another shape")
         for t, copy in zip(mine, saved, strict=True):
             t.copy_(copy)
-        self.set_lengths(lengths)
+        self.seqlens.set(lengths)
+
+
+class HybridCache(LayerCaches):
+    """Per-layer caches of a `HybridLM` for `seqlens.batch_size` sequences of up to `seqlens.max_seq_len` tokens.
+
+    layers: one `KDACache` or `MLACache` per decoder layer, in order (built by `HybridLM.make_cache`); every
+        `MLACache` counts its tokens with `seqlens`.
+    seqlens: the tokens cached per sequence (advanced by `HybridLM.forward`).
+    """
+
+    def __init__(self, layers: list[KDACache | MLACache], seqlens: SeqLens):
+        if not layers:
+            raise ValueError("HybridCache: layers is empty; expected one KDACache or MLACache per decoder layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, (KDACache, MLACache)):
+                raise ValueError(f"HybridCache: layers[{i}] is a {type(layer).__name__}; expected KDACache or MLACache")
+            if isinstance(layer, MLACache) and layer.seqlens is not seqlens:
+                raise ValueError(f"HybridCache: the MLA cache of layers[{i}] counts its tokens with another SeqLens")
+        super().__init__(layers, seqlens)
+
+    def set_lengths(self, lengths: Sequence[int] | int) -> None:
+        """Declare that sequence b holds `lengths[b]` tokens (one int: all of them), on the device and the host.
+
+        Used to start from rows written directly (benchmarks) or after `load_sequence`; the caller is responsible for
+        the rows and states matching those lengths.
+        """
+        self.seqlens.set(lengths)
+
+    def reset(self) -> None:
+        """Forget every sequence: zero the KDA states and conv tails and the lengths (MLA rows are left as they are:
+        nothing past a sequence's length is ever read)."""
+        for t in self._recurrent_tensors():
+            t.zero_()
+        self.set_lengths(0)
 
     def load_sequence(self, index: int, single: HybridCache) -> None:
         """Copy the batch-1 cache `single` into sequence `index` of this cache (the rows it holds, the KDA states and
@@ -124,7 +132,7 @@ class HybridCache:
             if isinstance(mine, MLACache):
                 mine.rows[index, :n].copy_(theirs.rows[0, :n])
             else:
-                for dst, src in zip(_tensors(mine), _tensors(theirs), strict=True):
+                for dst, src in zip(layer_tensors(mine), layer_tensors(theirs), strict=True):
                     dst[index].copy_(src[0])
         lengths = self.host_lengths
         lengths[index] = n
@@ -135,7 +143,7 @@ class HybridCache:
         """Bytes of cached data: the preallocated MLA rows in full, KDA states and conv tails (the int32 lengths,
         4 bytes per sequence, are not counted)."""
         return sum(
-            t.numel() * t.element_size() for layer in self.layers for t in _tensors(layer) if t.is_floating_point()
+            t.numel() * t.element_size() for layer in self.layers for t in layer_tensors(layer) if t.is_floating_point()
         )
 
     def __repr__(self) -> str:

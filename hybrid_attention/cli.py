@@ -444,9 +444,14 @@ def _train(args) -> int:
 def _tokenize(args) -> int:
     from hybrid_attention.data.tokenize_corpus import DEFAULT_SHARD_TOKENS, Settings, describe, tokenize
 
-    tokenizer = args.tokenizer
+    tokenizer, run_tokenizer = args.tokenizer, None
     if tokenizer not in TOKENIZERS:
         tokenizer = str(Path(tokenizer).expanduser().resolve())  # a run directory or a file, from any directory
+        if Path(tokenizer).is_dir():
+            from hybrid_attention.data.tokenizer import tokenizer_from_dict
+            from hybrid_attention.runs.run_config import load_config
+
+            run_tokenizer = tokenizer_from_dict(load_config(tokenizer)["tokenizer"], tokenizer)
     settings = Settings(
         data=args.data,
         tokenizer=tokenizer,
@@ -456,7 +461,7 @@ def _tokenize(args) -> int:
         strict=args.strict,
     )
     start = time.perf_counter()
-    index = tokenize(settings, args.out, workers=args.workers)
+    index = tokenize(settings, args.out, run_tokenizer=run_tokenizer, workers=args.workers)
     print(f"{args.out}: {describe(index)}; {time.perf_counter() - start:.1f} s")
     print(f"train on it with `hybrid-attention train --data {shlex.quote(str(args.out))}`")
     return 0

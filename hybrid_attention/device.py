@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
@@ -57,3 +58,11 @@ def flush_denormals():
         _flush_depth -= 1
         if _flush_depth == 0:
             torch.set_flush_denormal(False)
+
+
+def to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A device tensor holding `values`, queued behind the stream's work instead of waiting for it (through pinned
+    memory, which torch's caching host allocator keeps from reuse until the copies queued on it have run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

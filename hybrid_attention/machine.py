@@ -1,9 +1,5 @@
-"""What this machine has: the memory of a device, and the one check that refuses a size it can never hold.
-
-A flag or a config.json can ask for any size; `check_fits` turns a request that cannot fit into one line naming what
-was asked and what the machine has, before anything is allocated (rather than an allocator error, a swapping machine
-or a hang). The sizes it is given are lower bounds of what the work needs, so it never refuses work that the memory
-free now could hold.
+"""What this machine has: the memory of a device, and the one check that refuses a size it can never hold
+(docs/training.md, "Sizes the machine cannot hold").
 """
 
 from __future__ import annotations

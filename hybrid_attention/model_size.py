@@ -1,9 +1,5 @@
-"""A model's size from its config alone: parameters per layer, in all and in bytes, without building every layer.
-
-Every decoder layer of one mixer type has the same parameters but the first (no AttnRes before its mixer), and the
-rest (embedding, head, final norm and AttnRes) does not depend on the depth; so a model with the first layer and one
-layer of each type, built on the meta device, sizes a model of any depth at once (building 100,000 layers would take
-hours, even on the meta device).
+"""A model's size from its config alone: parameters per layer, in all and in bytes, from one layer of each type built on
+the meta device (docs/training.md, "Sizes the machine cannot hold").
 """
 
 from __future__ import annotations
@@ -33,16 +29,16 @@ class ModelSize:
 
 def model_size(config: HybridConfig) -> ModelSize:
     kinds = tuple(dict.fromkeys(config.layer_types))
-    # The first layer has no AttnRes before its mixer (it reads the embedding alone), so the probe holds it and then
-    # one later layer of each type.
+    # The first layer, then one more of each type: the first differs (its mixer reads the embedding alone, with no
+    # AttnRes), every later layer of a type is the same.
     probe_types = (config.layer_types[0], *kinds)
     with torch.device("meta"):
         probe = HybridLM(dataclasses.replace(config, layer_types=probe_types))
-    table = probe.layer_table()
-    per_type = {row["type"]: row["parameters"] for row in table[1:]}
-    rest = probe.num_parameters() - sum(row["parameters"] for row in table)
+    rows = probe.layer_table()
+    per_type = {row["type"]: row["parameters"] for row in rows[1:]}
+    rest = probe.num_parameters() - sum(row["parameters"] for row in rows)
     layers = [
-        {"index": i + 1, "type": t, "parameters": table[0]["parameters"] if i == 0 else per_type[t]}
+        {"index": i + 1, "type": t, "parameters": rows[0]["parameters"] if i == 0 else per_type[t]}
         for i, t in enumerate(config.layer_types)
     ]
     count = {t: config.layer_types.count(t) for t in kinds}
@@ -56,8 +52,8 @@ def model_size(config: HybridConfig) -> ModelSize:
         }
         for layer in probe.layers[1:]
     }
-    per_mla = probe.cache_bytes_per_token(torch.bfloat16) // probe_count.get("mla", 1)
-    per_kda = probe.state_bytes_per_sequence(torch.bfloat16) // probe_count.get("kda", 1)
+    per_mla = probe.cache_bytes_per_token(torch.bfloat16) // max(1, probe_count.get("mla", 0))
+    per_kda = probe.state_bytes_per_sequence(torch.bfloat16) // max(1, probe_count.get("kda", 0))
     return ModelSize(
         parameters=rest + sum(row["parameters"] for row in layers),
         embedding=probe.embed.weight.numel(),

@@ -99,11 +99,15 @@ def test_generation_is_bounded_by_the_context(run, capsys):
     assert one_line(code, err, limit), err
 
 
-def test_a_long_prompt_shows_its_prefill_progress(run, capsys):
-    prompt = "x = 1\n" * 200  # 1,200 tokens: two prefill chunks on the CPU
+def test_a_long_prompt_shows_its_prefill_progress(run, capsys, monkeypatch):
+    """A prefill that runs past the bar's delay shows it on stderr (the delay set to 0 stands for a long prompt)."""
+    import hybrid_attention.inference.prefill as prefill
+
+    monkeypatch.setattr(prefill, "PROGRESS_DELAY_S", 0.0)
+    prompt = "x = 1\n" * 200  # 1,200 tokens
     argv = ["generate", "--ckpt", run, "--prompt", prompt, "--max-new-tokens", 1, "--max-context", 1300]
     code, _, err = run_cli(argv, capsys)
-    assert code == 0 and "prefill: " in err and "/1200 [" in err, err
+    assert code == 0 and "prefill: " in err and "1.20k/1.20k [" in err, err
 
 
 def test_an_eval_batch_beyond_the_memory_is_one_line(run, capsys):

@@ -45,10 +45,10 @@ def test_a_deep_config_is_sized_at_once_and_refused_in_one_line(monkeypatch):
     size = model_size(config)
     assert time.perf_counter() - start < 10  # building the 100,000 layers, even on meta, takes hours
     shallow = model_size(HybridConfig.from_preset("tiny"))
-    # A later group: its first layer has an AttnRes before its mixer, which the model's first layer has not.
-    per_group = model_size(HybridConfig.from_preset("tiny", layer_types=shallow_types * 2)).parameters
-    per_group -= shallow.parameters
-    assert size.parameters == shallow.parameters + 24_999 * per_group and len(size.layers) == 100_000
+    first_group = sum(row["parameters"] for row in shallow.layers)
+    later_group = sum(row["parameters"] for row in size.layers[4:8])
+    assert later_group - first_group == 2 * config.hidden_size  # the first sublayer's missing AttnRes: query, key norm
+    assert size.parameters == shallow.parameters + 24_999 * later_group and len(size.layers) == 100_000
     monkeypatch.setattr(machine, "memory_bytes", lambda device: 16 * 10**9)
     with pytest.raises(ValueError) as err:
         check_model_fits(config, "cpu", bytes_per_parameter=4, what="loading the model")

@@ -1,16 +1,5 @@
-"""The formats `tokenize` reads, cut into units of work: folders of text, JSON lines, JSON, Parquet, `datasets`.
-
-`plan_units(spec, unit_bytes)` lists the units of a source in a fixed order, each about `unit_bytes` of input (whole
-files, byte ranges of a JSON lines file, row groups of a Parquet file, row ranges of a dataset); `read_unit(unit)`
-yields its documents as (name, text). A worker reads its unit itself, so no text crosses between processes.
-
-Documents and their names (the validation split is chosen by name, `documents.in_validation`):
-- a text file (.txt, .md, .py) is one document, named by its path under the folder (as `train --data FOLDER` does);
-- a JSON lines record, `FILE@OFFSET` (the byte where its line starts); a JSON array element or Parquet row,
-  `FILE#ROW`; the text is the record's `text_field`;
-- a `datasets` row (a folder written by `save_to_disk`, or `hf:NAME[:CONFIG]` through `load_dataset`, offline when
-  cached), `SPLIT#ROW`; a dataset with a validation split (validation, valid or test) keeps its own split.
-Files that are not UTF-8 and records without the text field are skipped and counted; `strict` refuses them.
+"""The formats `tokenize` reads, cut into units of work: folders of text, JSON lines, JSON, Parquet, `datasets`
+(docs/training.md, "Shards").
 """
 
 from __future__ import annotations

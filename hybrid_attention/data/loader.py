@@ -1,14 +1,5 @@
-"""Streaming training batches from shards: which windows a step reads, each rank's share, and a prefetching thread.
-
-Order: the training split is cut into non-overlapping windows of `seq_len` tokens, from an offset drawn per epoch.
-Sample i of the run (counted over steps, micro-batches and rows of the global batch) is window `perm_e(i mod n)` of
-epoch e = i div n, where perm_e is a pseudo-random permutation of the n windows keyed by (seed, e): a Feistel network
-over the next power of four, walked until it lands inside [0, n) (docs/training.md, "Loader"). So every epoch reads
-every window once, a step's batch is a function of (seed, step, micro-batch) alone, a resume continues the exact
-sequence, and the global batch is the same on any number of ranks, each reading only its own rows.
-
-`TrainLoader` computes the batches of the coming steps on a background thread, into pinned memory on CUDA, so
-the copy to the device is queued behind the running step instead of waiting for it.
+"""Streaming training batches from shards: which windows a step reads, each rank's share, and a prefetching thread
+(docs/training.md, "The loader").
 """
 
 from __future__ import annotations
@@ -58,7 +49,7 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class WindowOrder:
-    """Where sample i of a run starts in a split of `num_tokens` tokens (see the module docstring)."""
+    """Where sample i of a run starts in a split of `num_tokens` tokens (docs/training.md, "The loader")."""
 
     num_tokens: int
     seq_len: int

@@ -1,13 +1,5 @@
-"""Tokenized shards: token ids and document offsets in safetensors files, an index.json over them, read in place.
-
-A shard holds `tokens` [N] (uint16 when the vocabulary fits, else uint32) and `doc_offsets` [D + 1] (int64, from 0 to
-N: document d is tokens[doc_offsets[d] : doc_offsets[d + 1]], its last token the end of document). The index names
-every shard of the two splits in order with its token and document counts, size and SHA-256, and the tokenizer and
-source they came from (docs/training.md, "Shards"). A split is one stream: its shards back to back.
-
-`ShardSet` reads a split without loading it: windows of tokens by positioned reads (`os.pread`) and the document
-offsets through a memory map, so the process holds only what it reads. Reading a mapping would leave every page it
-touched counted in the process's memory, which grows with the corpus read so far; a positioned read does not.
+"""Tokenized shards: token ids and document offsets in safetensors files, an index.json over them, read in place
+(docs/training.md, "Shards").
 """
 
 from __future__ import annotations

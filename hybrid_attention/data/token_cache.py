@@ -1,15 +1,5 @@
-"""Shards of an in-memory corpus, and the token cache that keeps them: the built-in, python-env, file, folder and
-`hf:` sources of `train --data` become the same shards `tokenize` writes, the first time they are read.
-
-`cached_shards(corpus, tokenizer)` keeps one shard folder per (corpus, tokenizer) under `cache_dir()`/shards:
-$HYBRID_ATTENTION_CACHE, else $XDG_CACHE_HOME/hybrid-attention, else ~/.cache/hybrid-attention.
-- The key is a sha256 over the format version, `Corpus.digest()` and the tokenizer's identity (for a BPE its whole
-  tokenizers JSON), so a changed corpus or tokenizer never reads another one's entry.
-- An entry is built in a temporary folder beside it and renamed into place whole; one whose index does not read,
-  names another key, or whose shards fail their SHA-256, is rebuilt, never trusted. A cache folder that cannot be
-  written only costs the reuse: the shards then live in a temporary folder for the run.
-Encoding runs in groups of documents through the tokenizer's batch encoder (parallel over the machine's cores),
-with a progress bar over the bytes.
+"""The token cache: the in-memory sources of `train --data` (built-in, python-env, a file, a folder, `hf:`) become the
+same shards `tokenize` writes, the first time they are read (docs/training.md, "The loader").
 """
 
 from __future__ import annotations
@@ -35,7 +25,8 @@ SHARD_TOKENS = 1 << 24  # tokens per shard: 32 MiB of uint16
 
 
 def cache_dir() -> Path:
-    """The folder of cached token files (see the module docstring)."""
+    """The folder of cached token files: $HYBRID_ATTENTION_CACHE, else $XDG_CACHE_HOME/hybrid-attention, else
+    ~/.cache/hybrid-attention."""
     if os.environ.get("HYBRID_ATTENTION_CACHE"):
         return Path(os.environ["HYBRID_ATTENTION_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -1,11 +1,5 @@
-"""`hybrid-attention tokenize`: a source into shards (shards.py) on every core, resumable after a kill.
-
-The source is cut into units of about `--shard-tokens` tokens of input (formats.py); each unit becomes one shard per
-split, written by a worker process, and its record (the shards' entries, checksums included) is then written to
-parts/. A rerun of the same command finds plan.json, checks that the settings, the tokenizer and the source's units are
-unchanged, keeps every unit whose shards still match their record and tokenizes the rest; index.json, written last,
-marks the folder complete. The built-in and python-env corpora and single text files are read in memory as
-`train --data` reads them (token_cache.py), in one pass.
+"""`hybrid-attention tokenize`: a source into shards (shards.py) on every core, resumable after a kill
+(docs/training.md, "Shards").
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from hybrid_attention.data.tokenizer import (
     DEFAULT_BPE_VOCAB,
     BPETokenizer,
     ByteTokenizer,
-    tokenizer_from_dict,
 )
 from hybrid_attention.files import atomic_write_text
 
@@ -58,8 +51,19 @@ def _in_memory(spec: str) -> bool:
     return spec in IN_MEMORY or (path.is_file() and not path.name.endswith((".jsonl", ".json", ".parquet")))
 
 
-def tokenize(settings: Settings, out: str | Path, *, workers: int | None = None, progress: bool = True, echo=print):
-    """Tokenize `settings.data` into the folder `out` (see the module docstring); returns the index."""
+def tokenize(
+    settings: Settings,
+    out: str | Path,
+    *,
+    run_tokenizer=None,
+    workers: int | None = None,
+    progress: bool = True,
+    echo=print,
+):
+    """Tokenize `settings.data` into the folder `out` (docs/training.md, "Shards"); returns the index.
+
+    When `settings.tokenizer` names a run directory, `run_tokenizer` is that run's tokenizer, read by the caller
+    (reading a run belongs to `runs/`, which this data module sits below)."""
     out = Path(out)
     if settings.shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be a positive number of tokens, got {settings.shard_tokens}")
@@ -75,7 +79,7 @@ def tokenize(settings: Settings, out: str | Path, *, workers: int | None = None,
         from hybrid_attention.data.sources import load_corpus
 
         corpus = load_corpus(None if settings.data == "builtin" else settings.data)
-        tokenizer = _resolve_tokenizer(settings, out, sample=corpus.train)
+        tokenizer = _resolve_tokenizer(settings, out, sample=corpus.train, run_tokenizer=run_tokenizer)
         return write_corpus_shards(corpus, tokenizer, out, progress=progress, settings=asdict(settings))
     out.mkdir(parents=True, exist_ok=True)
     units, _ = plan_units(settings.data, settings.shard_tokens)  # any unit size reads the documents in one order
@@ -85,7 +89,7 @@ def tokenize(settings: Settings, out: str | Path, *, workers: int | None = None,
         if settings.tokenizer == "byte"
         else _sample(units, settings, BPE_TRAIN_MAX_BYTES if train_bpe else SAMPLE_BYTES)
     )
-    tokenizer = _resolve_tokenizer(settings, out, sample=sample)
+    tokenizer = _resolve_tokenizer(settings, out, sample=sample, run_tokenizer=run_tokenizer)
     ratio = 1.0 if tokenizer.kind == "byte" else _bytes_per_token(tokenizer, _head(sample, SAMPLE_BYTES))
     units, source = plan_units(settings.data, max(1, round(settings.shard_tokens * ratio)))
     plan = {"settings": asdict(settings), "tokenizer": tokenizer_section(tokenizer)["sha256"], "units": units}
@@ -122,7 +126,7 @@ def _head(docs: list[str], max_bytes: int) -> list[str]:
     return docs
 
 
-def _resolve_tokenizer(settings: Settings, out: Path, *, sample: list[str]):
+def _resolve_tokenizer(settings: Settings, out: Path, *, sample: list[str], run_tokenizer=None):
     """The tokenizer `--tokenizer` names, with an end-of-document token; a BPE is saved in `out` (and read back from
     there on a rerun, so a trained one is trained once)."""
     choice, saved = settings.tokenizer, out / BPE_FILE
@@ -141,9 +145,9 @@ def _resolve_tokenizer(settings: Settings, out: Path, *, sample: list[str]):
             raise ValueError(f"--vocab-size applies to --tokenizer bpe; {choice} has its own vocabulary")
         path = Path(choice)
         if path.is_dir():
-            from hybrid_attention.runs.run_config import load_config
-
-            tokenizer = tokenizer_from_dict(load_config(path)["tokenizer"], path)
+            if run_tokenizer is None:
+                raise ValueError(f"--tokenizer {choice} is a run directory: pass its tokenizer as run_tokenizer")
+            tokenizer = run_tokenizer
         elif path.is_file():
             tokenizer = BPETokenizer.load(path)
         else:

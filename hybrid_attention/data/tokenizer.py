@@ -1,14 +1,5 @@
-"""Tokenizers: raw UTF-8 bytes (vocabulary 256) and a byte-level BPE trained with the `tokenizers` library.
-
-Both expose the same small interface: `encode`, `decode`, `encode_documents` (a whole split as one id tensor),
-`encode_packed` (documents as one id array and their lengths), `token_bytes` (the exact bytes of one id, so generated
-text can be streamed through an incremental UTF-8 decoder even when a character spans several tokens) and
-`byte_lengths` (bytes per id, for bits per byte). `eod_id` ends every document (docs/training.md, "Shards"): byte
-0xFF for the byte tokenizer (UTF-8 never holds it), the special token `<|endoftext|>` for a BPE. Tokenizers saved
-before it existed have `eod_id = None` and end documents with a newline, as they always did.
-
-The BPE tokenizer uses the GPT-2 style byte-level alphabet: each of the 256 byte values is shown as one printable
-character, so a token's string maps back to its bytes character by character.
+"""Tokenizers: raw UTF-8 bytes (vocabulary 256) and a byte-level BPE trained with the `tokenizers` library, behind one
+interface (docs/training.md, "Tokenizers").
 """
 
 from __future__ import annotations

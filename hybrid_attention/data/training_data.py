@@ -1,10 +1,5 @@
-"""What a run trains and validates on: the tokenizer and the two splits as shards, whatever `--data` names.
-
-A folder written by `tokenize` is read as it is (its tokenizer with it); every other source (built-in, python-env,
-a file, a folder of text, `hf:`) is read into memory and tokenized into the token cache the first time
-(token_cache.py). Before a run reads a shard its SHA-256 is checked, so nothing is trained on a damaged one; under
-torchrun each rank checks its share of the shards. The data fingerprint (config.json) is a hash over the shards'
-checksums, so a resume refuses other data without reading it all again.
+"""What a run trains and validates on: the tokenizer and the two splits as shards, whatever `--data` names
+(docs/training.md, "The loader").
 """
 
 from __future__ import annotations

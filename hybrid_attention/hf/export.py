@@ -1,11 +1,5 @@
-"""A training run directory as a transformers model directory: `hybrid-attention export --ckpt RUN --hf OUT_DIR`.
-
-OUT_DIR gets what `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` read: config.json
-(model type "hybrid_attention"), model.safetensors, generation_config.json and the tokenizer as a
-`PreTrainedTokenizerFast` (tokenizer.json and its config). A BPE run exports its own `tokenizers` file; the byte
-tokenizer becomes a byte-level BPE with no merges, whose ids are the byte values, so both encode exactly as the run
-does. Two ways load it: `import hybrid_attention.hf` (registers the model type with transformers; runs no code from the
-folder), or `trust_remote_code=True`, which runs the package's own source that the folder carries (remote_code.py).
+"""A training run directory as a transformers model directory: `hybrid-attention export --ckpt RUN --hf OUT_DIR`
+(docs/transformers.md, "Export and remote code").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The package's source inside an exported model folder, for transformers' remote code (`trust_remote_code=True`).
-
-transformers copies a remote model's code file and the files its relative imports name, all from one flat folder.
-`write_remote_code(folder)` writes `remote_entry.py` as modeling_hybrid_attention.py and every module the model can
-import (found by reading the imports of the source, lazy ones included) unchanged as `hybrid_attention__<path>.py`,
-listed in hybrid_attention_files.py; it returns the `auto_map` that config.json needs.
+"""The package's source inside an exported model folder, for transformers' remote code (`trust_remote_code=True`);
+docs/transformers.md, "Export and remote code".
 """
 
 from __future__ import annotations

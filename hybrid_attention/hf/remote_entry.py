@@ -1,10 +1,5 @@
-"""hybrid-attention's transformers model as remote code: `AutoModelForCausalLM.from_pretrained(folder,
-trust_remote_code=True)` on a machine with transformers alone.
-
-This file is not imported inside the package: `export --hf` copies it into the folder as modeling_hybrid_attention.py,
-beside the package's own source (`hybrid_attention__*.py`, copied unchanged and listed in hybrid_attention_files.py).
-An installed hybrid_attention is used as it is; without one, those files are imported as the package
-`hybrid_attention`, so that a process never holds two copies of it (nor registers its torch ops twice).
+"""hybrid-attention's transformers model as remote code: an exported folder's modeling_hybrid_attention.py, never
+imported inside the package (docs/transformers.md, "Export and remote code").
 """
 
 import importlib

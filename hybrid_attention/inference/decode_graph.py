@@ -1,19 +1,5 @@
-"""A whole-model decode step (embedding -> logits) over a static cache, captured once in a CUDA graph and replayed.
-
-At batch 1 a decode step is a few hundred small kernels whose launch cost dwarfs their work; replaying them from a
-CUDA graph removes the per-kernel CPU cost (docs/inference.md, "CUDA graphs"). What makes the step capturable:
-- every tensor it touches is preallocated and updated in place: the `HybridCache` (MLA rows, KDA states and conv
-  tails, int32 lengths on the device) and the static token buffer of this class;
-- the step branches only on shapes, never on values: one-token MLA calls always take the absorbed path over the
-  device lengths, KDA always takes its recurrent step, and nothing syncs with the host;
-- the host counts (`cache.seq_len`) are advanced here, after each replay, since the graph advances only the
-  device lengths.
-The projections of each layer that read the same input run as one matrix-vector product from packed copies of
-their weights (`layers.packed`), which the step hands to the model call (`decode=`): at batch 1 the step is dozens
-of small GEMVs.
-Warm-up (Triton compilation, cuBLAS handles, allocator) runs on a side stream before capture, on the cache as it is
-(empty or prefilled), which `HybridCache.restore` returns to its snapshot afterwards. Sampling stays
-outside the graph (it needs the generator and is cheap).
+"""A whole-model decode step (embedding -> logits) over a static cache, captured once in a CUDA graph and replayed
+(docs/inference.md, "CUDA graphs").
 """
 
 from __future__ import annotations

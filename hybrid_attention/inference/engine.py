@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_attention.device import to_device
 from hybrid_attention.inference.completion_text import CompletionText
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.engine_config import EngineConfig, cache_pages
@@ -24,7 +25,7 @@ from hybrid_attention.inference.generate import sample_next_token
 from hybrid_attention.inference.paged_cache import PagedCache
 from hybrid_attention.inference.requests import Event, Request, SamplingParams
 from hybrid_attention.inference.scheduler import DECODING, WAITING, Clear, Move, PrefillChunk, QueueFull, Scheduler
-from hybrid_attention.inference.transfers import HostCopy, to_device
+from hybrid_attention.inference.transfers import HostCopy
 from hybrid_attention.layers.packed import PackedProjections
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
@@ -232,7 +233,7 @@ class Engine:
         self._fail_all("the server is shutting down", status=503)
 
     def step(self) -> None:
-        """One iteration (see the module docstring)."""
+        """One iteration: admit, prefill chunks, decode every running sequence, hand out the previous tokens."""
         self._take_inbox()
         if self._drain_deadline is None:
             for seq in self.scheduler.admit():
@@ -253,7 +254,7 @@ class Engine:
         chunk runs: a prefill op that reads the cached prefix as contiguous rows gets them from
         `PagedLatentCache.gather`."""
         batch = self.cache.batch(slot, 1)
-        batch.seqlens.assign([start])
+        batch.seqlens.set([start])
         ids = to_device(request.prompt[start:end], self.device).view(1, -1)
         last = end == len(request.prompt)
         with torch.no_grad():
@@ -313,7 +314,7 @@ class Engine:
         size = next(b for b in self.batch_sizes if b >= n)
         try:
             step = self._step(size)
-            step.cache.seqlens.assign([seq.cached for seq in rows] + [0] * (size - n))
+            step.cache.seqlens.set([seq.cached for seq in rows] + [0] * (size - n))
             logits = step(self.next_tokens[:size])[:n]
             tokens, failed = self._sample(logits, requests)
         except Exception as exc:  # the batched step itself: every request in it fails

@@ -1,16 +1,5 @@
-"""Generation: prefill the prompt (in chunks), then decode one token at a time with the cache (docs/inference.md).
-
-`generate_stream` yields each new token as it is produced (the CLI streams text from it); `generate` collects them.
-Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus), in that order.
-
-- Long prompts are prefilled in chunks (`prefill.prefill`: a size from the free memory, or `prefill_chunk_size`
-  tokens per sequence per call), so activation memory stays bounded; chunked prefill is exact (KDA carries its
-  state, MLA attends to the cached prefix).
-- On CUDA the decode step is captured once in a CUDA graph (`graphs.DecodeStep`) and replayed per token; elsewhere,
-  or when capture fails, it runs eagerly. Both run the same kernels, so greedy tokens are identical.
-- Prompts of different lengths (a list of 1-D prompts, or `[B, T]` with a left- or right-padded `attention_mask`)
-  are prefilled one at a time, each exactly as it would be alone, into its row of the batched cache; the batch then
-  decodes together with per-sequence lengths, so every row equals one-at-a-time generation.
+"""Generation: prefill the prompt in chunks, then decode one token at a time with the cache; streaming, sampling and
+batches of prompts of different lengths (docs/inference.md, "Generation").
 """
 
 from __future__ import annotations

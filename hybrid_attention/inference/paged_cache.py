@@ -7,28 +7,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 
-from hybrid_attention.inference.transfers import to_device
+from hybrid_attention.cache import LayerCaches, layer_tensors
+from hybrid_attention.device import to_device
 from hybrid_attention.layers.kda import KDACache
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.seqlens import SeqLens
 from hybrid_attention.ops.mla.paged import paged_mla_decode, write_paged_rows
 from hybrid_attention.ops.mla.prefix import PrefixReader, paged_prefix
-
-
-class BatchLengths(SeqLens):
-    """The length record of a `PagedBatch`; `assign` sets it for the next call without waiting for the GPU."""
-
-    def assign(self, values: Sequence[int]) -> None:
-        """Sequence b holds values[b] tokens (before the next call's tokens), on the host and, queued, the device."""
-        values = [int(n) for n in values]
-        if len(values) != self.batch_size or any(not 0 <= n <= self.max_seq_len for n in values):
-            raise ValueError(f"BatchLengths: expected {self.batch_size} lengths in [0, {self.max_seq_len}]")
-        self.lengths.copy_(to_device(values, self.device, torch.int32))
-        self._host = values
 
 
 class PagedLatentCache:
@@ -38,7 +26,7 @@ class PagedLatentCache:
     table); seqlens: the batch's length record, shared by its MLA layers.
     """
 
-    def __init__(self, pool: torch.Tensor, page_table: torch.Tensor, seqlens: BatchLengths):
+    def __init__(self, pool: torch.Tensor, page_table: torch.Tensor, seqlens: SeqLens):
         self.pool, self.page_table, self.seqlens = pool, page_table, seqlens
 
     @property
@@ -89,58 +77,14 @@ class PagedLatentCache:
         return paged_prefix(self.pool, self.page_table)
 
 
-def _tensors(cache: KDACache) -> list[torch.Tensor]:
-    return [getattr(cache, f.name) for f in fields(cache)]
-
-
-class PagedBatch:
+class PagedBatch(LayerCaches):
     """What `HybridLM.forward` (and `DecodeStep`) read of a cache, for `count` consecutive slots of a `PagedCache`:
-    `layers` (KDACache views or PagedLatentCache, per decoder layer), the length record and its accessors."""
-
-    def __init__(self, layers: list, seqlens: BatchLengths):
-        self.layers = layers
-        self.seqlens = seqlens
-
-    @property
-    def batch_size(self) -> int:
-        return self.seqlens.batch_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.seqlens.max_seq_len
-
-    @property
-    def seq_len(self) -> int:
-        return self.seqlens.longest
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.seqlens.lengths
-
-    @property
-    def device(self) -> torch.device:
-        return self.seqlens.device
-
-    def advance(self, num_tokens: int, *, on_device: bool = True) -> None:
-        self.seqlens.advance(num_tokens, on_device=on_device)
-
-    def _recurrent(self) -> list[torch.Tensor]:
-        return [t for layer in self.layers if isinstance(layer, KDACache) for t in _tensors(layer)]
-
-    def snapshot(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The lengths and copies of the KDA rows (`DecodeStep` restores them after its warm-up and capture)."""
-        return self.seqlens.host, [t.clone() for t in self._recurrent()]
-
-    def restore(self, snapshot: tuple[list[int], list[torch.Tensor]]) -> None:
-        lengths, saved = snapshot
-        for t, copy in zip(self._recurrent(), saved, strict=True):
-            t.copy_(copy)
-        self.seqlens.assign(lengths)
+    `layers` (KDACache views or PagedLatentCache, per decoder layer) and the length record."""
 
 
 class PagedCache:
-    """Pages for the MLA rows and slots for the KDA states of up to `num_slots` sequences of `model` (see the
-    module docstring); every tensor zeroed, on `device` in `dtype` (KDA states in float32)."""
+    """Pages for the MLA rows and slots for the KDA states of up to `num_slots` sequences of `model` (page 0 is
+    scratch); every tensor zeroed, on `device` in `dtype` (KDA states in float32)."""
 
     def __init__(
         self, model, *, num_pages: int, page_size: int, num_slots: int, max_context: int, device, dtype: torch.dtype
@@ -179,12 +123,12 @@ class PagedCache:
         """The cache of the sequences in slots first .. first + count - 1, lengths 0 until assigned."""
         if not (0 <= first and count >= 1 and first + count <= self.num_slots):
             raise ValueError(f"PagedCache.batch: slots [{first}, {first + count}) outside [0, {self.num_slots})")
-        seqlens = BatchLengths(count, self.max_pages * self.page_size, device=self.device)
+        seqlens = SeqLens(count, self.max_pages * self.page_size, device=self.device)
         table = self.page_table[first : first + count]
         layers = []
         for layer in self.layers:
             if isinstance(layer, KDACache):
-                layers.append(KDACache(*(t[first : first + count] for t in _tensors(layer))))
+                layers.append(KDACache(*(t[first : first + count] for t in layer_tensors(layer))))
             else:
                 layers.append(PagedLatentCache(layer, table, seqlens))
         return PagedBatch(layers, seqlens)
@@ -200,19 +144,19 @@ class PagedCache:
         """Zero the KDA states and conv tails of `slot`: a sequence that has not started."""
         for layer in self.layers:
             if isinstance(layer, KDACache):
-                for t in _tensors(layer):
+                for t in layer_tensors(layer):
                     t[slot].zero_()
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy the KDA states and conv tails of slot `src` into slot `dst` (the page table is set by the caller)."""
         for layer in self.layers:
             if isinstance(layer, KDACache):
-                for t in _tensors(layer):
+                for t in layer_tensors(layer):
                     t[dst].copy_(t[src])
 
     def nbytes(self) -> int:
         """Bytes of the pools, slots and page table."""
         tensors = [self.page_table]
         for layer in self.layers:
-            tensors += _tensors(layer) if isinstance(layer, KDACache) else [layer]
+            tensors += layer_tensors(layer) if isinstance(layer, KDACache) else [layer]
         return sum(t.numel() * t.element_size() for t in tensors)

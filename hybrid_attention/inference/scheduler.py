@@ -71,7 +71,7 @@ class PrefillChunk:
 
 
 class Scheduler:
-    """Admission, chunk planning and slot bookkeeping (see the module docstring)."""
+    """Admission, chunk planning and slot bookkeeping (docs/inference.md, "Serving")."""
 
     def __init__(
         self,

@@ -1,20 +1,9 @@
-"""Host <-> device copies that never make the host wait for the GPU (through pinned memory, which torch's caching
-host allocator keeps from reuse until the copies queued on it have run), so the serving loop prepares the next
-step while the current one runs.
-"""
+"""Device -> host copies that never make the host wait for the GPU until their values are needed, so the serving
+loop prepares the next step while the current one runs (host -> device: `device.to_device`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-
-def to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A device tensor holding `values`, queued behind the stream's work instead of waiting for it."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class HostCopy:

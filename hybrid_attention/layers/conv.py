@@ -1,9 +1,5 @@
-"""Causal depthwise short convolution (kernel 4 in KDA) followed by SiLU, with a decoding cache.
-
-The cache holds the last `kernel_size - 1` inputs (before the convolution) per channel: `[B, C, W - 1]`.
-On CUDA the fused Triton kernels of `ops.short_conv` run instead of conv1d (float32 inside, no transposes), with or
-without a cache, for kernels of up to 4 taps (theirs; the rule of `hybrid_attention.ops.backends`); the eager path below
-is their reference, runs longer kernels, and the one-token `step` stays in PyTorch.
+"""Causal depthwise short convolution (kernel 4 in KDA) followed by SiLU, with a decoding cache of the last W - 1
+inputs; Triton kernels on CUDA, this eager path their reference (docs/kernels.md, "Around the op").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Packed documents: several documents back to back in one row [1, T], cut by `cu_seqlens` as FLA's varlen API takes
-them (document n is tokens cu_seqlens[n] : cu_seqlens[n + 1]).
-
-`PackedDocuments` is what the mixers read, built once per forward: the boundaries on the device, the longest
-document on the host (the varlen attention sizes its grid with it) and each token's position in its document (the
-short convolutions stop at position 0). Built from a CPU `cu_seqlens` it needs no device sync.
+them; `PackedDocuments` is what the mixers read (docs/training.md, "Packed documents").
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
-"""The Kimi Delta Attention layer (docs/math.md; Kimi Linear report, KDA layer).
-
-    q, k, v = ShortConv(W_q x), ShortConv(W_k x), ShortConv(W_v x)       (ShortConv applies SiLU)
-    q, k    = L2-normalised per head (float32)
-    beta    = sigmoid(W_b x)                                             per head
-    g       = kda_gate(W_f_up W_f_down x, A_log, dt_bias, form=gate)     low rank, per channel (or per head), <= 0
-    o       = KDA(q, k, v, g, beta)                                      chunkwise, or recurrent when decoding
-    y       = W_o GatedRMSNorm_head(o, W_g_up W_g_down x)                sigmoid output gate, low rank
-
-The decay gate is "bounded" (lower_bound * sigmoid(...), in (lower_bound, 0)), "softplus" (-exp(A_log) *
-softplus(...), Kimi Linear's released form) or "head" (Gated DeltaNet's one decay per head: W_f_up outputs H logits
-and dt_bias has H entries). The per-head gate runs as the per-channel softplus gate on logits repeated over the K
-channels of each head, so every kernel that fuses the gate takes it as it is.
-
-A `KDACache` carries the conv tails and the recurrent state between calls, so a prompt can be fed whole,
-in pieces, or one token at a time with the same result. The cache tensors are updated in place, so
-preallocated buffers can be captured by CUDA graphs; they carry values, not gradients. Decoding one token on CUDA
-(no autograd) runs three Triton kernels around the projections: inputs (`ops.kda.decode_fused`, with the decay's
-up projection), the recurrent step (`ops.kda.triton_step`) and the gated output norm (with the gate's up
-projection), instead of about 75 small kernels.
+"""The Kimi Delta Attention layer and its decoding cache (docs/math.md, "KDA layer"; Kimi Linear report, KDA layer).
+Decoding one token on CUDA runs fused Triton kernels (docs/inference.md, "A decode step").
 """
 
 from __future__ import annotations
@@ -217,10 +199,18 @@ class KimiDeltaAttention(nn.Module):
             # and the cache is overwritten below.
             initial_state = None if cache is None else cache.state.clone()
             o, state = chunk_kda(
-                q, k, v, z, beta, initial_state=initial_state, output_final_state=cache is not None,
-                cu_seqlens=None if docs is None else docs.cu_seqlens, backend=self.backend, use_qk_l2norm=True,
+                q,
+                k,
+                v,
+                z,
+                beta,
+                initial_state=initial_state,
+                output_final_state=cache is not None,
+                cu_seqlens=None if docs is None else docs.cu_seqlens,
+                backend=self.backend,
+                use_qk_l2norm=True,
                 **gate_args,
-            )  # fmt: skip
+            )
         if cache is not None:
             cache.state.copy_(state.detach())
 

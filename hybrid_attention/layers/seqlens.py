@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybrid_attention.device import to_device
+
 
 class SeqLens:
     """Tokens cached for each of `batch_size` sequences, at most `max_seq_len` each, on `device` and on the host."""
@@ -58,7 +60,7 @@ class SeqLens:
             raise ValueError(
                 f"SeqLens.set: expected {self.batch_size} lengths in [0, {self.max_seq_len}], got {values}"
             )
-        self.lengths.copy_(torch.tensor(values, dtype=torch.int32).to(self.device))
+        self.lengths.copy_(to_device(values, self.device, torch.int32))  # no wait for the GPU
         self._host = values
 
     def __repr__(self) -> str:

@@ -1,22 +1,5 @@
-"""Causal depthwise short convolution + SiLU (the KDA q/k/v conv) as Triton kernels, forward and backward.
-
-    y[b, t, c] = SiLU(p[b, t, c]),    p[t] = sum_{j < W} w[c, j] x[t - W + 1 + j]        (x = 0 before the start)
-
-    dp[t] = dy[t] * SiLU'(p[t])     dx[t] = sum_j w[c, j] dp[t + W - 1 - j]     dw[c, j] = sum_t x[t - W + 1 + j] dp[t]
-
-The layout is the layer's own [B, T, C] (channels contiguous), so no transposes. `torch.nn.functional.conv1d`
-wants [B, C, T] and its depthwise backward is slow, which is why this is hand-written.
-
-Each program owns BC channels and SEG consecutive time steps and walks along time, keeping the last rows of x (and,
-in the backward, of dp) in registers: every row of x and dy is read once, plus a 3-row halo per segment. The
-kernels have TAPS = 4 taps (KDA's kernel size); a shorter kernel's missing taps are zeros on the left, and
-`short_conv` rejects longer ones (`layers.conv.ShortConv` runs conv1d for those). Streaming is what makes the
-backward cheap: a tiled kernel recomputes the pre-activation from W shifted loads for each of W shifts (W^2 loads of
-x per element). The equations are in docs/math.md ("Short convolution").
-
-dw is summed per (batch, segment) in the kernel and over those partials by torch. The PyTorch reference is
-`naive_short_conv`; `ShortConv` uses these kernels on CUDA for every multi-token call (with a decoding cache,
-its left context is prepended).
+"""Causal depthwise short convolution + SiLU (the KDA q/k/v conv) as streaming Triton kernels, forward and backward,
+beside the reference `naive_short_conv` (docs/math.md, "Short convolution"; docs/kernels.md, "Around the op").
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
-"""Run directories: the files of a run and its checkpoints.
-
-    run_dir/
-      config.json             the run's settings: model, tokenizer, train, and the data fingerprint
-      tokenizer.json          BPE runs only
-      log.jsonl, loss.png     one JSON line per logged step; the loss curves
-      summary.json            written when a job ends normally
-      lock                    flock-ed by the one process writing the run (rundir.py)
-      checkpoints/
-        latest                the name of the newest complete checkpoint, e.g. "step_00000400"
-        step_00000400/        model.safetensors (the step in its metadata) + train_state.pt + checkpoint.json
-
-A checkpoint is one unit. Its files are written into `checkpoints/step_N.tmp/`, fsynced, and the directory is renamed
-to `step_N`; then `latest` is replaced (a fsynced file moved with os.replace). That replacement is the commit point:
-a stop at any moment before it leaves `latest` naming the previous checkpoint, whole, and a stop after it the new
-one. Only after the commit are older step directories and leftovers of interrupted saves removed. Readers (resume,
-generate, eval) follow `latest`; without it they take the newest complete step directory. Every checkpoint carries a
-manifest (checkpoint.json, manifest.py): its kind, step and the checksum of each file, verified before a file is
-read. Run directories of the older flat layout (model.safetensors and train_state.pt at the top) are still read, and
-a resumed one is moved to this layout by its next save.
-
-The layout lives here alone: `save_checkpoint(run_dir, step, write)` takes any `write(directory)`; a sharded
-(distributed) checkpoint calls its halves, `begin_checkpoint` and `commit_checkpoint`, on one process around the
-writes of all of them, and `latest_checkpoint` finds what to read. Other files are written atomically one by one
-(`files.atomic_write`: a temporary file, fsync, os.replace, fsync of the directory); config.json is read and checked
-by `run_config.py`.
+"""Run directories: the files of a run and its checkpoints, each checkpoint written whole and committed by one pointer
+file (docs/training.md, "Run directories and checkpoints").
 """
 
 from __future__ import annotations
@@ -152,8 +128,10 @@ def commit_checkpoint(run_dir: str | Path, step: int) -> Path:
     try:
         remove_stale(run_dir)
     except OSError as e:  # the new checkpoint is committed: a leftover costs disk space, not the run
-        print(f"warning: saved {final}, but could not remove an older checkpoint ({e}); remove it by hand",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: saved {final}, but could not remove an older checkpoint ({e}); remove it by hand",
+            file=sys.stderr,
+        )
     return final
 
 

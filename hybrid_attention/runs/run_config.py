@@ -1,9 +1,5 @@
-"""A run's config.json: its sections saved, read back and checked as strictly as command-line input.
-
-    {"format": "hybrid-attention-run", "model": {...}, "tokenizer": {...}, "train": {...}, ...}
-
-The model section is checked against `HybridConfig`'s fields (`check_fields`), the tokenizer section here, the train
-section by `TrainConfig.create`.
+"""A run's config.json: its sections saved, read back and checked as strictly as command-line input (docs/training.md,
+"Run directories and checkpoints").
 """
 
 from __future__ import annotations
@@ -20,11 +16,26 @@ CONFIG = "config.json"
 FORMAT = "hybrid-attention-run"
 # Every model setting a run has stored since the format began; settings added later fall back to their defaults.
 MODEL_REQUIRED = (
-    "vocab_size", "hidden_size", "layer_types", "intermediate_size", "residual", "attnres_block_size", "norm_eps",
-    "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_lower_bound", "mla_num_heads",
-    "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_shared_head_dim", "mla_v_head_dim", "mla_q_lora_rank",
-    "tie_embeddings", "init_std",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "layer_types",
+    "intermediate_size",
+    "residual",
+    "attnres_block_size",
+    "norm_eps",
+    "kda_num_heads",
+    "kda_head_dim",
+    "kda_conv_size",
+    "kda_lower_bound",
+    "mla_num_heads",
+    "mla_kv_lora_rank",
+    "mla_qk_nope_head_dim",
+    "mla_qk_shared_head_dim",
+    "mla_v_head_dim",
+    "mla_q_lora_rank",
+    "tie_embeddings",
+    "init_std",
+)
 
 
 def _type_error(value, hint) -> str | None:

@@ -1,10 +1,5 @@
-"""What keeps a run directory one run: a single writer, and the same data on every resume.
-
-- `RunLock`: an exclusive `fcntl.flock` on run_dir/lock, which holds the writer's process id. The lock belongs to
-  the open file, so it ends with the process however that ends (SIGKILL included) and never needs clearing by hand.
-  The file itself stays: removing a lock file races with a process about to lock it.
-- `data_fingerprint`: the token counts of both splits and a sha256 of their token ids, stored in config.json when a
-  run starts; `check_fingerprint` refuses a resume on other data (an edited file, another --data-max-bytes cut).
+"""What keeps a run directory one run: a single writer (`RunLock`) and the same data on every resume (the data
+fingerprint); docs/training.md, "Run directories and checkpoints".
 """
 
 from __future__ import annotations

@@ -1,27 +1,5 @@
-"""Training on many processes: torchrun's environment, the process group, FSDP2 sharding and the batch split.
-
-`torchrun --nproc_per_node=N -m hybrid_attention train ...` starts N processes with RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT set; `Parallel.from_env` turns them into a process group (NCCL on CUDA, gloo on CPU,
-with a timeout so a lost peer ends the job instead of hanging it) and a 1-D device mesh. Without those variables
-`Parallel.single()` stands in with the same interface, every collective the identity, so the training loop has one
-code path.
-
-Sharding (`shard_model`, FSDP2 `fully_shard`, bottom-up):
-- per decoder layer, one group holds the mixer and MLP matrices; it is gathered when the first of them runs and
-  freed after the last (`fully_shard([...])` on several modules). Parameters in `param_dtype` (bf16 on CUDA),
-  gradients reduced in float32;
-- KDA's `A_log` and `dt_bias` form a float32 group of their own, gathered around the mixer's forward;
-- the embedding is a float32 group of its own (so the residual stream starts in float32, as under autocast in a
-  single process);
-- the root group keeps what is left: the AttnRes pseudo-queries and key norms, the RMSNorm weights (vectors of
-  `hidden_size`) and the LM head, in float32. The root stays gathered from its pre-forward to the end of its
-  backward, so these are whole wherever the model reads them, inside their own module's forward or outside it: the
-  fused AttnRes + RMSNorm path reads `res.query` and `norm.weight` directly, and the chunked cross-entropy reads
-  `lm_head.weight` without calling the head.
-
-The batch: `--batch-size` is global. Every rank draws the same deterministic global batch and keeps the rows
-[rank * B / N, (rank + 1) * B / N); FSDP averages the gradients over ranks, so N ranks take the same step as one
-process on the whole batch.
+"""Training on many processes: torchrun's environment, the process group, FSDP2 sharding and the batch split
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -224,7 +202,7 @@ def shard_model(
     reshard_after_forward: bool = False,
     activation_checkpointing: str | bool = "none",
 ) -> nn.Module:
-    """Apply FSDP2 to a HybridLM in place (see the module docstring for the groups) and return it.
+    """Apply FSDP2 to a HybridLM in place (docs/distributed.md, "What is sharded", gives the groups) and return it.
 
     param_dtype: dtype of the gathered matrices (None: their own, float32). reshard_after_forward: free the layer
     groups after their forward and gather them again in the backward (less memory, one more all-gather per layer).

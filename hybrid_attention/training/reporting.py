@@ -1,12 +1,4 @@
-"""Training curves for the tools researchers read them in: TensorBoard (torch's SummaryWriter) and Weights & Biases,
-beside the run's own log.jsonl.
-
-Each logged row becomes scalars at its step: train/loss, val/loss, val/bpb, train/lr, train/grad_norm,
-perf/tokens_per_s, perf/mfu (on a device in the peak-FLOPs table), memory/host_peak_gib (this process's peak
-resident memory) and, on CUDA, memory/allocated_gib and memory/reserved_gib (the peaks so far). TensorBoard writes to
-RUN_DIR/tensorboard; wandb runs in RUN_DIR with the run's settings as its config (project $WANDB_PROJECT, else
-"hybrid-attention"; offline with WANDB_MODE=offline).
-"""
+"""Training curves for TensorBoard and Weights & Biases, beside the run's own log.jsonl (docs/training.md, "Curves")."""
 
 from __future__ import annotations
 
@@ -33,7 +25,7 @@ _SCALARS = {
 
 
 def scalars(row: dict, *, device: torch.device, flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
-    """The scalars of one log row (see the module docstring), with MFU and memory added."""
+    """The scalars of one log row (docs/training.md, "Curves"), with MFU and memory added."""
     values = {k: row[k] for k in _SCALARS if k in row and row[k] is not None}
     if peak_flops and "tokens_per_s" in row:
         values["mfu"] = flops_per_token * row["tokens_per_s"] / peak_flops

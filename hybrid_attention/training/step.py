@@ -1,21 +1,6 @@
-"""One optimizer step of training: the forward and backward of every micro-batch, gradient clipping, the optimizer
-steps and the zeroing of the gradients, run eagerly or captured once in a CUDA graph and replayed.
-
-Eagerly, a step is a few hundred kernel launches plus autograd's and Python's bookkeeping; on a fast GPU the host can
-take longer to issue a step than the GPU takes to run it. A replayed graph issues the whole step at once
-(docs/training.md, "CUDA graphs"). What makes the step capturable:
-- the batch is copied into a static buffer; the step's outputs (the loss sum and the gradient norm) and the gradients
-  live in the graph's memory and are overwritten by each replay;
-- nothing syncs with the host: the models branch on shapes only, `clip_grad_norm_` (foreach) and fused AdamW work on
-  device tensors, and the AttnRes pointer tables the graph reads stay alive with it (`ops.attnres.rows`);
-- the learning rate enters the optimizers as a device tensor while the step is captured (AdamW with
-  `capturable=True`; `muon.StackedMuon` takes either), so every replay reads it; before each replay it is filled from
-  the float that the scheduler keeps in `param_groups`. Outside capture the groups hold their floats and flags as
-  before, so schedulers and checkpoints are the same in both modes.
-Warm-up (Triton compilation and autotuning, torch.compile, cuBLAS handles, the optimizer's lazily made state) runs
-eagerly on a side stream on the first batch; the parameters and the optimizer state are then put back, so a graphed
-run computes the steps an eager run computes. A step that draws random numbers (dropout; our models have none) would
-draw different ones under a graph.
+"""One optimizer step of training: every micro-batch's forward and backward, clipping, the optimizer steps and the
+zeroing of the gradients, run eagerly or captured once in a CUDA graph and replayed (docs/training.md, "One step", "CUDA
+graphs").
 """
 
 from __future__ import annotations

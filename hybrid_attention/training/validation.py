@@ -9,6 +9,7 @@ import sys
 import torch
 
 from hybrid_attention.data.unigram import unigram_baseline
+from hybrid_attention.runs.checkpoint import PLOT
 from hybrid_attention.training.metrics import evaluate
 from hybrid_attention.training.plots import plot_losses
 from hybrid_attention.training.report import memory_line, peak_memory, validation_line
@@ -45,9 +46,7 @@ class Validation:
             try:
                 plot_losses(self.run_dir, rows)
             except OSError as e:  # a picture of log.jsonl: never worth the checkpoint that follows
-                print(
-                    f"warning: could not write the loss plot in {self.run_dir} ({e}); training goes on", file=sys.stderr
-                )
+                write(f"warning: could not write {self.run_dir / PLOT} ({e}); training goes on", file=sys.stderr)
 
     @property
     def finite(self) -> bool:

@@ -254,3 +254,25 @@ def _alive(pid: int) -> bool:
         return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
+
+
+def test_a_run_directory_lends_its_tokenizer(source, tmp_path):
+    """`tokenize --tokenizer RUN` shards with the BPE a run trained on, and a run directory given to the library call
+    without its tokenizer is refused."""
+    import torch
+
+    from hybrid_attention.cli import main
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.model import HybridLM
+    from hybrid_attention.training.model_run import save_model_run
+
+    root, docs = source
+    bpe = BPETokenizer.train([t for name in sorted(docs) for _, t in docs[name]], 280)
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", vocab_size=bpe.vocab_size))
+    run = save_model_run(tmp_path / "run", model, bpe)
+    assert main(["tokenize", "--data", str(root), "--tokenizer", str(run), "--out", str(tmp_path / "o")]) == 0
+    assert read_index(tmp_path / "o")["tokenizer"]["vocab_size"] == bpe.vocab_size
+    assert np.array_equal(_stream(tmp_path / "o", "val")[0], _expected(docs, bpe, "val")[0])
+    with pytest.raises(ValueError, match="is a run directory"):
+        tokenize(Settings(data=str(root), tokenizer=str(run)), tmp_path / "p", workers=1, progress=False)

@@ -40,7 +40,7 @@ def write_run(out: Path, *, preset: str = "tiny", seed: int = 0, head_scale: flo
     from hybrid_attention.config import HybridConfig
     from hybrid_attention.data.tokenizer import ByteTokenizer
     from hybrid_attention.model import HybridLM
-    from hybrid_attention.runs.model_run import save_model_run
+    from hybrid_attention.training.model_run import save_model_run
 
     torch.manual_seed(seed)
     model = HybridLM(HybridConfig.from_preset(preset, vocab_size=256))

@@ -47,7 +47,7 @@ def test_paged_prefill_and_padded_decode_equal_the_full_forward(model):
                 break
             chunk = prompt[done : done + size]
             single = cache.batch(slot, 1)
-            single.seqlens.assign([done])
+            single.seqlens.set([done])
             logits = model(torch.tensor([chunk]), cache=single).logits[0, -1]
             done += len(chunk)
         seen.append([logits])
@@ -56,7 +56,7 @@ def test_paged_prefill_and_padded_decode_equal_the_full_forward(model):
     batch = cache.batch(0, 4)
     for _ in range(5):
         nxt = [int(torch.randint(0, 256, (1,), generator=g)) for _ in seqs]
-        batch.seqlens.assign([len(s) for s in seqs] + [0])
+        batch.seqlens.set([len(s) for s in seqs] + [0])
         logits = model(torch.tensor([[t] for t in nxt + [0]]), cache=batch).logits[:, -1]
         for b, s in enumerate(seqs):
             s.append(nxt[b])
@@ -65,7 +65,7 @@ def test_paged_prefill_and_padded_decode_equal_the_full_forward(model):
     cache.move_slot(2, 0)
     cache.set_pages(0, cache.page_table[2].tolist())
     single = cache.batch(0, 1)
-    single.seqlens.assign([len(seqs[2])])
+    single.seqlens.set([len(seqs[2])])
     seqs[2].append(9)
     seen[2].append(model(torch.tensor([[9]]), cache=single).logits[0, -1])
     for b, s in enumerate(seqs):  # the full forward once per sequence: every step's logits at once

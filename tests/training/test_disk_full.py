@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from hybrid_attention.runs import checkpoint as ckpt
-from hybrid_attention.training import loop
+from hybrid_attention.training import validation
 from tests.helpers import run_cli
 
 ARGS = ["--steps", 2, "--batch-size", 1, "--seq-len", 16, "--eval-batches", 1, "--eval-every", 1]
@@ -26,7 +26,7 @@ def data(tmp_path):
 
 
 def test_a_full_disk_at_the_plot_still_checkpoints(data, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loop, "plot_losses", full_disk)
+    monkeypatch.setattr(validation, "plot_losses", full_disk)
     out = tmp_path / "run"
     code, _, err = run_cli(["train", "--out", out, "--data", data, *ARGS], capsys)
     assert code == 0 and ckpt.checkpoint_step(out) == 2, err
@@ -35,7 +35,7 @@ def test_a_full_disk_at_the_plot_still_checkpoints(data, tmp_path, capsys, monke
 
 
 def test_when_the_checkpoint_fails_too_the_error_says_what_is_kept(data, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loop, "plot_losses", full_disk)
+    monkeypatch.setattr(validation, "plot_losses", full_disk)
     monkeypatch.setattr(ckpt, "save_weights", full_disk)
     out = tmp_path / "run"
     code, _, err = run_cli(["train", "--out", out, "--data", data, *ARGS], capsys)

@@ -1,14 +1,5 @@
 """Fused one-token append to the MLA latent cache: RMSNorm of the latent, the row [c ; k_s] and its write at the
-last position each sequence's length counts, in one Triton kernel (inference, CUDA; docs/math.md "Gated MLA (NoPE)").
-
-    c = RMSNorm(W_DKV x) (float32 math, rounded to the activation dtype as the eager RMSNorm does)
-    rows[b, lengths[b] - 1] = [c ; k_s]        (the lengths already count the new token: layers/seqlens.py)
-
-The eager path (`GatedMLA._latent_rows` + `MLACache.append`) is about a dozen small kernels per layer and token.
-Positions are read on the device, so the kernel is CUDA-graph safe; a length outside [1, max_len] writes nothing
-(capacity is checked on the host before the call, this only keeps a bad length from writing out of bounds). With a
-page table the rows live in pages (the serving engine's cache): position n of sequence b is row n % page_size of page
-page_table[b, n // page_size] of a pool [P, page_size, d_c + d_s].
+position each sequence's length counts, in one Triton kernel (docs/kernels.md, "MLA decode kernels").
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Flash decoding for absorbed MLA over the latent cache: `mla_decode_triton` plans the split count and block sizes
-and launches the two kernels, kernels/split.py (attention over one range of the cache per program) and, with more
-than one split, kernels/merge.py (the exact merge of the splits).
-
-Gated MLA with NoPE decodes as multi-query attention with one shared KV head (docs/math.md, "Absorbed decode"), so
-one program scores all Tq * H query rows of a sequence against each block of cache rows: a decode step reads the
-cache once for all heads. The number of splits fills one wave of resident programs (`default_num_splits`).
-
-Static caches and CUDA graphs: the grid depends only on B, Tq, H and max_len (through num_splits); lengths are read
-on the device, so a preallocated cache works and a captured graph stays valid while seq_lens changes.
+"""Flash decoding for absorbed MLA over the latent cache: `mla_decode_triton` plans the split count and block sizes and
+launches kernels/split.py and kernels/merge.py (docs/kernels.md, "MLA decode kernels").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Causal attention within each of several documents packed back to back (the MLA prefill of packed documents).
-
-    o[t] = sum_{j in doc(t), j <= t} softmax_j(scale * q[t] . k[j]) v[j]
-
-On CUDA in half precision it is torch's varlen flash attention (`torch.nn.attention.varlen`, torch >= 2.10): it
-visits only the blocks inside a document, so its cost follows the sum of the documents' squared lengths, where a
-block-diagonal mask over the packed row pays for the whole square and FlexAttention needs a block mask built per
-batch and torch.compile. Elsewhere each document is its own `scaled_dot_product_attention` call: the reference.
+"""Causal attention within each of several documents packed back to back (the MLA prefill of packed documents): torch's
+varlen flash attention on CUDA, one SDPA call per document elsewhere (docs/training.md, "Packed documents").
 """
 
 from __future__ import annotations

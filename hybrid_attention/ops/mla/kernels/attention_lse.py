@@ -1,13 +1,5 @@
-"""Flash attention forward that also writes each query row's log-sum-exp: one program per block of BLOCK_M query rows
-of one (batch, head), an online softmax over blocks of BLOCK_N keys (running max m, sum l, output acc in fp32, scores
-in base 2 with scale * log2(e) as one multiplier). Causal means square (Tq == Tk): row i sees keys j <= i.
-
-The key range is walked in two parts: the blocks no mask can touch (below the diagonal block, or every whole block
-when not causal) without any masking, then the diagonal or tail blocks with it. Head dims that are not powers of
-two are padded under a load mask (PAD_D, PAD_DV); none is padded at 128.
-
-Inputs: q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, DV] with unit last stride. Outputs: o [B, H, Tq, DV] in the
-input dtype (any strides), lse [B, H, Tq] fp32, natural log.
+"""Flash attention forward that also writes each query row's log-sum-exp, one program per block of query rows of one
+(batch, head): the chunked MLA prefill's `kernel="triton"` (docs/kernels.md, "MLA decode kernels").
 """
 
 from __future__ import annotations

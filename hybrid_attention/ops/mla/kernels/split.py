@@ -1,24 +1,5 @@
-"""MLA flash decode, stage 1: attention of every query row of a sequence over one range of its latent cache.
-
-Gated MLA with NoPE decodes as multi-query attention (docs/math.md, "Absorbed decode"): each cached token is
-one row [c ; k_s] of D = d_c + d_s numbers, head h's absorbed query q'_h = [W_UK,h^T q_n,h ; q_s,h] has D entries,
-the keys are the rows and the values are their first `value_dim` columns. Since every head reads the same KV head,
-one program holds all Tq * H query rows of a sequence and scores them against each block of cache rows it loads:
-a decode step reads the cache once for all heads.
-
-The valid context of sequence b (its first seq_lens[b] rows) is cut into `num_splits` ranges of whole key blocks,
-one program each (grid [B, num_splits, row blocks]). A program runs an online softmax (running max m, sum l,
-unnormalised output acc, all fp32) over its range and writes (m, l, acc) for the merge (kernels/merge.py); with one
-split (SINGLE) it normalises and writes the output itself. Scores live in base 2 (scale * log2(e) is one
-multiplier). A query row that sees no key (only when seq_lens[b] < Tq) gets zeros.
-
-D need not be a power of two (288 = 256 + 32): a row is read as a value part [:value_dim] and a tail
-[value_dim:D], each padded to a power of two under a load mask, so nothing is padded when both are powers of two.
-
-Inputs: q [B, Tq, H, D], rows [B, max_len, D], seq_lens [B] int32. Outputs: m, l [B, Tq * H, num_splits] fp32 and
-acc [B, Tq * H, num_splits, DV] fp32, or with SINGLE the output [B, Tq, H, DV]. With PAGE > 0 the rows live in pages
-instead (the serving engine's cache): rows is a pool [P, PAGE, D] and token n of sequence b is row n % PAGE of page
-page_table[b, n // PAGE]; max_len is then the table's width times PAGE.
+"""MLA flash decode, stage 1: attention of every query row of a sequence over one range of its latent cache, one program
+per (sequence, split, row block); docs/kernels.md, "MLA decode kernels".
 """
 
 from __future__ import annotations

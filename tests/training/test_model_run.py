@@ -10,7 +10,7 @@ from hybrid_attention.config import HybridConfig
 from hybrid_attention.data.tokenizer import ByteTokenizer
 from hybrid_attention.model import HybridLM
 from hybrid_attention.runs.checkpoint import load_run
-from hybrid_attention.runs.model_run import save_model_run
+from hybrid_attention.training.model_run import save_model_run
 
 
 def test_round_trip_and_refusals(tmp_path):

@@ -6,19 +6,18 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from hybrid_attention.data.tokenizer import BPE_FILE, BPETokenizer
+from hybrid_attention.files import atomic_write_text
 from hybrid_attention.runs import manifest
 from hybrid_attention.runs.checkpoint import save_checkpoint, save_weights
 from hybrid_attention.runs.run_config import save_config
+from hybrid_attention.training.config import TrainConfig
 
 
 def save_model_run(out: str | Path, model, tokenizer, *, step: int = 0) -> Path:
     """Write `model` (a `HybridLM`) and `tokenizer` (byte or BPE, matching its vocabulary) to the new run directory
     `out` as the checkpoint of `step`, with the default training settings of a run of that directory. Returns
     `out`."""
-    from hybrid_attention.data.tokenizer import BPE_FILE, BPETokenizer
-    from hybrid_attention.files import atomic_write_text
-    from hybrid_attention.training.config import TrainConfig
-
     out = Path(out)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(
