@@ -26,10 +26,32 @@ from hybrid_attention.runs import run_config
 # ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
 # step as two micro-batches of 8, which leaves headroom on an 80 GB card. eval_every None: a tenth of the run; tiny
 # evaluates 4 batches of each split, which keeps its eleven validations cheap on a CPU.
-_TINY = dict(steps=250, batch_size=8, seq_len=128, grad_accum=1, lr=3e-3, warmup=25, eval_every=None, eval_batches=4,
-             log_every=10)  # fmt: skip
-_SCALED = dict(steps=300, batch_size=8, seq_len=2048, grad_accum=2, lr=1e-3, warmup=50, eval_every=None,
-               eval_batches=8, log_every=10, data="python-env")  # fmt: skip
+_TINY = dict(
+    steps=250,
+    batch_size=8,
+    seq_len=128,
+    grad_accum=1,
+    lr=3e-3,
+    warmup=25,
+    eval_every=None,
+    eval_batches=4,
+    log_every=10,
+)
+_SCALED = dict(
+    steps=300,
+    batch_size=8,
+    seq_len=2048,
+    grad_accum=2,
+    lr=1e-3,
+    warmup=50,
+    eval_every=None,
+    eval_batches=8,
+    log_every=10,
+    data="python-env",
+)
+# k3-3b keeps the 16 x 2048 tokens per step as four micro-batches of 4 with the mixers recomputed, which fits an 80 GB
+# card with AdamW (`hybrid-attention info --preset k3-3b --card h100` gives the estimate).
+_PRESET_DEFAULTS = {"k3-3b": dict(_SCALED, batch_size=4, grad_accum=4, activation_checkpointing="mixer")}
 
 
 @dataclass
@@ -87,8 +109,9 @@ class TrainConfig:
         given = {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}  # as JSON holds them
         run_config.check_fields(given, cls, "TrainConfig")
         if saved is not None:
-            run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
-                                    required=SAVED_REQUIRED)  # fmt: skip
+            run_config.check_fields(
+                saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section", required=SAVED_REQUIRED
+            )
             changed = [
                 f"--{k.replace('_', '-')} {given[k]} (the run has {_stored(k, saved.get(k))})"
                 for k in sorted(given)
@@ -107,7 +130,7 @@ class TrainConfig:
         if extend_steps is not None:
             raise ValueError("--extend-steps trains a run further: pass --resume (and its --out) with it")
         preset = given.get("preset", "tiny")
-        defaults = _TINY if preset == "tiny" else _SCALED
+        defaults = _TINY if preset == "tiny" else _PRESET_DEFAULTS.get(preset, _SCALED)
         merged = {"out": f"runs/{preset}", **defaults, **given}
         if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
             merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
@@ -200,6 +223,22 @@ _WHERE |= {"fsdp_reshard_after_forward", "dist_timeout"}  # and over how many pr
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches", "report_to"}  # when and where it logs
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 # Settings every run has stored since the format began (a config.json without one is damaged, not old).
-SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",
-                  "weight_decay", "clip", "data", "data_max_bytes", "tokenizer", "vocab_size", "seed")  # fmt: skip
+SAVED_REQUIRED = (
+    "preset",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "lr",
+    "min_lr_ratio",
+    "warmup",
+    "optimizer",
+    "weight_decay",
+    "clip",
+    "data",
+    "data_max_bytes",
+    "tokenizer",
+    "vocab_size",
+    "seed",
+)
 MAX_VOCAB = 1 << 20  # ample for BPE; a huge request (1e9) makes the tokenizers trainer abort the process

@@ -11,7 +11,8 @@ from hybrid_attention.config import HybridConfig
 from hybrid_attention.model import HybridLM
 from hybrid_attention.model_size import model_size
 from hybrid_attention.training.activation_checkpointing import apply_activation_checkpointing
-from hybrid_attention.training.memory import CARD_MEMORY, largest_batch, training_memory, usable_bytes
+from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.memory import CARD_MEMORY, binary_size, largest_batch, training_memory, usable_bytes
 from hybrid_attention.training.optim import build_optimizers
 from tests.helpers import needs_triton
 
@@ -82,3 +83,18 @@ def test_checkpointing_and_accumulation_move_the_peak_the_right_way():
     assert most >= 1
     fits = lambda b: training_memory(config, batch_size=b, seq_len=2048, checkpointing="all").peak <= usable  # noqa: E731
     assert fits(most) and not fits(most + 1)
+
+
+@pytest.mark.parametrize("preset", ["k3-scaled", "k3-1b", "k3-3b"])
+def test_trains_defaults_for_a_preset_fit_an_80_gb_card(preset):
+    run = TrainConfig.create(preset=preset)
+    estimate = training_memory(
+        HybridConfig.from_preset(preset),
+        batch_size=run.batch_size,
+        seq_len=run.seq_len,
+        grad_accum=run.grad_accum,
+        optimizer=run.optimizer,
+        checkpointing=run.activation_checkpointing,
+    )
+    assert estimate.peak <= usable_bytes(CARD_MEMORY["h100"]), binary_size(estimate.peak)
+    assert run.batch_size * run.grad_accum * run.seq_len == 16 * 2048  # the same tokens per step at every size
