@@ -19,6 +19,14 @@ absent library, out of memory, a step that cannot be captured) is listed in the 
     python benchmarks/bench_train.py --cases ours-full,ours-full-docs,ours-standard,ours-standard-docs \
         --shapes 8x2048 --modes eager --doc-len 1024             # the cost of --doc-mask (packed documents)
 
+The pretraining sizes: ours-1b, ours-1b-full, ours-1b-standard, llama-1b, fla-1b and the same for 3b (k3-1b, k3-3b;
+the peers at the preset's hidden size, depth, heads, FFN and vocabulary, `train_cases.py`). A case name takes variants
+and its own mode, `NAME[:fp8|:fp8-rowwise][:ckpt-mixer|mlp|all][@MODE]`: FP8 projections (`train --fp8`, torchao),
+activation checkpointing (`train --activation-checkpointing`), and a mode that replaces --modes for that case:
+
+    python benchmarks/bench_train.py --shapes 4x2048 --steps 8 --warmup 3 \
+        --cases ours-1b@graph,ours-1b-standard@graph,llama-1b@eager,fla-1b@graph,ours-1b:fp8@compile
+
 The "-docs" cases are `train --doc-mask`: the batch packed into one row cut at every row start and at document starts
 drawn at random (a mean document of --doc-len tokens, the same cuts every step), each document its own sequence.
 
@@ -36,7 +44,6 @@ Markdown table on stdout, JSON as the last line (also written to --out).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import statistics
 import sys
@@ -46,193 +53,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
-from hybrid_attention.config import (
-    PRESETS,  # noqa: E402
-    HybridConfig,  # noqa: E402
-)
-from hybrid_attention.model import HybridLM
+from benchmarks.train_cases import QUICK_SIZES, Case, Spec, make_cases, parse_spec  # noqa: E402
 from hybrid_attention.ops.attnres.rows import tables_built  # noqa: E402
-from hybrid_attention.training.metrics import flops_per_token, peak_flops  # noqa: E402
+from hybrid_attention.training.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
+from hybrid_attention.training.metrics import peak_flops  # noqa: E402
 from hybrid_attention.training.optim import build_optimizers  # noqa: E402
 from hybrid_attention.training.step import TrainStep  # noqa: E402
 
-# The --quick run: the presets' residuals and layer kinds at the tiny preset's widths, CPU-sized depth.
-QUICK_LAYERS = 4
-QUICK_SIZES = {k: v for k, v in PRESETS["tiny"].items() if k not in ("layer_types", "residual")}
 MODES = ("eager", "compile", "graph", "compile+graph")
-
-
-# ------------------------------------------------------------------------------------------------------------ cases
-@dataclasses.dataclass
-class Case:
-    """A model to train: `build()` -> (model, loss(model, ids), FLOPs per token at seq_len)."""
-
-    name: str
-    description: str
-    build: Callable[[], tuple[nn.Module, Callable, Callable[[int], float]]]
-
-
-def _ours(preset: str, sizes: dict, *, doc_len: int | None = None, **overrides) -> Callable:
-    def build():
-        config = HybridConfig.from_preset(preset, **{**sizes, **overrides})
-        if sizes:  # --quick: the last layers of the pattern (the k3 pattern ends with both kinds)
-            config = dataclasses.replace(config, layer_types=config.layer_types[-QUICK_LAYERS:])
-        model = HybridLM(config)
-        loss = lambda m, ids: m(ids, labels=ids, return_logits=False).loss
-        if doc_len is not None:
-            loss = _packed_loss(doc_len)
-        return model, loss, lambda T: flops_per_token(model, T)
-
-    return build
-
-
-def _packed_loss(doc_len: int) -> Callable:
-    """The loss of `train --doc-mask`: rows [B, T] packed into [1, B * T], cut at each row start and at document
-    starts drawn once per shape (exponential lengths of mean `doc_len`; a CPU cu_seqlens, as the loader gives)."""
-    import numpy as np
-
-    from hybrid_attention.data.loader import cu_seqlens_of_rows
-
-    cuts = {}
-
-    def loss(m, ids):
-        B, T = ids.shape
-        if (B, T) not in cuts:
-            rng = np.random.default_rng(0)
-            starts = [np.unique(np.cumsum(rng.exponential(doc_len, T // 2 + 1)).astype(np.int64)) for _ in range(B)]
-            cuts[B, T] = cu_seqlens_of_rows([s[(s > 0) & (s < T)] for s in starts], T)
-        flat = ids.reshape(1, B * T)
-        return m(flat, labels=flat, cu_seqlens=cuts[B, T], return_logits=False).loss
-
-    return loss
-
-
-class _FlopsProxy(nn.Module):
-    """Another library's model seen by `metrics.flops_per_token`: its parameters, and a HybridConfig whose mixing term
-    is the same (softmax attention = MLA layers with d_qk = d_v = head_dim and no shared key; KDA layers as ours)."""
-
-    def __init__(self, inner: nn.Module, config: HybridConfig):
-        super().__init__()
-        self.inner = inner
-        self.config = config
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.inner.parameters())
-
-
-def _reference_sizes(sizes: dict) -> dict:
-    """Width, depth, heads, FFN and vocabulary of k3-scaled (with the --quick widths when given)."""
-    c = HybridConfig.from_preset("k3-scaled", **sizes)
-    return dict(
-        vocab=c.vocab_size,
-        hidden=c.hidden_size,
-        layers=min(c.num_layers, QUICK_LAYERS) if sizes else c.num_layers,
-        heads=c.kda_num_heads,
-        head_dim=c.kda_head_dim,
-        ffn=c.intermediate_size,
-        conv=c.kda_conv_size,
-    )
-
-
-def _reference_case(model: nn.Module, s: dict, kind: str, **mixing) -> tuple[nn.Module, Callable, Callable]:
-    """Another library's causal LM as a case's (model, loss, FLOPs per token): its FLOPs are those of `s["layers"]`
-    layers of our `kind` with the `mixing` sizes (see `_FlopsProxy`)."""
-    proxy_config = HybridConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["ffn"],
-        layer_types=(kind,) * s["layers"],
-        **mixing,
-    )
-    proxy = _FlopsProxy(model, proxy_config)
-    loss = lambda m, ids: m(input_ids=ids, labels=ids).loss
-    return model, loss, lambda T: flops_per_token(proxy, T)
-
-
-def _llama(sizes: dict) -> Callable:
-    def build():
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        s = _reference_sizes(sizes)
-        config = LlamaConfig(
-            vocab_size=s["vocab"],
-            hidden_size=s["hidden"],
-            intermediate_size=s["ffn"],
-            num_hidden_layers=s["layers"],
-            num_attention_heads=s["heads"],
-            num_key_value_heads=s["heads"],
-            head_dim=s["head_dim"],
-            max_position_embeddings=1 << 16,
-            tie_word_embeddings=False,
-            attn_implementation="sdpa",
-        )
-        return _reference_case(
-            LlamaForCausalLM(config),
-            s,
-            "mla",
-            mla_num_heads=s["heads"],
-            mla_qk_nope_head_dim=s["head_dim"],
-            mla_qk_shared_head_dim=0,
-            mla_v_head_dim=s["head_dim"],
-        )
-
-    return build
-
-
-def _fla_kda(sizes: dict) -> Callable:
-    def build():
-        try:
-            from fla.models import KDAConfig, KDAForCausalLM
-        except ImportError as exc:
-            raise RuntimeError(f'FLA is not installed (pip install "hybrid-attention[fla]"): {exc}') from exc
-
-        s = _reference_sizes(sizes)
-        config = KDAConfig(
-            vocab_size=s["vocab"],
-            hidden_size=s["hidden"],
-            intermediate_size=s["ffn"],
-            num_hidden_layers=s["layers"],
-            num_heads=s["heads"],
-            head_dim=s["head_dim"],
-            conv_size=s["conv"],
-            max_position_embeddings=1 << 16,
-            tie_word_embeddings=False,
-            safe_gate=True,
-            lower_bound=-5.0,
-        )
-        return _reference_case(KDAForCausalLM(config), s, "kda", kda_num_heads=s["heads"], kda_head_dim=s["head_dim"])
-
-    return build
-
-
-def make_cases(sizes: dict, doc_len: int = 1024) -> dict[str, Case]:
-    num_layers = HybridConfig.from_preset("k3-scaled").num_layers  # the "ours-kda" pattern, before --quick cuts it
-    docs = f"--doc-mask, documents of {doc_len} tokens on average"
-    cases = [
-        Case("ours-full", "k3-scaled, Full AttnRes", _ours("k3-scaled", sizes)),
-        Case("ours-full-docs", f"k3-scaled, Full AttnRes, {docs}", _ours("k3-scaled", sizes, doc_len=doc_len)),
-        Case("ours-block", "k3-scaled-block, Block AttnRes", _ours("k3-scaled-block", sizes)),
-        Case("ours-standard", "k3-scaled, standard residual", _ours("k3-scaled", sizes, residual="standard")),
-        Case(
-            "ours-standard-docs",
-            f"k3-scaled, standard residual, {docs}",
-            _ours("k3-scaled", sizes, doc_len=doc_len, residual="standard"),
-        ),
-        Case("ours-all-mla", "k3-scaled-all-mla, standard", _ours("k3-scaled-all-mla", sizes, residual="standard")),
-        Case(
-            "ours-kda",
-            f"{num_layers} KDA layers, standard",
-            _ours("k3-scaled", sizes, residual="standard", layer_types=("kda",) * num_layers),
-        ),
-        Case("llama-sdpa", "transformers LlamaForCausalLM, SDPA", _llama(sizes)),
-        Case("fla-kda", "FLA KDAForCausalLM, safe gate", _fla_kda(sizes)),
-    ]
-    return {c.name: c for c in cases}
 
 
 # ---------------------------------------------------------------------------------------------------------- running
@@ -248,13 +80,22 @@ def _peak_flops(device: torch.device) -> float | None:
     return peak_flops(name)
 
 
-def run_case(case: Case, batch: int, seq_len: int, mode: str, args, device: torch.device) -> dict:
+def run_case(
+    case: Case, batch: int, seq_len: int, mode: str, args, device: torch.device, spec: Spec | None = None
+) -> dict:
     """One case at one shape and mode: warm-up steps (the capture in the graph modes), then `args.steps` timed
-    steps."""
+    steps. `spec`: the FP8 and activation checkpointing variants asked for."""
     torch.manual_seed(0)
     model, loss_fn, flops = case.build()
     bf16_params = case.name in args.bf16_params
     model = model.to(device, dtype=torch.bfloat16 if bf16_params else None).train()
+    if spec is not None and spec.fp8:
+        from hybrid_attention.training.fp8 import convert_to_fp8
+
+        # On the CPU (--quick) torchao emulates the FP8 products in higher precision.
+        convert_to_fp8(model, spec.fp8, emulate=device.type != "cuda")
+    if spec is not None and spec.checkpointing != "none":  # our models only (`parse_spec`)
+        apply_activation_checkpointing(model, spec.checkpointing)
     if args.optimizer == "muon":
         optimizers = build_optimizers(model, optimizer="muon", lr=1e-4, weight_decay=0.1)
     else:
@@ -322,6 +163,12 @@ def _kernel_profile(step: Callable, device: torch.device, top: int) -> tuple[flo
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     ranked = [[e.key[:90], e.self_device_time_total / 1e3, e.count] for e in kernels[:top]]
     return sum(e.self_device_time_total for e in kernels) / 1e3, ranked
+
+
+def _variant_words(spec: Spec) -> list[str]:
+    """The variants of a case as its description's tail."""
+    words = [f", --fp8 {spec.fp8}"] if spec.fp8 else []
+    return words + ([f", --activation-checkpointing {spec.checkpointing}"] if spec.checkpointing != "none" else [])
 
 
 def _free(device: torch.device) -> None:
@@ -397,10 +244,11 @@ def main(argv=None) -> dict:
         device, sizes = torch.device("cuda"), {}
         shapes = args.shapes or [(8, 2048), (1, 16384)]
     cases = make_cases(sizes, args.doc_len)
-    names = list(cases) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        p.error(f"--cases: unknown {unknown}; expected some of {list(cases)}")
+    texts = list(cases) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
+    try:
+        specs = [parse_spec(text, cases, MODES) for text in texts]
+    except ValueError as e:
+        p.error(f"--cases: {e}")
     args.bf16_params = {n.strip() for n in args.bf16_params.split(",") if n.strip()}
     unknown = sorted(args.bf16_params - set(cases))
     if unknown:
@@ -409,22 +257,24 @@ def main(argv=None) -> dict:
     if any(m not in MODES for m in modes):
         p.error(f"--modes: expected some of {', '.join(MODES)}, got {args.modes!r}")
 
+    runs = [(spec, mode) for mode in modes for spec in specs if spec.mode is None]
+    runs += [(spec, spec.mode) for spec in specs if spec.mode is not None]  # a case@MODE runs in its mode alone
     rows = []
     for batch, seq_len in shapes:
-        for mode in modes:
-            for name in names:
-                case = cases[name]
-                row = dict(case=name, description=case.description, batch=batch, seq_len=seq_len, mode=mode)
-                log(f"{name} {batch}x{seq_len} {mode} ...")
-                try:
-                    row.update(run_case(case, batch, seq_len, mode, args, device), error=None)
-                except Exception as exc:  # listed in the table; the next case runs
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                    log(traceback.format_exc(limit=3))
-                    del exc
-                _free(device)
-                log(f"  {row}")
-                rows.append(row)
+        for spec, mode in runs:
+            case = cases[spec.name]
+            description = case.description + "".join(_variant_words(spec))
+            row = dict(case=spec.text, description=description, batch=batch, seq_len=seq_len, mode=mode)
+            log(f"{spec.text} {batch}x{seq_len} {mode} ...")
+            try:
+                row.update(run_case(case, batch, seq_len, mode, args, device, spec), error=None)
+            except Exception as exc:  # listed in the table; the next case runs
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                log(traceback.format_exc(limit=3))
+                del exc
+            _free(device)
+            log(f"  {row}")
+            rows.append(row)
 
     optimizer = "fused AdamW" if device.type == "cuda" else "AdamW"
     if args.optimizer == "muon":

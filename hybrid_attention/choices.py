@@ -11,3 +11,6 @@ DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("byte", "bpe")
 REPORTERS = ("tensorboard", "wandb")  # where training curves go besides log.jsonl
+ACTIVATION_CHECKPOINTING = ("none", "mixer", "mlp", "all")  # which sublayers recompute their activations
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training scalings (training/fp8.py)
+CARDS = ("h100", "h200")  # the cards `info --card` sizes a batch for (training/memory.py)

@@ -26,11 +26,23 @@ from hybrid_attention.arg_types import (
     positive_int,
     seed_int,
 )
-from hybrid_attention.choices import ATTNRES_BACKENDS, DEVICES, DTYPES, KDA_BACKENDS, OPTIMIZERS, REPORTERS, TOKENIZERS
+from hybrid_attention.choices import (
+    ACTIVATION_CHECKPOINTING,
+    ATTNRES_BACKENDS,
+    DEVICES,
+    DTYPES,
+    FP8_RECIPES,
+    KDA_BACKENDS,
+    OPTIMIZERS,
+    REPORTERS,
+    TOKENIZERS,
+)
 from hybrid_attention.config import (  # torch-free: --help and bad flags answer before torch loads
     PRESETS,
     IgnoredSetting,
 )
+from hybrid_attention.info_command import add_info_arguments
+from hybrid_attention.wording import plural
 
 # The context `generate` allows by default, in multiples of the length the run trained on: far enough to use what
 # the recurrent KDA state and the position-free MLA carry past it, short of a prompt that prefills for minutes.
@@ -57,8 +69,12 @@ def _data_spec(text: str) -> str:
 def _backend_flags(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
     """Which kernels run: chosen when a model is loaded, never stored with it."""
     parser.add_argument("--kda-backend", choices=KDA_BACKENDS, default=default, help="chunk_kda backend (default auto)")
-    parser.add_argument("--attnres-backend", choices=ATTNRES_BACKENDS, default=default,
-                        help="AttnRes: auto (fused Triton ops on CUDA), triton, or torch (the reference)")  # fmt: skip
+    parser.add_argument(
+        "--attnres-backend",
+        choices=ATTNRES_BACKENDS,
+        default=default,
+        help="AttnRes: auto (fused Triton ops on CUDA), triton, or torch (the reference)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus, CPU-sized)")
     t.add_argument("--preset", choices=PRESETS, help="model size (default tiny)")
+    t.add_argument(
+        "--model-config",
+        metavar="FILE",
+        help="a JSON object of model settings (HybridConfig fields) over the preset's, saved with the run",
+    )
     t.add_argument("--steps", type=positive_int, help="optimizer steps (tiny: 250, larger presets: 300)")
     t.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch, all ranks together (default 8)")
     t.add_argument("--seq-len", type=positive_int, help="tokens per sequence (tiny: 128, larger: 2048)")
@@ -116,14 +137,37 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=DEVICES, help="default: cuda when available")
     t.add_argument("--dtype", choices=DTYPES, help="autocast dtype (auto: bf16 on CUDA)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
-    t.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the whole training step in a CUDA graph and replay it (less host time per step; CUDA "
-                   "only, one process; may change on --resume)")  # fmt: skip
+    t.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="capture the whole training step in a CUDA graph and replay it (less host time per step; CUDA "
+        "only, one process; may change on --resume)",
+    )
     _backend_flags(t, default=None)
-    t.add_argument("--fsdp-reshard-after-forward", action="store_true", default=None, help="torchrun: free gathered "
-                   "layer weights after the forward, gather them again for the backward (less memory)")  # fmt: skip
-    t.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="torchrun: recompute each mixer and MLP in the backward (less memory)")  # fmt: skip
+    t.add_argument(
+        "--fsdp-reshard-after-forward",
+        action="store_true",
+        default=None,
+        help="torchrun: free gathered "
+        "layer weights after the forward, gather them again for the backward (less memory)",
+    )
+    t.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="all",
+        choices=ACTIVATION_CHECKPOINTING,
+        help="recompute the mixers, the MLPs or all of both in the backward instead of keeping their activations (less "
+        "memory; alone: all)",
+    )
+    t.add_argument(
+        "--fp8",
+        nargs="?",
+        const="tensorwise",
+        choices=FP8_RECIPES,
+        help="the large projections in FP8 through torchao's float8 training, with tensorwise (alone) or rowwise "
+        "scaling (an Ada or Hopper GPU; fast with --compile)",
+    )
     t.add_argument("--dist-timeout", type=positive_float, help="torchrun: seconds a rank waits for the others (600)")
     t.add_argument(
         "--report-to",
@@ -181,15 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_flags(e)
     e.set_defaults(func=_eval)
 
-    i = sub.add_parser("info", help="parameters, layer table and cache sizes of a preset or a run")
-    src = i.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=PRESETS, help="a model preset (default tiny)")
-    src.add_argument("--ckpt", help="run directory written by `train`")
-    i.add_argument("--vocab-size", type=positive_int, help="vocabulary size for --preset (default: the preset's)")
-    i.set_defaults(func=_info)
+    add_info_arguments(
+        sub.add_parser("info", help="parameters, layer table, cache sizes and training memory of a preset or a run")
+    )
 
-    x = sub.add_parser("export", help="gather a torchrun run's sharded checkpoint into model.safetensors; --hf: "
-                       "also write a transformers model directory")  # fmt: skip
+    x = sub.add_parser(
+        "export",
+        help="gather a torchrun run's sharded checkpoint into model.safetensors; --hf: "
+        "also write a transformers model directory",
+    )
     x.add_argument("--ckpt", required=True, help="run directory written by `train`")
     x.add_argument("--hf", metavar="OUT_DIR", help="new directory: transformers model + tokenizer")
     x.set_defaults(func=_export)
@@ -319,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         if not _out_of_memory(err) or os.environ.get("HYBRID_ATTENTION_TRACEBACK"):
             raise
         detail = textwrap.shorten(str(err), 160, placeholder=" ...")  # at a word boundary
-        print(f"hybrid-attention {args.command}: error: out of memory ({detail}); {_MEMORY_ADVICE[args.command]}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hybrid-attention {args.command}: error: out of memory ({detail}); {_MEMORY_ADVICE[args.command]}",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -353,18 +399,25 @@ def _train(args) -> int:
 
     given = {f.name: getattr(args, f.name, None) for f in fields(TrainConfig)}
     saved = None
+    if args.resume and args.model_config:
+        raise ValueError("--model-config sets a new run's model; a resumed run keeps the one in its config.json")
     if args.resume:
         out = args.out or f"runs/{args.preset or 'tiny'}"
         saved = checkpoint.load_config(out)["train"]
         given["out"] = out
     config = TrainConfig.create(saved, extend_steps=args.extend_steps, **given)
+    overrides = None
+    if args.model_config:
+        from hybrid_attention.runs.run_config import read_model_config
+
+        overrides = read_model_config(args.model_config, config.preset)
     from hybrid_attention.device import resolve_device
 
     _say_when_compiling(resolve_device(config.device))
     start = time.perf_counter()
     resume_command = f"hybrid-attention train --resume --out {shlex.quote(config.out)}"
     try:
-        s = train(config, resume=args.resume)
+        s = train(config, resume=args.resume, model_overrides=overrides)
     except KeyboardInterrupt:
         try:
             step = checkpoint.checkpoint_step(config.out)
@@ -391,7 +444,7 @@ def _train(args) -> int:
     if s["val_loss"] is not None:
         print(
             f"validation loss {s['val_loss']:.4f} nats/token ({s['val_bpb']:.3f} bits/byte) on "
-            f"{_count(s['val_windows'], 'window')} of {s['seq_len']} tokens, "
+            f"{plural(s['val_windows'], 'window')} of {s['seq_len']} tokens, "
             f"{s['val_loss'] - s['train_eval_loss']:+.4f} from the training windows; "
             f"unigram baseline {s['unigram_loss']:.4f} nats/token ({s['unigram_bpb']:.3f} bits/byte)"
         )
@@ -508,7 +561,7 @@ def _generate(args) -> int:
         print("[no tokens generated: --max-new-tokens 0]", file=sys.stderr)
         return 0
     total = ids.shape[1] + count
-    timing = f"{_count(count, 'token')} in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
+    timing = f"{plural(count, 'token')} in {end - start:.2f} s: prefill of {ids.shape[1]} tokens + first token "
     timing += f"{first - start:.3f} s" + (f", then {(count - 1) / (end - first):,.1f} tokens/s" if count > 1 else "")
     print(
         f"[{timing}; cache {model.make_cache(1, total).nbytes():,} bytes for {total} tokens "
@@ -583,7 +636,7 @@ def _eval(args) -> int:
         autocast=autocast,
         documents=run.doc_mask,
     )
-    windows = f"{_count(num_batches * batch_size, 'window')} of {seq_len} tokens"
+    windows = f"{plural(num_batches * batch_size, 'window')} of {seq_len} tokens"
     if not math.isfinite(loss):  # finite weights can still overflow; checksums and the load check the rest
         raise ValueError(f"{args.ckpt}: the validation loss on {windows} is {loss}; the weights are unusable")
     print(
@@ -615,7 +668,7 @@ def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size,
     dtype = resolve_dtype(device, args.dtype)
     model.to(dtype)  # as `generate` runs it: the cache and the decode kernels in one dtype (bf16 on CUDA by default)
     print(
-        f"{args.ckpt} on {source.source}: the loss against position in {_count(num_batches * batch_size, 'window')} "
+        f"{args.ckpt} on {source.source}: the loss against position in {plural(num_batches * batch_size, 'window')} "
         f"of {seq_len:,} tokens ({seq_len / run.seq_len:g} x the --seq-len {run.seq_len:,} it trained at)",
         file=sys.stderr,
     )
@@ -631,42 +684,6 @@ def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size,
     precision = str(dtype).removeprefix("torch.")
     context = dict(ckpt=str(args.ckpt), data=source.source, device=device_name(device), dtype=precision)
     report(result, train_seq_len=run.seq_len, plot=plot, **context)
-    return 0
-
-
-def _info(args) -> int:
-    from hybrid_attention.config import HybridConfig
-    from hybrid_attention.model_size import model_size
-
-    if args.ckpt:
-        from hybrid_attention.runs.checkpoint import run_model_config
-
-        c, source = run_model_config(args.ckpt), args.ckpt
-    else:
-        preset = args.preset or "tiny"
-        c = HybridConfig.from_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
-        source = f"preset {preset}"
-    size = model_size(c)  # from one layer of each type: any depth answers at once
-    in_layers = sum(row["parameters"] for row in size.layers)
-    layers = _count(c.num_layers, "layer")
-    print(f"{source}: hidden {c.hidden_size}, {layers}, vocabulary {c.vocab_size}, residual {c.residual}")
-    print(
-        f"parameters: {size.parameters:,} total; {size.embedding:,} embedding; {in_layers:,} in decoder layers; "
-        f"{size.parameters - size.embedding - in_layers:,} in the head, final norm and final AttnRes"
-    )
-    print(f"{'layer':>5}  {'type':<4}  {'parameters':>12}")
-    for row in size.layers:
-        print(f"{row['index']:>5}  {row['type']:<4}  {row['parameters']:>12,}")
-    per_token, state = size.cache_bytes_per_token, size.state_bytes_per_sequence
-    num_mla = sum(t == "mla" for t in c.layer_types)
-    mla_layers = _count(num_mla, "MLA layer")
-    print(f"cache per token of context: {per_token:,} bytes (bf16 MLA latent rows [c ; k_s], {mla_layers})")
-    print(
-        f"constant state per sequence: {state:,} bytes (fp32 KDA state + bf16 conv tails, "
-        f"{_count(c.num_layers - num_mla, 'KDA layer')})"
-    )
-    for context in (4096, 131072):
-        print(f"  at {context:,} tokens: {(per_token * context + state) / 2**20:,.1f} MiB per sequence")
     return 0
 
 
@@ -726,11 +743,6 @@ def _serve(args) -> int:
     return 0
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 MLA layer', '3 MLA layers'."""
-    return f"{n:,} {noun}" + ("" if n == 1 else "s")
-
-
 def _export(args) -> int:
     from hybrid_attention.runs import checkpoint, dist_checkpoint
 
@@ -740,8 +752,10 @@ def _export(args) -> int:
         directory = checkpoint.latest_checkpoint(args.ckpt)
         if directory is None:
             raise checkpoint.no_checkpoint_error(args.ckpt)
-        print(f"{directory / checkpoint.WEIGHTS} is already one file, which `generate`, `eval` and `info` read: "
-              "nothing to gather (pass --hf OUT_DIR for a transformers model directory)")  # fmt: skip
+        print(
+            f"{directory / checkpoint.WEIGHTS} is already one file, which `generate`, `eval` and `info` read: "
+            "nothing to gather (pass --hf OUT_DIR for a transformers model directory)"
+        )
     if args.hf is None:
         return 0
     try:

@@ -23,9 +23,9 @@ class IgnoredSetting(UserWarning):
     """A stored setting that no longer applies (the command line prints it as one line)."""
 
 
-def _k3_layer_types(all_mla: bool = False) -> tuple[str, ...]:
-    # KDA at layers 1-3, 5-7, 9-11; MLA at 4, 8, 12 and a final MLA at 13 (1-based): 3 KDA per MLA.
-    pattern = ("kda", "kda", "kda", "mla") * 3 + ("mla",)
+def _k3_layer_types(all_mla: bool = False, groups: int = 3) -> tuple[str, ...]:
+    # Groups of 3 KDA + 1 MLA, then a final MLA: with 3 groups KDA at layers 1-3, 5-7, 9-11 and MLA at 4, 8, 12, 13.
+    pattern = ("kda", "kda", "kda", "mla") * groups + ("mla",)
     return tuple("mla" for _ in pattern) if all_mla else pattern
 
 
@@ -66,6 +66,37 @@ PRESETS["k3-scaled-all-mla"] = dict(PRESETS["k3-scaled"], layer_types=_k3_layer_
 # Block AttnRes at about 8 blocks over the depth, the granularity the AttnRes paper recommends: blocks of two
 # decoder layers (4 sublayers), so 7 blocks over the 26 sublayers and, with the embedding, 8 block sums at the end.
 PRESETS["k3-scaled-block"] = dict(PRESETS["k3-scaled"], residual="block_attnres", attnres_block_size=4)
+# Pretraining sizes in the same layout, heads of 128 and a SwiGLU of 8/3 x hidden rounded up to a multiple of 256 (as
+# Llama sizes it), with Block AttnRes in blocks of 8 sublayers: one group of 3 KDA + 1 MLA per block, so the final MLA
+# layer closes one more block and the last AttnRes mixes as many block sums as k3-scaled-block's (docs/training.md).
+_PRETRAINING = dict(
+    vocab_size=8192,
+    kda_head_dim=128,
+    mla_kv_lora_rank=512,
+    mla_qk_nope_head_dim=96,
+    mla_qk_shared_head_dim=32,
+    mla_v_head_dim=128,
+    residual="block_attnres",
+    attnres_block_size=8,
+)
+# 25 layers (18 KDA + 7 MLA) at hidden 2048: about 1.3B parameters.
+PRESETS["k3-1b"] = dict(
+    _PRETRAINING,
+    hidden_size=2048,
+    layer_types=_k3_layer_types(groups=6),
+    intermediate_size=5632,
+    kda_num_heads=16,
+    mla_num_heads=16,
+)
+# 29 layers (21 KDA + 8 MLA) at hidden 3072, Llama 3.2 3B's width, heads and FFN: about 3.3B parameters.
+PRESETS["k3-3b"] = dict(
+    _PRETRAINING,
+    hidden_size=3072,
+    layer_types=_k3_layer_types(groups=7),
+    intermediate_size=8192,
+    kda_num_heads=24,
+    mla_num_heads=24,
+)
 
 
 @dataclass
@@ -151,8 +182,8 @@ class HybridConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> HybridConfig:
-        """A named preset (see `PRESETS`: "tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block") with keyword
-        overrides of any field."""
+        """A named preset (see `PRESETS`: "tiny", "k3-scaled", "k3-scaled-all-mla", "k3-scaled-block", "k3-1b",
+        "k3-3b") with keyword overrides of any field."""
         if name not in PRESETS:
             raise ValueError(f"HybridConfig: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})

@@ -23,6 +23,8 @@ class ModelSize:
     layers: list[dict]
     cache_bytes_per_token: int  # MLA latent rows per token of context, bf16
     state_bytes_per_sequence: int  # KDA states and conv tails per sequence, fp32 state and bf16 tails
+    # Per layer type: the parameters of its mixer and of its MLP, and its 2-D hidden matrices (Muon's share).
+    sublayers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def model_size(config: HybridConfig) -> ModelSize:
@@ -41,6 +43,15 @@ def model_size(config: HybridConfig) -> ModelSize:
     ]
     count = {t: config.layer_types.count(t) for t in kinds}
     probe_count = {t: probe_types.count(t) for t in kinds}
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    sublayers = {
+        layer.layer_type: {
+            "mixer": numel(layer.mixer),
+            "mlp": numel(layer.mlp),
+            "matrices": sum(p.numel() for p in layer.parameters() if p.ndim == 2),
+        }
+        for layer in probe.layers[1:]
+    }
     per_mla = probe.cache_bytes_per_token(torch.bfloat16) // max(1, probe_count.get("mla", 0))
     per_kda = probe.state_bytes_per_sequence(torch.bfloat16) // max(1, probe_count.get("kda", 0))
     return ModelSize(
@@ -49,6 +60,7 @@ def model_size(config: HybridConfig) -> ModelSize:
         layers=layers,
         cache_bytes_per_token=count.get("mla", 0) * per_mla,
         state_bytes_per_sequence=count.get("kda", 0) * per_kda,
+        sublayers=sublayers,
     )
 
 

@@ -106,11 +106,12 @@ def _sharded(t: torch.Tensor) -> bool:
 
 def stack_in_training(x: torch.Tensor, linears: Sequence[nn.Linear]) -> bool:
     """One matmul for `linears` in training (docs/training.md, "Packed projections in training"): several bias-free
-    projections, the rule of `hybrid_attention.ops.backends`, a gradient needed, no sharded weight."""
+    projections, the rule of `hybrid_attention.ops.backends`, a gradient needed, no sharded weight. A converted linear
+    (torchao's Float8Linear, `train --fp8`) computes its own product, so a group with one runs module by module."""
     weights = [lin.weight for lin in linears]
     return (
         len(linears) > 1
-        and all(lin.bias is None for lin in linears)
+        and all(type(lin) is nn.Linear and lin.bias is None for lin in linears)
         and use_triton(x)
         and needs_grad(x, *weights)
         and not any(_sharded(w) for w in weights)

@@ -113,3 +113,31 @@ def load_config(run_dir: str | Path) -> dict:
     if "file" in tokenizer and not isinstance(tokenizer["file"], str):
         raise ValueError(f"{path} tokenizer section: file = {tokenizer['file']!r}; expected a file name")
     return config
+
+
+def read_model_config(path: str | Path, preset: str) -> dict:
+    """The model settings of `train --model-config FILE`: a JSON object of HybridConfig fields to set over `preset`'s,
+    checked as strictly as config.json's model section and then as a whole model; ValueError naming the file."""
+    from hybrid_attention.config import HybridConfig
+
+    where = f"--model-config {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte {e.start})") from None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a JSON object of model settings, got {type(values).__name__}")
+    check_fields(values, HybridConfig, where)
+    if "vocab_size" in values:
+        raise ValueError(f"{where}: vocab_size is the tokenizer's (--tokenizer, --vocab-size); leave it out")
+    try:
+        HybridConfig.from_preset(preset, **values)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return values

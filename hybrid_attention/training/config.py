@@ -10,9 +10,11 @@ from dataclasses import dataclass, fields
 
 from hybrid_attention.checks import is_int
 from hybrid_attention.choices import (
+    ACTIVATION_CHECKPOINTING,
     ATTNRES_BACKENDS,
     DEVICES,
     DTYPES,
+    FP8_RECIPES,
     KDA_BACKENDS,
     OPTIMIZERS,
     REPORTERS,
@@ -24,10 +26,32 @@ from hybrid_attention.runs import run_config
 # ones read the environment's Python sources (hundreds of MB, no repeats within a run) and keep 16 x 2048 tokens per
 # step as two micro-batches of 8, which leaves headroom on an 80 GB card. eval_every None: a tenth of the run; tiny
 # evaluates 4 batches of each split, which keeps its eleven validations cheap on a CPU.
-_TINY = dict(steps=250, batch_size=8, seq_len=128, grad_accum=1, lr=3e-3, warmup=25, eval_every=None, eval_batches=4,
-             log_every=10)  # fmt: skip
-_SCALED = dict(steps=300, batch_size=8, seq_len=2048, grad_accum=2, lr=1e-3, warmup=50, eval_every=None,
-               eval_batches=8, log_every=10, data="python-env")  # fmt: skip
+_TINY = dict(
+    steps=250,
+    batch_size=8,
+    seq_len=128,
+    grad_accum=1,
+    lr=3e-3,
+    warmup=25,
+    eval_every=None,
+    eval_batches=4,
+    log_every=10,
+)
+_SCALED = dict(
+    steps=300,
+    batch_size=8,
+    seq_len=2048,
+    grad_accum=2,
+    lr=1e-3,
+    warmup=50,
+    eval_every=None,
+    eval_batches=8,
+    log_every=10,
+    data="python-env",
+)
+# k3-3b keeps the 16 x 2048 tokens per step as four micro-batches of 4 with the mixers recomputed, which fits an 80 GB
+# card with AdamW (`hybrid-attention info --preset k3-3b --card h100` gives the estimate).
+_PRESET_DEFAULTS = {"k3-3b": dict(_SCALED, batch_size=4, grad_accum=4, activation_checkpointing="mixer")}
 
 
 @dataclass
@@ -65,9 +89,12 @@ class TrainConfig:
     stop_after: int | None = None
     time_limit: float | None = None  # minutes
     report_to: tuple[str, ...] = ()  # where the curves go besides log.jsonl: "tensorboard", "wandb"
+    # Which sublayers recompute their activations in the backward: "none", "mixer", "mlp" or "all" (runs saved before
+    # the choice stored True for "all" and False for "none").
+    activation_checkpointing: str | bool = "none"
+    fp8: str | None = None  # torchao float8 training of the large projections: "tensorwise" or "rowwise" scaling
     # Under torchrun (distributed.py): FSDP2 memory options and the process-group timeout.
     fsdp_reshard_after_forward: bool = False
-    activation_checkpointing: bool = False
     dist_timeout: float = 600.0  # seconds
 
     @classmethod
@@ -82,8 +109,9 @@ class TrainConfig:
         given = {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}  # as JSON holds them
         run_config.check_fields(given, cls, "TrainConfig")
         if saved is not None:
-            run_config.check_fields(saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section",
-                                    required=SAVED_REQUIRED)  # fmt: skip
+            run_config.check_fields(
+                saved, cls, f"{given.get('out', saved.get('out'))}/config.json train section", required=SAVED_REQUIRED
+            )
             changed = [
                 f"--{k.replace('_', '-')} {given[k]} (the run has {_stored(k, saved.get(k))})"
                 for k in sorted(given)
@@ -102,7 +130,7 @@ class TrainConfig:
         if extend_steps is not None:
             raise ValueError("--extend-steps trains a run further: pass --resume (and its --out) with it")
         preset = given.get("preset", "tiny")
-        defaults = _TINY if preset == "tiny" else _SCALED
+        defaults = _TINY if preset == "tiny" else _PRESET_DEFAULTS.get(preset, _SCALED)
         merged = {"out": f"runs/{preset}", **defaults, **given}
         if "warmup" not in given:  # short runs (tests, smoke checks) warm up for at most a fifth of their steps
             merged["warmup"] = min(defaults["warmup"], merged["steps"] // 5)
@@ -158,6 +186,14 @@ class TrainConfig:
             raise ValueError(
                 "--doc-mask runs eagerly: the documents of a batch change its shapes; leave out --cuda-graph"
             )
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, bool):
+            self.activation_checkpointing = "all" if checkpointing else "none"
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            allowed = ", ".join(ACTIVATION_CHECKPOINTING)
+            raise ValueError(f"--activation-checkpointing must be one of {allowed}, got {checkpointing!r}")
+        if self.fp8 not in (None, *FP8_RECIPES):
+            raise ValueError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         self.report_to = tuple(self.report_to)
         unknown = [r for r in self.report_to if r not in REPORTERS]
         if unknown:
@@ -182,10 +218,27 @@ def _stored(name: str, value) -> str:
 
 # where and how the run executes
 _WHERE = {"out", "device", "dtype", "compile", "cuda_graph", "kda_backend", "attnres_backend"}
-_WHERE |= {"fsdp_reshard_after_forward", "activation_checkpointing", "dist_timeout"}  # and over how many processes
+_WHERE |= {"activation_checkpointing", "fp8"}  # how it computes: the model and its results are the same run's
+_WHERE |= {"fsdp_reshard_after_forward", "dist_timeout"}  # and over how many processes
 _WHEN = {"stop_after", "time_limit", "log_every", "eval_every", "eval_batches", "report_to"}  # when and where it logs
 RUN_ONLY = _WHERE | _WHEN  # the settings that may change on --resume
 # Settings every run has stored since the format began (a config.json without one is damaged, not old).
-SAVED_REQUIRED = ("preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "min_lr_ratio", "warmup", "optimizer",
-                  "weight_decay", "clip", "data", "data_max_bytes", "tokenizer", "vocab_size", "seed")  # fmt: skip
+SAVED_REQUIRED = (
+    "preset",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "lr",
+    "min_lr_ratio",
+    "warmup",
+    "optimizer",
+    "weight_decay",
+    "clip",
+    "data",
+    "data_max_bytes",
+    "tokenizer",
+    "vocab_size",
+    "seed",
+)
 MAX_VOCAB = 1 << 20  # ample for BPE; a huge request (1e9) makes the tokenizers trainer abort the process

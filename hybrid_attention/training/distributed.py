@@ -200,24 +200,24 @@ def shard_model(
     *,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
 ) -> nn.Module:
     """Apply FSDP2 to a HybridLM in place (docs/distributed.md, "What is sharded", gives the groups) and return it.
 
     param_dtype: dtype of the gathered matrices (None: their own, float32). reshard_after_forward: free the layer
     groups after their forward and gather them again in the backward (less memory, one more all-gather per layer).
-    activation_checkpointing: recompute each mixer and MLP in the backward instead of keeping its activations.
+    activation_checkpointing: which sublayers recompute their activations in the backward instead of keeping them
+    ("none", "mixer", "mlp", "all"; True: "all"), `activation_checkpointing.checkpoint_layer`.
     """
-    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hybrid_attention.training.activation_checkpointing import checkpoint_layer
 
     mesh = par.mesh
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in model.layers:
-        if activation_checkpointing:
-            checkpoint(layer.mixer)
-            checkpoint(layer.mlp)
+        checkpoint_layer(layer, activation_checkpointing)
         mixer = layer.mixer
         # A mixer with float32 parameters of its own shares its submodules' group instead, its own group is float32.
         matrices = _with_params(mixer.children()) if _holds_fp32(mixer) else [mixer]

@@ -233,6 +233,14 @@ def _announce(config: TrainConfig, p: Prepared, par: distributed.Parallel, echo,
         f"model: {config.preset}, {p.model.num_parameters():,} parameters, {p.device}, dtype {config.dtype}; "
         f"run directory {p.run_dir}" + (f"; resuming at step {p.step}" if p.step else "")
     )
+    notes = []
+    if config.activation_checkpointing != "none":
+        which = {"mixer": "mixer", "mlp": "MLP", "all": "mixer and MLP"}[config.activation_checkpointing]
+        notes.append(f"every {which} recomputed in the backward (--activation-checkpointing)")
+    if config.fp8:
+        notes.append(f"the large projections in FP8 with {config.fp8} scaling (--fp8)")
+    if notes:
+        echo("training: " + "; ".join(notes))
     if par.sharded:
         echo(
             f"distributed: {par.world_size} processes, FSDP2 on {p.device.type}; --batch-size {config.batch_size} "

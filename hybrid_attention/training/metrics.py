@@ -41,20 +41,25 @@ def non_embedding_parameters(model: nn.Module) -> int:
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward).
+    """Training FLOPs per token (forward + backward = 3x forward) of `model` (its `config` and parameters):
+    `config_flops_per_token` with its non-embedding parameters."""
+    return config_flops_per_token(model.config, non_embedding_parameters(model), seq_len)
+
+
+def config_flops_per_token(c, non_embedding: int, seq_len: int) -> float:
+    """Training FLOPs per token of a model with HybridConfig `c` and `non_embedding` parameters doing matmuls.
 
     6 N for the N non-embedding parameters, plus sequence mixing, which N does not count:
     - MLA, causal softmax (mean context T/2): forward 2 H (d_qk + d_v) T/2 per token;
     - KDA, chunkwise with C = 64 (Kimi Linear report): forward 6 K^2 + 3 C K + C^2 per token and head.
     """
-    c = model.config
     num_mla = sum(kind == "mla" for kind in c.layer_types)
     num_kda = c.num_layers - num_mla
     d_qk = c.mla_qk_nope_head_dim + c.mla_qk_shared_head_dim
     mla = num_mla * 2 * c.mla_num_heads * (d_qk + c.mla_v_head_dim) * seq_len / 2
     K = c.kda_head_dim
     kda = num_kda * c.kda_num_heads * (6 * K * K + 3 * KDA_CHUNK * K + KDA_CHUNK * KDA_CHUNK)
-    return 6.0 * non_embedding_parameters(model) + 3.0 * (mla + kda)
+    return 6.0 * non_embedding + 3.0 * (mla + kda)
 
 
 def _windows(split, starts: np.ndarray, seq_len: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import dist_checkpoint, run_config
 from hybrid_attention.runs.rundir import check_fingerprint
 from hybrid_attention.training import distributed
+from hybrid_attention.training.activation_checkpointing import apply_activation_checkpointing
 from hybrid_attention.training.config import TrainConfig
+from hybrid_attention.training.fp8 import check_fp8, convert_to_fp8
 from hybrid_attention.training.optim import apply_schedule, build_optimizers, build_schedulers
 
 
@@ -65,6 +67,10 @@ def prepare(
     if config.cuda_graph and device.type != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got {device} (--device {config.device})")
     resolve_dtype(device, config.dtype)  # refuses bf16 on the CPU
+    if config.fp8:
+        if par.sharded:
+            raise ValueError(f"--fp8 runs in one process; under torchrun ({par.world_size} processes) leave it off")
+        check_fp8(device)
     step_ids = config.grad_accum * config.batch_size * config.seq_len  # int64 on the device, stacked for one step
     flags = f"--grad-accum {config.grad_accum:,} x --batch-size {config.batch_size:,} x --seq-len {config.seq_len:,}"
     check_fits(8 * step_ids, f"a step's {step_ids:,} token ids ({flags})", device)
@@ -111,6 +117,10 @@ def prepare(
     torch.manual_seed(config.seed)
     backends = dict(kda_backend=config.kda_backend or "auto", attnres_backend=config.attnres_backend or "auto")
     model = HybridLM(model_config, **backends).to(device)
+    if config.fp8:
+        convert_to_fp8(model, config.fp8)
+    if not par.sharded:  # sharded: each layer before its FSDP group (distributed.shard_model)
+        apply_activation_checkpointing(model, config.activation_checkpointing)
     build = build_optimizers
     if par.sharded:
         distributed.shard_for_training(model, par, config, tokenizer, data.train)

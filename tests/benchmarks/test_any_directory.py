@@ -11,15 +11,16 @@ import sys
 from tests.helpers import REPO_ROOT
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
+HELPERS = {"bench_common.py", "serve_load.py", "train_cases.py"}  # modules the scripts import, with no command line
 
 # `python NAME.py --help` for every script, in one process: each run as __main__ with its folder first on sys.path, as
 # Python runs a script; then bench_decode's plot path as parsed with no flags.
 CHILD = """
 import contextlib, io, json, runpy, sys
 from pathlib import Path
-here, codes = Path(sys.argv[1]), {}
+here, helpers, codes = Path(sys.argv[1]), sys.argv[2].split(","), {}
 for script in sorted(here.glob("*.py")):
-    if script.name in ("bench_common.py", "serve_load.py"):
+    if script.name in helpers:
         continue
     sys.argv, sys.path[0] = [str(script), "--help"], str(here)
     try:
@@ -37,10 +38,10 @@ print(json.dumps({"codes": codes, "plot": bench_decode.build_parser().parse_args
 
 def test_every_benchmark_starts_from_inside_its_folder():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    argv = [sys.executable, "-c", CHILD, str(BENCHMARKS)]
+    argv = [sys.executable, "-c", CHILD, str(BENCHMARKS), ",".join(HELPERS)]
     done = subprocess.run(argv, cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"bench_common.py", "serve_load.py"}  # helper modules
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - HELPERS
     assert result["codes"] == dict.fromkeys(sorted(scripts), 0)
     assert os.path.realpath(result["plot"]) == os.path.realpath(BENCHMARKS / "decode_latency.png")

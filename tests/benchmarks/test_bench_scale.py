@@ -1,0 +1,50 @@
+"""benchmarks/bench_scale.py's table of targets from bench_train's and train's rows (the GPU figures made up here)."""
+
+from __future__ import annotations
+
+from benchmarks.bench_scale import SPEED_CASES, targets
+
+
+def _speed(tokens_per_s: dict[str, float], **extra) -> list[dict]:
+    rows = [
+        dict(case=c, error=None, tokens_per_s=tokens_per_s.get(c, 1.0), mfu=None, peak_gib=None) for c in SPEED_CASES
+    ]
+    for row in rows:
+        row.update(extra.get(row["case"], {}))
+    return rows
+
+
+def test_each_target_reads_its_rows():
+    speed = _speed(
+        {
+            "ours-1b@graph": 140,
+            "ours-1b-standard@graph": 145,
+            "llama-1b@eager": 90,
+            "llama-1b@compile": 100,
+            "fla-1b@graph": 120,
+            "ours-1b@compile": 130,
+            "ours-1b:fp8@compile": 170,
+        },
+        **{
+            "ours-1b@graph": dict(mfu=0.41, peak_gib=30.0),
+            "llama-1b@compile": dict(peak_gib=35.0),
+            "fla-1b@graph": dict(peak_gib=29.0),
+            "ours-3b:ckpt-mixer@graph": dict(peak_gib=70.0),
+        },
+    )
+    loss = [
+        dict(run="bf16", steps=300, val_loss=2.0, error=None),
+        dict(run="fp8", steps=300, val_loss=2.03, error=None),
+    ]
+    rows = {target: (measured, met) for target, _, measured, met in targets(speed, loss)}
+    assert rows["k3-1b MFU, bf16"] == ("41.0%", "yes")
+    assert rows["k3-1b tokens/s over Llama-SDPA (best mode)"] == ("1.40x", "yes")  # against its compiled row
+    assert rows["k3-1b tokens/s over FLA KDA"] == ("1.17x", "no")
+    assert rows["k3-1b peak memory against FLA KDA"] == ("30.0 vs 29.0 GiB", "no")
+    assert rows["Block AttnRes overhead at k3-1b"] == ("+3.6%", "yes")
+    assert rows["--fp8 tokens/s over bf16, compiled"] == ("1.31x", "yes")
+    assert rows["k3-3b at 4 x 2048, --activation-checkpointing mixer"] == ("70.0 GiB", "yes")
+    assert rows["--fp8 loss after 300 steps"] == ("2.0300 vs 2.0000 (+1.50%)", "no")
+    failed = [dict(r, error="OutOfMemoryError") if r["case"].startswith("ours-3b") else r for r in speed]
+    rows = {target: (measured, met) for target, _, measured, met in targets(failed, [])}
+    assert rows["k3-3b at 4 x 2048, --activation-checkpointing mixer"] == ("-", "-")
