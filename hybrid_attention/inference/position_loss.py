@@ -152,8 +152,15 @@ def position_losses(
     total = torch.zeros(seq_len - 1, dtype=torch.float64, device=device)
     nbytes = torch.zeros(seq_len - 1, dtype=torch.long, device=device)
     delay = 0.0 if progress else PROGRESS_DELAY_S
-    with tqdm(total=len(starts) * seq_len, desc="per position", unit="token", unit_scale=True, delay=delay,
-              disable=progress is False) as bar:  # fmt: skip
+    bar = tqdm(
+        total=len(starts) * seq_len,
+        desc="per position",
+        unit="token",
+        unit_scale=True,
+        delay=delay,
+        disable=progress is False,
+    )
+    with bar:
         for i in range(0, len(starts), batch_size):
             x = _windows(split, starts[i : i + batch_size], seq_len).to(device).long()
             total += token_losses(model, x, chunk_size=chunk_size, bar=bar).double().sum(0)

@@ -7,11 +7,11 @@ import argparse
 
 from hybrid_attention.arg_types import number, positive_float, positive_int
 from hybrid_attention.choices import CARDS, OPTIMIZERS
+from hybrid_attention.cli.common import plural
 from hybrid_attention.config import PRESETS  # torch-free: --help and bad flags answer before torch loads
-from hybrid_attention.wording import plural
 
 
-def add_info_arguments(i: argparse.ArgumentParser) -> None:
+def add_arguments(i: argparse.ArgumentParser) -> None:
     """The flags of `info` on its subparser `i`."""
     src = i.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, help="a model preset (default tiny)")
@@ -25,10 +25,10 @@ def add_info_arguments(i: argparse.ArgumentParser) -> None:
     card = i.add_mutually_exclusive_group()
     card.add_argument("--card", choices=CARDS, help="say whether a step fits this card (default: this machine's GPU)")
     card.add_argument("--device-memory", type=positive_float, metavar="GIB", help="...or a card of this many GiB")
-    i.set_defaults(func=run_info)
+    i.set_defaults(func=run)
 
 
-def run_info(args) -> int:
+def run(args) -> int:
     from hybrid_attention.config import HybridConfig
     from hybrid_attention.model_size import model_size
     from hybrid_attention.training.config import TrainConfig

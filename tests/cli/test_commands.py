@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hybrid_attention import cli, machine
+from hybrid_attention.cli import command
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.inference.generate import generate
 from hybrid_attention.model import HybridLM
@@ -177,7 +178,7 @@ def test_out_of_memory_in_every_command_has_advice(tmp_path, capsys, monkeypatch
     assert code == 1 and "Traceback" not in err, err
     error = err.strip().split("\n")[-1]
     assert error.startswith("hybrid-attention synth: error: out of memory (") and "--batch-size" in error, err
-    assert set(cli._MEMORY_ADVICE) == set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert set(command._MEMORY_ADVICE) == set(cli.build_parser()._subparsers._group_actions[0].choices)
 
 
 def test_non_utf8_prompt_on_stdin_is_one_line(run_dir, capsys, monkeypatch):
