@@ -1,25 +1,7 @@
-"""Gated Multi-head Latent Attention without positional encoding (NoPE), as in Kimi Linear / Kimi K3.
-
-Equations in docs/math.md ("Gated MLA (NoPE)"); the design follows the Kimi Linear report (arXiv 2510.26692) and
-the output gate of Qiu et al. (arXiv 2505.06708). Per token the layer computes a latent
-`c = RMSNorm(W_DKV x)` [d_c] and one shared key part `k_s = W_KS x` [d_s]. Head h has key `[W_UK,h c ; k_s]`,
-value `W_UV,h c` and query `[q_n,h ; q_s,h]`; causal softmax with scale `(d_n + d_s) ** -0.5`; the heads are
-concatenated, gated elementwise by `sigmoid(W_g x)` (the "G1" output gate) and projected by `W_o`. Without the
-output gate (`output_gate=False`) the layer is plain MLA with NoPE, as in Kimi Linear: `W_o concat_h o_h`.
-
-Two forms compute the same function (docs/inference.md, "Long prompts"):
-- decompressed, for prefill: per-head K and V up-projected from the latent rows, flash attention on tensor cores.
-  Without a cache one SDPA call; with one, a chunk of T > 1 tokens attends to itself and to the cached prefix tile
-  by tile (`ops.mla.mla_prefill`) when every sequence holds as many tokens and that costs fewer FLOPs than
-  absorption (always on an empty cache; over a prefix from `decompressed_break_even` tokens on);
-- absorbed, for decode (one token, even on an empty cache), short chunks and sequences of different lengths: W_UK is
-  folded into the query and W_UV is applied after attending in latent space, so the only per-token data read is the
-  cache row `[c ; k_s]` (d_c + d_s numbers for all heads together) and no per-head key or value is ever built. The
-  attention itself is `ops.mla.mla_decode` over the preallocated cache with per-sequence lengths read on the device.
-There is no rotary embedding anywhere, so cache rows do not depend on their position. The `rope_theta` option (a
-baseline to compare against, not the recipe) rotates q_s and k_s by RoPE, DeepSeek-style: the cache then holds k_s
-rotated, and both forms stay exact.
-"""
+"""Gated Multi-head Latent Attention without positional encoding (NoPE), as in Kimi Linear / Kimi K3: equations in
+docs/math.md ("Gated MLA (NoPE)"). Prefill runs the decompressed form on tensor cores, decode the absorbed form over
+the latent cache rows [c ; k_s] (docs/inference.md, "Long prompts"); `rope_theta` adds RoPE on the shared key part
+as a baseline to compare against, not the recipe."""
 
 from __future__ import annotations
 
