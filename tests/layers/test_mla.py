@@ -253,11 +253,12 @@ def test_wrong_scale_is_caught():
     assert (out[:, 2:] - full[:, 2:]).norm() > 1e-3 * full.norm()
 
 
+@pytest.mark.parametrize("rope", [False, True], ids=["nope", "rope"])
 @pytest.mark.parametrize("path", ["prefill", "chunked"])
-def test_causality(path):
+def test_causality(path, rope):
     """Perturbing tokens after t0 leaves outputs at or before t0 bit-identical (and, on the training path,
-    their gradients with respect to later tokens exactly zero)."""
-    layer = make_layer(6, seed=9)
+    their gradients with respect to later tokens exactly zero), with RoPE on the shared key part too."""
+    layer = make_layer(6, seed=9, **(dict(qk_shared_head_dim=6, rope_theta=50.0) if rope else {}))
     T, t0 = 13, 6
     x = torch.randn(2, T, SIZES["hidden_size"], dtype=torch.float64)
     x2 = x.clone()

@@ -92,8 +92,12 @@ def test_graph_decoding_equals_eager_decoding(preset, dtype, B):
     assert all(layer.seqlens is caches[0].seqlens for layer in caches[0].layers if isinstance(layer, MLACache))
 
 
-def test_graph_decoding_equals_full_recompute_float32():
-    model = make_model("k3-scaled", torch.float32, seed=2)
+@pytest.mark.parametrize(
+    "preset, overrides", [("k3-scaled", {}), ("k3-scaled-all-mla", {"mla_rope": True})], ids=["hybrid", "mla-rope"]
+)
+def test_graph_decoding_equals_full_recompute_float32(preset, overrides):
+    """The fused row append and the Triton decode kernel under a CUDA graph, with RoPE on the shared key part too."""
+    model = make_model(preset, torch.float32, seed=2, **overrides)
     ids = prompt(2, 29, model.config.vocab_size, seed=3)
     out = generate(model, ids, 16, temperature=0, cuda_graph=True)
     seq = ids
@@ -110,7 +114,7 @@ def test_graph_decoding_equals_full_recompute_float32():
         full = model(seq[:, :44]).logits[:, 29:]
         with use_reference():
             ref64 = float64_copy(model)(seq[:, :44]).logits[:, 29:]
-    assert_as_accurate("graph decode (float32)", logits, ref64, full)
+    assert_as_accurate(f"graph decode (float32, {preset} {overrides})", logits, ref64, full)
 
 
 @pytest.mark.parametrize("preset", ["k3-scaled", "k3-scaled-all-mla"])
