@@ -42,3 +42,18 @@ class PackedDocuments:
         first = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=total)  # each token's document start
         positions = (torch.arange(total, device=device, dtype=torch.int32) - first).view(1, total)
         return cls(cu, max(lengths), positions)
+
+
+def packed_documents(
+    layer: str, cu_seqlens: torch.Tensor | PackedDocuments | None, x: torch.Tensor, has_cache: bool
+) -> PackedDocuments | None:
+    """The documents a mixer's input x [1, T, hidden] packs (None without cu_seqlens); packing needs B == 1 and no
+    cache, `layer` names the mixer in the error."""
+    if cu_seqlens is None:
+        return None
+    if x.shape[0] != 1 or has_cache:
+        raise ValueError(
+            f"{layer}: cu_seqlens packs documents into B == 1 without a cache, got x of shape "
+            f"{tuple(x.shape)}{' and a cache' if has_cache else ''}"
+        )
+    return PackedDocuments.of(cu_seqlens, x.shape[1], x.device)

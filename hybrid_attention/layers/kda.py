@@ -12,7 +12,7 @@ from torch import nn
 
 from hybrid_attention.checks import check_lower_bound
 from hybrid_attention.layers.conv import ShortConv
-from hybrid_attention.layers.documents import PackedDocuments
+from hybrid_attention.layers.documents import PackedDocuments, packed_documents
 from hybrid_attention.layers.norm import GatedRMSNorm
 from hybrid_attention.layers.packed import PackedProjections, linear, project
 from hybrid_attention.ops.backends import use_triton
@@ -169,14 +169,7 @@ class KimiDeltaAttention(nn.Module):
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        docs = None
-        if cu_seqlens is not None:
-            if B != 1 or cache is not None:
-                raise ValueError(
-                    f"KimiDeltaAttention: cu_seqlens packs documents into B == 1 without a cache, got x "
-                    f"of shape {tuple(x.shape)}{' and a cache' if cache is not None else ''}"
-                )
-            docs = PackedDocuments.of(cu_seqlens, T, x.device)
+        docs = packed_documents("KimiDeltaAttention", cu_seqlens, x, cache is not None)
         positions = None if docs is None else docs.positions
         if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size):
             return self._decode_fused(x, cache, decode)

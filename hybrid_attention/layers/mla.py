@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_attention.layers.documents import PackedDocuments
+from hybrid_attention.layers.documents import PackedDocuments, packed_documents
 from hybrid_attention.layers.norm import RMSNorm
 from hybrid_attention.layers.packed import PackedProjections, act_mul, linear, project
 from hybrid_attention.layers.seqlens import SeqLens
@@ -326,14 +326,7 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         if T == 0:
             raise ValueError("GatedMLA: x has no tokens (T = 0)")
-        docs = None
-        if cu_seqlens is not None:
-            if B != 1 or cache is not None:
-                raise ValueError(
-                    f"GatedMLA: cu_seqlens packs documents into B == 1 without a cache, got x of shape "
-                    f"{tuple(x.shape)}{' and a cache' if cache is not None else ''}"
-                )
-            docs = PackedDocuments.of(cu_seqlens, T, x.device)
+        docs = packed_documents("GatedMLA", cu_seqlens, x, cache is not None)
         if cache is not None:
             # Validate before any write so a bad call leaves the cache untouched.
             cache.check_append(B, T, self.latent_dim)
