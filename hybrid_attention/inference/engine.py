@@ -24,16 +24,21 @@ from hybrid_attention.inference.engine_config import EngineConfig, cache_pages
 from hybrid_attention.inference.generate import sample_next_token
 from hybrid_attention.inference.paged_cache import PagedCache
 from hybrid_attention.inference.requests import Event, Request, SamplingParams
-from hybrid_attention.inference.scheduler import DECODING, WAITING, Clear, Move, PrefillChunk, QueueFull, Scheduler
+from hybrid_attention.inference.scheduler import (
+    DECODING,
+    WAITING,
+    Clear,
+    Move,
+    PrefillChunk,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+)
 from hybrid_attention.inference.transfers import HostCopy
 from hybrid_attention.layers.packed import PackedProjections
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
 COUNTERS = ("generated_tokens", "prompt_tokens", *(f"finished_{o}" for o in ("stop", "length", "cancelled", "error")))
-
-
-class ShuttingDown(Exception):
-    """The engine takes no new requests: it is shutting down."""
 
 
 @dataclass

@@ -18,6 +18,10 @@ class QueueFull(Exception):
     """The waiting queue holds `max_queue` requests already."""
 
 
+class ShuttingDown(Exception):
+    """The engine takes no new requests: it is shutting down."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt's progress: its pages, its slot, the prompt tokens in the cache and the tokens sampled so far (a
