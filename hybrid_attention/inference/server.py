@@ -73,6 +73,7 @@ class _EngineMetrics:
         for name, doc in (
             ("generated_tokens", "tokens generated"),
             ("prompt_tokens", "prompt tokens of ended requests"),
+            ("prefill_chunks", "prompt chunks run (a prompt alone prefills in few, large ones)"),
         ):
             yield CounterMetricFamily(f"hybrid_attention_{name}", doc, value=s.get(name, 0))
         ended = CounterMetricFamily("hybrid_attention_requests_ended", "prompts ended, by outcome", labels=["outcome"])
