@@ -64,17 +64,6 @@ class Event:
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def merged(self, later: Event) -> Event:
-        """This event and the `later` one of the same request as one: the texts joined, the rest from `later`."""
-        return Event(
-            self.text + later.text,
-            later.finish_reason,
-            later.error,
-            later.status,
-            later.prompt_tokens,
-            later.completion_tokens,
-        )
-
 
 class Request:
     """One prompt in the engine: token ids [T], sampling settings, and `sink`, called with each `Event` (on the

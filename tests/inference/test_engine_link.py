@@ -62,7 +62,7 @@ def test_events_that_wait_for_a_busy_pipe_are_merged_per_request_in_order():
     conn.gate.set()
     host.close()
     assert conn.sent[0] == [("reply", 7, None)]
-    events = {k: e for batch in conn.sent[1:] for kind, _, v in batch if kind == "events" for k, e in v.items()}
+    events = {k: Event(*e) for batch in conn.sent[1:] for kind, _, v in batch if kind == "events" for k, e in v.items()}
     assert len(conn.sent) == 2, conn.sent  # three deliveries, one message
     assert events[7, 0] == Event("abc", "length", prompt_tokens=2, completion_tokens=3) and events[7, 1].text == "xy"
     assert 7 in host._open and host._open[7] == 1  # the second prompt has not ended
