@@ -257,7 +257,7 @@ def summarize(trial: Trial, limits: Limits, page_bytes: int | None = None) -> di
         running_mean=statistics.fmean(running) if running else None,
         running_max=max(running, default=None),
         cache_pages_max=max(pages, default=None),
-        in_flight=sum(o.error is None and o.completion_tokens == 0 for o in trial.outcomes),
+        in_flight=sum(o.error is None and o.first is None for o in trial.outcomes),
         broke=trial.breach.describe(limits) if trial.breach else None,
         breach=vars(trial.breach) if trial.breach else None,
     )
