@@ -14,8 +14,12 @@ context about 4K), next to `bench_decode.py`'s CUDA-graph step at batch 64 and 4
 
     python benchmarks/bench_serve.py [--quick] [--out results.json] [--plot benchmarks/serve_rates.png]
 
-`--quick` runs tiny models on the CPU in about a minute (one scenario, a TPOT limit of 250 ms, no overhead case).
-Prints tables, then one JSON line (also written to --out). Figures: docs/performance.md.
+The static baseline runs first, and each search gets a fair share of what is left of --budget-s. Every trial is
+listed with its verdict: held, or which request broke which limit, by how much, and the server's load then.
+`--quick` runs tiny models on the CPU in about two minutes (one scenario, a TPOT limit of 250 ms), and the overhead
+case on a micro model (hidden 32, one KDA and one MLA layer) whose decode step is short enough that the server's
+host-side costs show, against that step timed alone on the same cache. Prints tables, then one JSON line (also
+written to --out). Figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ SCENARIOS = {
     "128K": ("131072", "256", ["hybrid", "all-mla"], 0.25),
 }
 QUICK = {"quick": ("32:64", "8:16", ["hybrid", "all-mla", "static"], 2.0)}
+# The CPU overhead case: a model whose decode step at batch 64 takes a few milliseconds on a CPU core.
+MICRO = dict(hidden_size=32, layer_types=("kda", "mla"), intermediate_size=64, kda_num_heads=1, mla_num_heads=1)
+QUICK_OVERHEAD = dict(prompt=16, output=200, max_context=256, page_size=16)
 PRESETS = {"hybrid": "k3-scaled", "all-mla": "k3-scaled-all-mla", "static": "k3-scaled"}
 
 
@@ -126,8 +133,9 @@ def static_server(args) -> int:
 class ServerProcess:
     """A server command in a new process; `url` once its ready line shows, its stderr in `log_path`."""
 
-    def __init__(self, argv: list[str], log_path: Path, timeout: float = 900.0):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    def __init__(self, argv: list[str], log_path: Path, timeout: float = 900.0, env: dict | None = None):
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path, **(env or {}))
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url, ready = None, threading.Event()
 
@@ -220,11 +228,11 @@ def search_rate(url: str, scenario: str, spec: tuple, args, limits: Limits, page
     while time.monotonic() < deadline and len(trials) < args.max_trials:
         n = max(args.min_requests, min(args.max_requests, round(rate * args.trial_s)))
         n = min(n, max(3, int(3 * args.trial_s * rate)))  # slow rates: fewer requests, not minutes of arrivals
-        log(f"  {scenario}: {n} requests at {rate:.3g}/s")
         row = summarize(
             asyncio.run(run_trial(url, "", rate=rate, num_requests=n, seed=len(trials), **kw)), limits, page_bytes
         )
         trials.append(row)
+        log(f"  {scenario}: {n} requests at {rate:.3g}/s: " + ("held" if row["held"] else trial_verdict(row)))
         wait_idle(url)
         if row["held"]:
             held = row
@@ -243,6 +251,17 @@ def search_rate(url: str, scenario: str, spec: tuple, args, limits: Limits, page
     return dict(trials=trials, max_rate=held["rate"] if held else 0.0, at_max=held)
 
 
+def trial_verdict(row: dict) -> str:
+    """Why a trial did not hold: the request that broke a limit, or the percentile over it."""
+    if row["held"]:
+        return "held"
+    if row.get("broke"):
+        return f"{row['broke']}; {row['in_flight']} requests still without a first token"
+    if row["completed"] < row["requests"]:
+        return f"{row['requests'] - row['completed']} of {row['requests']} requests did not complete"
+    return f"TTFT p99 {row['ttft_p99']:.3f} s, TPOT p99 {row['tpot_p99'] or 0:.4f} s over the limits"
+
+
 def overhead_case(url: str, args) -> dict:
     """64 requests at once; decode tokens/s from the server's counters while all of them decode."""
     kw = dict(
@@ -256,6 +275,9 @@ def overhead_case(url: str, args) -> dict:
     )
     full = [s for s in trial.samples if s.get("decoding_sequences") == args.max_running]
     row = dict(batch=args.max_running, prompt=args.overhead_prompt, output=args.overhead_output, samples=len(full))
+    tokens = [o.completion_tokens for o in trial.outcomes if o.chunks]
+    if tokens:  # several tokens per stream event when the HTTP side coalesces
+        row["tokens_per_event"] = sum(tokens) / sum(o.chunks for o in trial.outcomes if o.chunks)
     if len(full) >= 2 and full[-1]["t"] > full[0]["t"]:
         tokens = full[-1]["generated_tokens_total"] - full[0]["generated_tokens_total"]
         row.update(window_s=full[-1]["t"] - full[0]["t"], tokens_per_s=tokens / (full[-1]["t"] - full[0]["t"]))
@@ -279,6 +301,72 @@ def decode_anchor(preset: str, batch: int, context: int) -> dict:
         free_memory()
 
 
+def cpu_decode_anchor(run_dir: Path, batch: int, context: int, max_context: int, page_size: int) -> dict:
+    """The engine's own decode step (eager, on the CPU) at `batch` sequences of `context` tokens over a paged cache
+    shaped as the server's, timed alone: what the server's decode could reach with no host or HTTP work around it."""
+    import torch
+
+    from hybrid_attention.inference.decode_graph import DecodeStep
+    from hybrid_attention.inference.paged_cache import PagedCache
+    from hybrid_attention.runs.checkpoint import load_run
+
+    torch.set_flush_denormal(True)  # as the engine's thread
+    torch.set_num_threads(1)  # as the server in the CPU overhead case: a loaded machine's cores make no noise
+    model = load_run(run_dir)[0].eval()
+    pages = -(-max_context // page_size)
+    cache = PagedCache(
+        model,
+        num_pages=batch * pages,
+        page_size=page_size,
+        num_slots=batch,
+        max_context=max_context,
+        device="cpu",
+        dtype=torch.float32,
+    )
+    for slot in range(batch):
+        cache.set_pages(slot, range(1 + slot * pages, 1 + (slot + 1) * pages))
+    step = DecodeStep(model, cache.batch(0, batch), cuda_graph=False)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,))
+    times = []
+    for _ in range(30):
+        step.cache.seqlens.set(context)
+        start = time.perf_counter()
+        step(tokens)
+        times.append(time.perf_counter() - start)
+    ms = 1e3 * sorted(times)[len(times) // 2]
+    return dict(B=batch, context=context, ms=ms, tokens_per_s=batch / ms * 1e3, device="cpu")
+
+
+def quick_overhead(args, workdir: Path) -> dict:
+    """The overhead case on the CPU: a micro model's server at 64 running sequences against its decode step alone."""
+    import copy
+
+    import torch
+
+    from hybrid_attention.config import HybridConfig
+    from hybrid_attention.data.tokenizer import ByteTokenizer
+    from hybrid_attention.model import HybridLM
+    from hybrid_attention.training.model_run import save_model_run
+
+    torch.manual_seed(0)
+    run_dir = save_model_run(workdir / "micro", HybridLM(HybridConfig.from_preset("tiny", **MICRO)), ByteTokenizer())
+    o = QUICK_OVERHEAD
+    micro = copy.copy(args)
+    micro.max_running, micro.max_context, micro.max_batched_tokens = 64, o["max_context"], 2048
+    micro.overhead_prompt, micro.overhead_output = o["prompt"], o["output"]
+    micro.server_args = f"{args.server_args} --page-size {o['page_size']}"
+    log("overhead case on the CPU: a micro model at 64 running sequences")
+    anchor = cpu_decode_anchor(run_dir, 64, o["prompt"] + o["output"] // 2, o["max_context"], o["page_size"])
+    row = dict(anchor_tokens_per_s=anchor["tokens_per_s"], anchor=anchor, model="micro (hidden 32, KDA + MLA)")
+    argv = server_argv("hybrid", micro, ["--ckpt", str(run_dir)])
+    server = ServerProcess(argv, workdir / "micro.log", env={"OMP_NUM_THREADS": "1"})
+    try:
+        row.update(overhead_case(server.url, micro))
+    finally:
+        server.stop()
+    return row
+
+
 def print_tables(results: dict, overhead: dict | None) -> None:
     print("\nHighest sustainable rate (TTFT p99 and TPOT p99 within the limits)")
     print(
@@ -297,8 +385,25 @@ def print_tables(results: dict, overhead: dict | None) -> None:
                 f"{fmt(at.get('running_max'), '>8.0f')} {fmt(at.get('cache_GB_max'), '>9.2f')}"
                 + (f"  {found['error']}" if "error" in found else "")
             )
+    print("\nEvery trial")
+    head = f"{'scenario':8} {'system':8} {'rate':>6} {'done':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'running':>8}"
+    print(head + "  verdict")
+    for scenario, systems in results.items():
+        for system, found in systems.items():
+            for t in found.get("trials", []):
+                print(
+                    f"{scenario:8} {system:8} {t['rate']:>6.3g} {t['completed']:>3}/{t['requests']:<3} "
+                    f"{fmt(t.get('ttft_p99'), '>9.3f')} {fmt(t.get('tpot_p99'), '>9.4f')} "
+                    f"{fmt(t.get('running_max'), '>8.0f')}  {trial_verdict(t)}"
+                )
     if overhead:
-        print(f"\nDecode at batch {overhead.get('batch')}: {overhead}")
+        http, alone = overhead.get("tokens_per_s"), overhead.get("anchor_tokens_per_s")
+        print(
+            f"\nDecode at batch {overhead.get('batch')}: {fmt(http, '.0f') or 'not measured'} tokens/s through HTTP, "
+            f"{fmt(alone, '.0f')} for the decode step alone"
+            + (f" ({http / alone:.2f} of it)" if http and alone else "")
+            + f", {fmt(overhead.get('tokens_per_event'), '.2f')} tokens per stream event"
+        )
 
 
 def thresholds(results: dict, overhead: dict | None) -> dict:
@@ -379,7 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--tpot-limit", type=float, default=None, help="seconds, p99 (default 0.05; --quick: 0.25)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", help="also write the JSON result here")
-    p.add_argument("--plot", default="benchmarks/serve_rates.png")
+    p.add_argument("--plot", default=str(Path(__file__).resolve().parent / "serve_rates.png"))
     p.add_argument("--static-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -396,7 +501,7 @@ def main(argv=None) -> int:
     scenarios = QUICK if args.quick else {k: SCENARIOS[k] for k in (args.scenarios or SCENARIOS)}
     if args.quick:
         args.device, args.max_running, args.max_context, args.max_batched_tokens = "cpu", 8, 256, 96
-        args.search_s, args.trial_s, args.max_trials, args.no_overhead = 6.0, 2.0, 3, True
+        args.search_s, args.trial_s, args.max_trials = 6.0, 2.0, 3
     limits = Limits(args.ttft_limit, args.tpot_limit or (0.25 if args.quick else 0.05))
     on_cuda = torch.cuda.is_available() and args.device != "cpu"
     env = dict(
@@ -427,10 +532,17 @@ def main(argv=None) -> int:
         log(f"bench_decode anchor: batch {args.max_running}, context {context}")
         anchor = decode_anchor(PRESETS["hybrid"], args.max_running, context)
         overhead = dict(anchor_tokens_per_s=anchor.get("tokens_per_s"), anchor=anchor)
+    elif not args.no_overhead and args.quick:
+        overhead = quick_overhead(args, workdir)
     results: dict[str, dict] = {name: {} for name in scenarios}
-    for system in ("hybrid", "all-mla", "static"):
-        wanted = [n for n, s in scenarios.items() if system in s[2] and (not args.systems or system in args.systems)]
-        if not wanted and not (system == "hybrid" and overhead is not None):
+    # The static baseline first: the 4K comparison needs it, and it is the shortest search.
+    order = [
+        (system, [n for n, s in scenarios.items() if system in s[2] and (not args.systems or system in args.systems)])
+        for system in ("static", "hybrid", "all-mla")
+    ]
+    searches_left = sum(len(wanted) for _, wanted in order)
+    for system, wanted in order:
+        if not wanted and not (system == "hybrid" and overhead is not None and on_cuda):
             continue
         config = HybridConfig.from_preset(PRESETS[system], vocab_size=256)
         with torch.device("meta"):
@@ -441,21 +553,23 @@ def main(argv=None) -> int:
         except RuntimeError as exc:
             for name in wanted:
                 results[name][system] = dict(error=str(exc))
+            searches_left -= len(wanted)
             continue
         try:
-            if system == "hybrid" and overhead is not None:
+            if system == "hybrid" and overhead is not None and on_cuda:
                 overhead.update(overhead_case(server.url, args))
                 wait_idle(server.url)
             for name in wanted:
                 left = args.budget_s - (time.monotonic() - t0)
-                if left < 30:
+                share = (left - 20) / searches_left  # each search left gets as long, the last ones too
+                searches_left -= 1
+                if share < 10:
                     results[name][system] = dict(error=f"skipped: {left:.0f} s left of --budget-s")
                     continue
-                log(f"{system} {name} ({time.monotonic() - t0:.0f} s)")
-                seconds = min(args.search_s, left - 20)
+                log(f"{system} {name} ({time.monotonic() - t0:.0f} s, up to {min(args.search_s, share):.0f} s)")
                 try:
                     results[name][system] = search_rate(
-                        server.url, name, scenarios[name], args, limits, page_bytes, seconds
+                        server.url, name, scenarios[name], args, limits, page_bytes, min(args.search_s, share)
                     )
                 except Exception as exc:
                     results[name][system] = dict(error=repr(exc)[:300])

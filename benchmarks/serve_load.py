@@ -2,7 +2,8 @@
 first token (TTFT) and time per output token (TPOT) per request, and the server's /metrics sampled while it runs.
 
 A trial ends early once one request breaks a latency limit (its TTFT, or its TPOT at the end): the percentiles of a
-trial of a few dozen requests are set by its worst ones, so the trial can no longer pass. Imported by bench_serve.py.
+trial of a few dozen requests are set by its worst ones, so the trial can no longer pass. The trial then names that
+request, the limit and its value (`Breach`). Imported by bench_serve.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Limits:
 
 @dataclass
 class Outcome:
-    """One request: when it was sent, when its first and last tokens arrived, its token counts, or its error."""
+    """One request: when it was sent, when its first and last tokens arrived, its token counts (`chunks`: stream
+    events with text received so far), or its error."""
 
     sent: float
     first: float | None = None
@@ -35,6 +37,7 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    chunks: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -48,12 +51,38 @@ class Outcome:
 
 
 @dataclass
+class Breach:
+    """The first request that broke a limit: its number in arrival order, sent `sent_s` after the trial began,
+    the limit ("ttft", "tpot" or "error"), its value in seconds (for a TTFT, how long it had waited without a first
+    token, when none came), the tokens it had received, and the server's /metrics sample nearest that moment."""
+
+    request: int
+    limit: str
+    value: float | None
+    sent_s: float
+    tokens: int
+    server: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def describe(self, limits: Limits) -> str:
+        if self.limit == "error":
+            return f"request {self.request} (sent at {self.sent_s:.2f} s) failed: {self.error}"
+        bound = limits.ttft_s if self.limit == "ttft" else limits.tpot_s
+        load = ", ".join(f"{k} {self.server[k]:g}" for k in ("running_sequences", "queue_depth") if k in self.server)
+        return (
+            f"request {self.request} (sent at {self.sent_s:.2f} s, {self.tokens} tokens received) broke the "
+            f"{self.limit.upper()} limit: {self.value:.3f} s > {bound:g} s" + (f" (server: {load})" if load else "")
+        )
+
+
+@dataclass
 class Trial:
     rate: float
     outcomes: list[Outcome]
     seconds: float
     samples: list[dict] = field(default_factory=list)  # /metrics values over time
-    broke: str | None = None  # the limit a request broke (the trial stopped there)
+    breach: Breach | None = None  # the request that broke a limit (the trial stopped there)
+    start: float = 0.0  # perf_counter at the trial's start
 
 
 def parse_lengths(spec: str):
@@ -83,6 +112,7 @@ async def _stream(session, url: str, body: dict, outcome: Outcome, limits: Limit
                 if chunk.get("choices"):
                     outcome.first = outcome.first or now
                     outcome.last = now
+                    outcome.chunks += 1
                 if chunk.get("usage"):
                     outcome.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     outcome.completion_tokens = chunk["usage"]["completion_tokens"]
@@ -90,6 +120,26 @@ async def _stream(session, url: str, body: dict, outcome: Outcome, limits: Limit
         outcome.error = f"{type(exc).__name__}: {exc}"
     if outcome.error or (outcome.tpot or 0) > limits.tpot_s:
         broke.set()
+
+
+def find_breach(outcomes: list[Outcome], limits: Limits, start: float, now: float, samples: list[dict]):
+    """The request that broke a limit first (an error, a TTFT over the limit or a wait for a first token that
+    passed it, a TPOT over the limit), or None."""
+    found = []
+    for i, o in enumerate(outcomes):
+        if o.error:
+            found.append((o.last or now, Breach(i, "error", None, o.sent - start, o.chunks, error=o.error)))
+        elif (o.first or now) - o.sent > limits.ttft_s:
+            value = (o.first or now) - o.sent
+            found.append((o.sent + limits.ttft_s, Breach(i, "ttft", value, o.sent - start, o.chunks)))
+        elif (o.tpot or 0.0) > limits.tpot_s:
+            found.append((o.last, Breach(i, "tpot", o.tpot, o.sent - start, o.chunks)))
+    if not found:
+        return None
+    when, breach = min(found, key=lambda pair: pair[0])
+    near = min(samples, key=lambda s: abs(s["t"] - when), default={})
+    breach.server = {k: v for k, v in near.items() if k != "t"}
+    return breach
 
 
 async def _scrape(session, url: str, samples: list[dict], stop: asyncio.Event, every: float = 0.25) -> None:
@@ -164,11 +214,8 @@ async def run_trial(
         seconds = time.perf_counter() - start
         stop.set()
         await scraper
-    reason = None
-    if broke.is_set():
-        bad = next((o for o in outcomes if o.error), None)
-        reason = f"error: {bad.error}" if bad else "a request broke the TTFT or TPOT limit"
-    return Trial(rate, outcomes, seconds, samples, reason)
+    breach = find_breach(outcomes, limits, start, start + seconds, samples) if broke.is_set() else None
+    return Trial(rate, outcomes, seconds, samples, breach, start)
 
 
 def _check_first_tokens(outcomes: list[Outcome], limits: Limits, broke: asyncio.Event) -> None:
@@ -210,12 +257,14 @@ def summarize(trial: Trial, limits: Limits, page_bytes: int | None = None) -> di
         running_mean=statistics.fmean(running) if running else None,
         running_max=max(running, default=None),
         cache_pages_max=max(pages, default=None),
-        broke=trial.broke,
+        in_flight=sum(o.error is None and o.first is None for o in trial.outcomes),
+        broke=trial.breach.describe(limits) if trial.breach else None,
+        breach=vars(trial.breach) if trial.breach else None,
     )
     if page_bytes and pages:
         row["cache_GB_max"] = max(pages) * page_bytes / 1e9
     row["held"] = (
-        trial.broke is None
+        trial.breach is None
         and row["completed"] == row["requests"]
         and row["ttft_p99"] is not None
         and row["ttft_p99"] <= limits.ttft_s

@@ -23,17 +23,30 @@ from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.engine_config import EngineConfig, cache_pages
 from hybrid_attention.inference.generate import sample_next_token
 from hybrid_attention.inference.paged_cache import PagedCache
+from hybrid_attention.inference.prefill import prefill_chunk_size
 from hybrid_attention.inference.requests import Event, Request, SamplingParams
-from hybrid_attention.inference.scheduler import DECODING, WAITING, Clear, Move, PrefillChunk, QueueFull, Scheduler
+from hybrid_attention.inference.scheduler import (
+    DECODING,
+    WAITING,
+    Clear,
+    Move,
+    PrefillChunk,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+)
 from hybrid_attention.inference.transfers import HostCopy
 from hybrid_attention.layers.packed import PackedProjections
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
-COUNTERS = ("generated_tokens", "prompt_tokens", *(f"finished_{o}" for o in ("stop", "length", "cancelled", "error")))
-
-
-class ShuttingDown(Exception):
-    """The engine takes no new requests: it is shutting down."""
+# A prompt's last chunk longer than this computes its logits in a one-token call of its own (as prefill.py does):
+# no [chunk, vocab] logits for the one row that is sampled.
+LOGITS_CHUNK = 1024
+# The prefill budget of an iteration without decoding sequences on a CPU, whose attention path materialises a chunk's
+# scores: larger chunks cost more there than their fewer passes over the prefix save (on a GPU: prefill.py's choice).
+CPU_IDLE_PREFILL_TOKENS = 1024
+ENDINGS = ("stop", "length", "cancelled", "error")
+COUNTERS = ("generated_tokens", "prompt_tokens", "prefill_chunks", *(f"finished_{o}" for o in ENDINGS))
 
 
 @dataclass
@@ -72,7 +85,11 @@ class Engine:
         self.deliver: Callable[[list[tuple[Request, Event]]], None] = deliver or _deliver_now
         self.cuda_graphs = self.device.type == "cuda" if c.cuda_graphs is None else c.cuda_graphs
         slots = c.max_running + c.max_prefilling
-        activation = self._prefill_peak_bytes() if self.device.type == "cuda" and c.num_pages is None else 0
+        # The prefill budget of an iteration without decoding sequences: a prompt alone prefills as prefill.py would.
+        idle = prefill_chunk_size(model, 1) if self.device.type == "cuda" else CPU_IDLE_PREFILL_TOKENS
+        self.idle_prefill_tokens = c.max_prefill_chunk or max(c.max_batched_tokens, idle)
+        measure = self.device.type == "cuda" and c.num_pages is None
+        activation = self._prefill_peak_bytes(self.idle_prefill_tokens) if measure else 0
         self.num_pages = cache_pages(
             c,
             page_bytes=PagedCache.page_bytes(model, c.page_size, self.dtype),
@@ -95,6 +112,7 @@ class Engine:
             page_size=c.page_size,
             max_queue=c.max_queue,
             max_batched_tokens=c.max_batched_tokens,
+            idle_prefill_tokens=self.idle_prefill_tokens,
         )
         self.batch_sizes = c.decode_batch_sizes()
         self.next_tokens = torch.zeros(c.max_running, dtype=torch.long, device=self.device)  # each decode slot's input
@@ -155,13 +173,19 @@ class Engine:
         )
 
     def warm_up(self) -> None:
-        """Before serving: one request through a two-chunk prefill and a few decode steps (kernels compile,
-        libraries load), then the decode step of every batch size (captured in CUDA graphs, with cuda_graphs)."""
-        length = max(1, min(self.config.max_batched_tokens + 17, self.config.max_context - 3))
-        prompt = torch.randint(0, self.model.config.vocab_size, (length,)).tolist()
-        errors = []
-        request = Request(prompt, SamplingParams(max_tokens=3), lambda e: errors.append(e.error) if e.error else None)
-        self.submit([request])
+        """Before serving: a short request, and a longer one that prefills in chunks over its cached prefix while the
+        first decodes (kernels compile and specialise, libraries load), then the decode step of every batch size
+        (captured in CUDA graphs, with cuda_graphs)."""
+        c, errors = self.config, []
+
+        def request(length: int, max_tokens: int) -> Request:
+            prompt = torch.randint(0, self.model.config.vocab_size, (max(1, length),)).tolist()
+            return Request(prompt, SamplingParams(max_tokens=max_tokens), lambda e: e.error and errors.append(e.error))
+
+        self.submit([request(min(17, c.max_context - 8), 8)])
+        while not (self.idle() or self.scheduler.decoding):
+            self.step()
+        self.submit([request(min(2 * c.max_batched_tokens + 17, c.max_context - 3), 3)])
         while not self.idle():
             self.step()
         if errors:
@@ -200,13 +224,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def _prefill_peak_bytes(self) -> int:
-        """Device memory a forward of max_batched_tokens tokens takes beyond what is allocated (the largest
-        prefill chunk's activations), measured once."""
+    def _prefill_peak_bytes(self, tokens: int) -> int:
+        """Device memory a forward of `tokens` tokens takes beyond what is allocated (the largest prefill chunk's
+        activations), measured once."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        ids = torch.zeros(1, self.config.max_batched_tokens, dtype=torch.long, device=self.device)
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         with torch.no_grad():
             self.model(ids)
         torch.cuda.synchronize(self.device)
@@ -258,6 +282,9 @@ class Engine:
         ids = to_device(request.prompt[start:end], self.device).view(1, -1)
         last = end == len(request.prompt)
         with torch.no_grad():
+            if last and end - start > LOGITS_CHUNK:
+                self.model(ids[:, :-1], cache=batch, return_logits=False)
+                ids = ids[:, -1:]
             out = self.model(ids, cache=batch, return_logits=last)
         return out.logits[:, -1] if last else None
 
@@ -290,6 +317,7 @@ class Engine:
 
     def _prefill(self, chunk: PrefillChunk) -> list[_Sampled]:
         request = chunk.seq.owner
+        self.counters["prefill_chunks"] += 1
         try:
             logits = self.prefill_chunk(request, chunk.seq.slot, chunk.start, chunk.end)
             token = None

@@ -15,10 +15,12 @@ class EngineConfig:
     """max_running: sequences that hold cache at once (prefilling or decoding). max_context: prompt + completion
     tokens of one sequence. max_queue: requests waiting for cache before new ones are refused. max_batched_tokens:
     tokens one iteration computes (a decode token per running sequence, the rest prefill chunks). max_prefilling:
-    sequences in prefill at once. page_size: tokens per cache page. num_pages: pages of the latent cache (None:
-    from `cache_memory_fraction` on CUDA, enough for max_running sequences of max_context tokens elsewhere).
-    cache_memory_fraction: the share of the GPU's memory the server may fill, weights and activations included,
-    the pages taking what is left. cuda_graphs: decode from CUDA graphs (None: on CUDA).
+    sequences in prefill at once. max_prefill_chunk: prompt tokens one iteration may compute when no sequence
+    decodes (None: what `inference/prefill.py` picks from the free memory, at least max_batched_tokens): a long
+    prompt alone then prefills in a few large chunks. page_size: tokens per cache page. num_pages: pages of the
+    latent cache (None: from `cache_memory_fraction` on CUDA, enough for max_running sequences of max_context tokens
+    elsewhere). cache_memory_fraction: the share of the GPU's memory the server may fill, weights and activations
+    included, the pages taking what is left. cuda_graphs: decode from CUDA graphs (None: on CUDA).
     """
 
     max_running: int = 64
@@ -26,6 +28,7 @@ class EngineConfig:
     max_queue: int = 256
     max_batched_tokens: int = 2048
     max_prefilling: int = 4
+    max_prefill_chunk: int | None = None
     page_size: int = 64
     num_pages: int | None = None
     cache_memory_fraction: float = 0.9
@@ -38,8 +41,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r}; expected an integer >= 1")
         if not is_int(self.max_queue) or self.max_queue < 0:
             raise ValueError(f"max_queue={self.max_queue!r}; expected an integer >= 0")
-        if self.num_pages is not None and (not is_int(self.num_pages) or self.num_pages < 1):
-            raise ValueError(f"num_pages={self.num_pages!r}; expected an integer >= 1")
+        for name in ("num_pages", "max_prefill_chunk"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r}; expected None or an integer >= 1")
         fraction = self.cache_memory_fraction
         if not is_finite_number(fraction) or not 0 < fraction <= 1:
             raise ValueError(f"cache_memory_fraction={fraction!r}; expected a number in (0, 1]")

@@ -3,6 +3,7 @@ response, stream chunk and error bodies (docs/inference.md, "Serving"). No HTTP 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -214,3 +215,24 @@ def chunk_body(completion_id: str, model: str, choices: list, *, include_usage: 
     if include_usage:
         body["usage"] = usage_
     return body
+
+
+class ChunkEncoder:
+    """The stream chunks of one completion as server-sent events, `chunk_body`'s JSON built from a template: the
+    fields every chunk repeats are encoded once, each chunk encodes only its texts (one `json.dumps` per choice)."""
+
+    def __init__(self, completion_id: str, model: str, *, include_usage: bool = False):
+        fixed = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self._head = "data: " + json.dumps(fixed)[:-1] + ', "choices": ['
+        self._tail = '], "usage": null}\n\n' if include_usage else "]}\n\n"
+
+    def encode(self, choices: list) -> str:
+        """choices [(index, new text, finish_reason or None)] -> one `data: {...}` event."""
+        return (
+            self._head
+            + ", ".join(
+                f'{{"index": {i}, "text": {json.dumps(text)}, "logprobs": null, "finish_reason": {json.dumps(reason)}}}'
+                for i, text, reason in choices
+            )
+            + self._tail
+        )

@@ -18,6 +18,10 @@ class QueueFull(Exception):
     """The waiting queue holds `max_queue` requests already."""
 
 
+class ShuttingDown(Exception):
+    """The engine takes no new requests: it is shutting down."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt's progress: its pages, its slot, the prompt tokens in the cache and the tokens sampled so far (a
@@ -82,11 +86,15 @@ class Scheduler:
         page_size: int,
         max_queue: int,
         max_batched_tokens: int,
+        idle_prefill_tokens: int | None = None,
     ):
-        if min(max_running, max_prefilling, num_pages, page_size, max_batched_tokens) < 1 or max_queue < 0:
+        idle_prefill_tokens = idle_prefill_tokens or max_batched_tokens
+        limits = (max_running, max_prefilling, num_pages, page_size, max_batched_tokens, idle_prefill_tokens)
+        if min(limits) < 1 or max_queue < 0:
             raise ValueError("Scheduler: every limit must be >= 1 (max_queue >= 0)")
         self.max_running, self.max_queue = max_running, max_queue
         self.page_size, self.max_batched_tokens = page_size, max_batched_tokens
+        self.idle_prefill_tokens = idle_prefill_tokens
         self.pages = BlockAllocator(num_pages, first=1, name="page")  # page 0 is the cache's scratch page
         self.prefill_slots = BlockAllocator(max_prefilling, first=max_running, name="prefill slot")
         self.waiting: deque[Sequence] = deque()
@@ -128,14 +136,18 @@ class Scheduler:
         return admitted
 
     def prefill_plan(self) -> list[PrefillChunk]:
-        """This iteration's prefill chunks: what `max_batched_tokens` leaves after one token per decoding sequence,
-        given to the prefilling sequences in admission order."""
-        budget = self.max_batched_tokens - len(self.decoding)
+        """This iteration's prefill chunks, given to the prefilling sequences in admission order: while sequences
+        decode, what `max_batched_tokens` leaves after one token for each (their time per token stays bounded); when
+        none does, `idle_prefill_tokens` (a prompt alone prefills in a few large chunks). A chunk that does not end
+        its prompt ends on a page boundary, so later chunks start on a fresh page and chunk shapes repeat."""
+        budget = self.max_batched_tokens - len(self.decoding) if self.decoding else self.idle_prefill_tokens
         chunks = []
         for seq in self.prefilling:
             if budget <= 0:
                 break
             end = min(seq.prompt_len, seq.prefilled + budget)
+            if end < seq.prompt_len and end - end % self.page_size > seq.prefilled:
+                end -= end % self.page_size
             chunks.append(PrefillChunk(seq, seq.prefilled, end))
             budget -= end - seq.prefilled
         return chunks

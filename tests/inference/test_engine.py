@@ -125,6 +125,38 @@ def test_cancellation_and_failures_free_their_cache_and_spare_the_rest(model):
     assert stats["finished_error"] == 1 and stats["finished_cancelled"] == 1 and stats["finished_length"] == 1
 
 
+def test_a_prompt_alone_prefills_in_few_chunks_and_beside_decoding_ones_in_bounded_chunks(model, monkeypatch):
+    import hybrid_attention.inference.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LOGITS_CHUNK", 16)  # the last chunk's logits come from a call of their own
+    engine = make_engine(model, max_context=400, max_prefill_chunk=256)
+    spans, real = [], engine.prefill_chunk
+
+    def spy(request, slot, start, end):
+        spans.append((request.prompt[0], start, end, len(engine.scheduler.decoding)))
+        return real(request, slot, start, end)
+
+    engine.prefill_chunk = spy
+    g = torch.Generator().manual_seed(5)
+    long = [7] + torch.randint(0, 256, (300,), generator=g).tolist()
+    alone = submit(engine, long, [], max_tokens=6, temperature=0)
+    run_until_idle(engine)
+    assert [(start, end) for _, start, end, _ in spans] == [(0, 256), (256, 301)]
+    assert alone.tokens == reference(model, long, 6)
+    spans.clear()
+    short = submit(engine, [1, 2, 3], [], max_tokens=40, temperature=0)
+    while not engine.scheduler.decoding:
+        engine.step()
+    other = [9] + torch.randint(0, 256, (70,), generator=g).tolist()
+    beside = submit(engine, other, [], max_tokens=5, temperature=0)
+    run_until_idle(engine)
+    chunks = [(start, end, decoding) for first, start, end, decoding in spans if first == 9]
+    assert len(chunks) > 3 and chunks[-1][1] == len(other)
+    for start, end, decoding in chunks:  # one decode token per decoding sequence, the rest of 24 for the chunk
+        assert decoding >= 1 and end - start <= 24 - decoding and (end == len(other) or end % 8 == 0)
+    assert beside.tokens == reference(model, other, 5) and short.tokens == reference(model, [1, 2, 3], 40)
+
+
 def test_limits_refuse_what_cannot_fit(model):
     engine = make_engine(model, max_queue=2)
     with pytest.raises(ValueError, match="context is 96 tokens, but the request asks for 100"):

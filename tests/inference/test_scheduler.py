@@ -113,6 +113,27 @@ def test_a_one_token_request_ends_at_its_prefill():
     assert seq.state == DONE and s.pages.num_used == 0 and s.idle()
 
 
+def test_the_prefill_budget_grows_while_nothing_decodes_and_chunks_end_on_pages():
+    s = Scheduler(**{**LIMITS, "idle_prefill_tokens": 64})
+    alone = Sequence(101, 5)
+    s.add([alone])
+    s.admit()
+    spans = []
+    while alone.state != DECODING:
+        (chunk,) = s.prefill_plan()
+        spans.append((chunk.start, chunk.end))
+        s.prefilled(chunk)
+    assert spans == [(0, 64), (64, 101)]  # no sequence decodes: 64 tokens an iteration, not 16
+    beside = Sequence(30, 5)
+    s.add([beside])
+    s.admit()
+    (chunk,) = s.prefill_plan()
+    assert (chunk.start, chunk.end) == (0, 12)  # 16 less one decode token, down to a page boundary
+    s.prefilled(chunk)
+    (chunk,) = s.prefill_plan()
+    assert (chunk.start, chunk.end) == (12, 24)
+
+
 def test_bad_limits():
     with pytest.raises(ValueError, match="limit"):
         Scheduler(**{**LIMITS, "num_pages": 0})

@@ -90,6 +90,18 @@ def test_concurrent_greedy_completions_each_equal_generate_alone(server, model):
         assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
 
+def test_a_long_prompt_alone_prefills_in_one_chunk_and_equals_generate(server, model):
+    def chunks():
+        return metric(httpx.get(f"{server.url}/metrics").text, "hybrid_attention_prefill_chunks_total")
+
+    before = chunks()
+    prompt = [random.Random(4).randrange(0, 256) for _ in range(170)]  # 48 tokens an iteration beside decoding
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text(model, prompt, 8)
+    assert chunks() - before == 1
+
+
 def test_the_openai_client_streams_and_lists_models(server, model):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["tiny-test"]
@@ -301,9 +313,8 @@ def test_a_stream_interval_spaces_the_chunks_and_loses_no_text():
     from hybrid_attention.inference.requests import Event
     from hybrid_attention.inference.server import _stream
 
-    class Engine:
-        def cancel(self, requests):
-            raise AssertionError("nothing to cancel: every prompt ended")
+    def end(cancel):
+        assert not cancel, "nothing to cancel: every prompt ended"
 
     async def main(interval):
         queue = asyncio.Queue()
@@ -315,7 +326,7 @@ def test_a_stream_interval_spaces_the_chunks_and_loses_no_text():
 
         producer = asyncio.ensure_future(produce())
         loop, times, chunks = asyncio.get_running_loop(), [], []
-        async for chunk in _stream(Engine(), [None], queue, "cmpl-x", "m", False, interval):
+        async for chunk in _stream(end, queue, 1, "cmpl-x", "m", False, interval):
             times.append(loop.time())
             chunks.append(chunk)
         await producer
