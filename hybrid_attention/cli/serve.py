@@ -41,6 +41,11 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
         help="tokens per engine iteration: a decode token per running sequence, the rest prefill (2048)",
     )
     v.add_argument("--max-prefilling", type=positive_int, default=4, help="prompts in prefill at once (default 4)")
+    v.add_argument(
+        "--max-prefill-chunk",
+        type=positive_int,
+        help="prompt tokens per iteration while nothing decodes (default: from the free memory on CUDA, 1024 on a CPU)",
+    )
     v.add_argument("--page-size", type=positive_int, default=64, help="tokens per latent cache page (default 64)")
     v.add_argument(
         "--cache-memory-fraction",
@@ -90,6 +95,7 @@ def run(args) -> int:
         max_queue=args.max_queue,
         max_batched_tokens=args.max_batched_tokens,
         max_prefilling=args.max_prefilling,
+        max_prefill_chunk=args.max_prefill_chunk,
         page_size=args.page_size,
         num_pages=args.num_pages,
         cache_memory_fraction=args.cache_memory_fraction,
