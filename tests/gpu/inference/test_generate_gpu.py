@@ -161,11 +161,15 @@ def test_batched_bf16_decode_close_to_full_forward():
         assert_as_accurate(f"sequence {b}", batched[b], ref64, full)
 
 
+@pytest.mark.parametrize("rope", [False, True], ids=["nope", "rope"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_chunked_prefill_is_exact(dtype):
+def test_chunked_prefill_is_exact(dtype, rope):
     """3001 tokens in chunks of 512 (MLA chunks go through the Triton kernel with 4096 query rows) against one call,
-    both against the float64 prefill (one call)."""
-    model = make_model("k3-scaled", dtype, seed=8, **({} if dtype == torch.float32 else {"layer_types": K3_BLOCK}))
+    both against the float64 prefill (one call); with RoPE on the shared key part, the rotated rows and the queries
+    at their positions agree across chunks."""
+    layers = ("mla", "mla") if rope else (None if dtype == torch.float32 else K3_BLOCK)
+    overrides = {"mla_rope": True} if rope else {}
+    model = make_model("k3-scaled", dtype, seed=8, **overrides, **({} if layers is None else {"layer_types": layers}))
     ids = prompt(1, 3001, model.config.vocab_size, seed=9)
     whole, chunked = model.make_cache(1, 3001), model.make_cache(1, 3001)
     a = prefill(model, ids, whole, chunk_size=4096)
