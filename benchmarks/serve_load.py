@@ -94,9 +94,9 @@ def parse_lengths(spec: str):
     return lambda rng: rng.randint(low, high)
 
 
-async def _stream(session, url: str, body: dict, outcome: Outcome, limits: Limits, broke: asyncio.Event) -> None:
+async def _stream(client, url: str, body: dict, outcome: Outcome, limits: Limits, broke: asyncio.Event) -> None:
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with client.post(f"{url}/v1/completions", json=body) as response:
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return
@@ -142,11 +142,11 @@ def find_breach(outcomes: list[Outcome], limits: Limits, start: float, now: floa
     return breach
 
 
-async def _scrape(session, url: str, samples: list[dict], stop: asyncio.Event, every: float = 0.25) -> None:
+async def _scrape(client, url: str, samples: list[dict], stop: asyncio.Event, every: float = 0.25) -> None:
     """/metrics every `every` seconds: every sample of a metric named hybrid_attention_* (labels dropped)."""
     while not stop.is_set():
         try:
-            async with session.get(f"{url}/metrics") as response:
+            async with client.get(f"{url}/metrics") as response:
                 text = await response.text()
             values = {"t": time.perf_counter()}
             for line in text.splitlines():
@@ -181,8 +181,8 @@ async def run_trial(
     broke, stop = asyncio.Event(), asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        scraper = asyncio.ensure_future(_scrape(session, url, samples, stop, scrape_every))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
+        scraper = asyncio.ensure_future(_scrape(client, url, samples, stop, scrape_every))
         start = time.perf_counter()
         arrival = start
         for _ in range(num_requests):
@@ -204,7 +204,7 @@ async def run_trial(
                 body["model"] = model
             outcome = Outcome(sent=time.perf_counter())
             outcomes.append(outcome)
-            tasks.append(asyncio.ensure_future(_stream(session, url, body, outcome, limits, broke)))
+            tasks.append(asyncio.ensure_future(_stream(client, url, body, outcome, limits, broke)))
         while not all(t.done() for t in tasks) and not (broke.is_set() and stop_on_break):
             await asyncio.wait(tasks, timeout=0.05)
             _check_first_tokens(outcomes, limits, broke)
