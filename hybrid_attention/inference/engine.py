@@ -275,8 +275,7 @@ class Engine:
     def prefill_chunk(self, request: Request, slot: int, start: int, end: int) -> torch.Tensor | None:
         """Run prompt tokens [start, end) of the sequence in `slot` through the model, into its pages and KDA rows;
         the logits [1, vocab] of the prompt's last token once `end` reaches it, else None. The one place a prompt
-        chunk runs: a prefill op that reads the cached prefix as contiguous rows gets them from
-        `PagedLatentCache.gather`."""
+        chunk runs: the MLA layers read the cached prefix page by page (`PagedLatentCache.prefix_reader`)."""
         batch = self.cache.batch(slot, 1)
         batch.seqlens.set([start])
         ids = to_device(request.prompt[start:end], self.device).view(1, -1)

@@ -206,12 +206,3 @@ class Scheduler:
             changes.append(Clear(len(self.decoding)))
         seq.slot, seq.state = None, DONE
         return changes
-
-    def stats(self) -> dict[str, int]:
-        return dict(
-            waiting=len(self.waiting),
-            prefilling=len(self.prefilling),
-            decoding=len(self.decoding),
-            pages_used=self.pages.num_used,
-            pages_total=self.pages.num_blocks,
-        )

@@ -19,9 +19,6 @@ class HostCopy:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
     def values(self) -> list:
         if self._event is not None:
             self._event.synchronize()
