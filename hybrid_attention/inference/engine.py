@@ -24,7 +24,7 @@ from hybrid_attention.inference.engine_config import EngineConfig, cache_pages
 from hybrid_attention.inference.generate import sample_next_token
 from hybrid_attention.inference.paged_cache import PagedCache
 from hybrid_attention.inference.prefill import prefill_chunk_size
-from hybrid_attention.inference.requests import Event, Request, SamplingParams
+from hybrid_attention.inference.requests import ENDINGS, Event, Request, SamplingParams
 from hybrid_attention.inference.scheduler import (
     DECODING,
     WAITING,
@@ -45,7 +45,6 @@ LOGITS_CHUNK = 1024
 # The prefill budget of an iteration without decoding sequences on a CPU, whose attention path materialises a chunk's
 # scores: larger chunks cost more there than their fewer passes over the prefix save (on a GPU: prefill.py's choice).
 CPU_IDLE_PREFILL_TOKENS = 1024
-ENDINGS = ("stop", "length", "cancelled", "error")
 COUNTERS = ("generated_tokens", "prompt_tokens", "prefill_chunks", *(f"finished_{o}" for o in ENDINGS))
 
 

@@ -10,6 +10,7 @@ from hybrid_attention.checks import is_finite_number, is_int
 from hybrid_attention.inference.scheduler import Sequence
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+ENDINGS = ("stop", "length", "cancelled", "error")  # how a request ends (the engine counts each, /metrics shows them)
 
 
 @dataclass(frozen=True)

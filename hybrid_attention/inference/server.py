@@ -33,6 +33,7 @@ from hybrid_attention.inference.openai_api import (
     parse_completion,
     usage,
 )
+from hybrid_attention.inference.requests import ENDINGS
 from hybrid_attention.inference.scheduler import QueueFull, ShuttingDown
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a few decode steps free a queue place
@@ -77,7 +78,7 @@ class _EngineMetrics:
         ):
             yield CounterMetricFamily(f"hybrid_attention_{name}", doc, value=s.get(name, 0))
         ended = CounterMetricFamily("hybrid_attention_requests_ended", "prompts ended, by outcome", labels=["outcome"])
-        for outcome in ("stop", "length", "cancelled", "error"):
+        for outcome in ENDINGS:
             ended.add_metric([outcome], s.get(f"finished_{outcome}", 0))
         yield ended
 
