@@ -18,6 +18,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name on CUDA ("cpu" elsewhere), as benchmark and report lines give it."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def resolve_dtype(device: torch.device, name: str) -> torch.dtype:
     """--dtype NAME on `device`: "auto" is bf16 on CUDA and float32 elsewhere. bfloat16 on the CPU is refused: on
     processors without bf16 instructions oneDNN runs the KDA short convolutions through a slow reference path."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid_attention.device import device_name  # noqa: F401  (re-exported: cli/evaluate imports it here)
 from hybrid_attention.files import atomic_write
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -34,10 +35,6 @@ def table_lines(rows: list[dict]) -> list[str]:
         span = f"{r['start']:,}" if r["stop"] == r["start"] + 1 else f"{r['start']:,} - {r['stop'] - 1:,}"
         lines.append(f"| {span} | {r['tokens']:,} | {r['loss']:.4f} | {r['bpb']:.4f} | {r.get('past_training', '')} |")
     return lines
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def summary(result, rows: list[dict], **context) -> dict:
