@@ -14,11 +14,10 @@ from tqdm import tqdm
 
 from hybrid_attention.data.loader import eval_starts
 from hybrid_attention.inference.prefill import (
-    FREE_FRACTION,
     PROGRESS_DELAY_S,
+    activation_budget,
     activation_bytes_per_token,
     chunk_size_for,
-    free_bytes,
 )
 
 # Bytes per token of a chunk's logits beyond the activations: the head's output, its float32 copy and the
@@ -47,9 +46,10 @@ def position_buckets(seq_len: int, num_buckets: int | None = None) -> list[tuple
 def logits_chunk_size(model, batch_size: int) -> int:
     """Tokens per sequence per call for `token_losses`: `prefill_chunk_size`'s rule with the chunk's logits counted."""
     weight = model.embed.weight
-    budget = free_bytes(weight.device) * (FREE_FRACTION if weight.is_cuda else 1.0)
     per_token = activation_bytes_per_token(model.config, weight.element_size())
-    return chunk_size_for(budget, per_token + LOGIT_COPIES * 4 * model.config.vocab_size, batch_size)
+    return chunk_size_for(
+        activation_budget(weight.device), per_token + LOGIT_COPIES * 4 * model.config.vocab_size, batch_size
+    )
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from hybrid_attention.checks import is_int
 from hybrid_attention.config import HybridConfig
 
 # Largest chunk per sequence: the MLA layers up-project the cached prefix once per chunk, which costs about
@@ -48,6 +49,12 @@ def free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def activation_budget(device: torch.device) -> float:
+    """Bytes one prefill call's activations may take on `device`: `FREE_FRACTION` of `free_bytes` on CUDA, the fixed
+    CPU budget elsewhere."""
+    return free_bytes(device) * (FREE_FRACTION if device.type == "cuda" else 1.0)
+
+
 def chunk_size_for(budget_bytes: float, bytes_per_token: int, batch_size: int) -> int:
     """Tokens per sequence per call: what `budget_bytes` holds for `batch_size` sequences, rounded down to a power of
     two (chunked prefill then repeats a few attention shapes), within [MIN_CHUNK, MAX_CHUNK]."""
@@ -59,8 +66,8 @@ def prefill_chunk_size(model, batch_size: int) -> int:
     """Tokens per sequence per prefill call for `model` now: `FREE_FRACTION` of the free memory (a fixed budget on
     the CPU) over `activation_bytes_per_token`, a power of two in [MIN_CHUNK, MAX_CHUNK]."""
     weight = model.embed.weight
-    budget = free_bytes(weight.device) * (FREE_FRACTION if weight.is_cuda else 1.0)
-    return chunk_size_for(budget, activation_bytes_per_token(model.config, weight.element_size()), batch_size)
+    per_token = activation_bytes_per_token(model.config, weight.element_size())
+    return chunk_size_for(activation_budget(weight.device), per_token, batch_size)
 
 
 @torch.no_grad()
@@ -74,7 +81,7 @@ def prefill(
     bar on stderr (None: once the prefill has run `PROGRESS_DELAY_S` seconds; True: from the start; False: never).
     """
     B, T = input_ids.shape
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"prefill: chunk_size={chunk_size!r}; expected None or an integer >= 1")
     if T == 0:
         raise ValueError("prefill: input_ids has no tokens (T = 0)")
