@@ -151,6 +151,7 @@ def position_losses(
     starts = eval_starts(split.numel(), batch_size, seq_len, num_batches)
     total = torch.zeros(seq_len - 1, dtype=torch.float64, device=device)
     nbytes = torch.zeros(seq_len - 1, dtype=torch.long, device=device)
+    byte_lengths = byte_lengths.to(device)  # once, not per batch
     delay = 0.0 if progress else PROGRESS_DELAY_S
     bar = tqdm(
         total=len(starts) * seq_len,
@@ -164,7 +165,7 @@ def position_losses(
         for i in range(0, len(starts), batch_size):
             x = _windows(split, starts[i : i + batch_size], seq_len).to(device).long()
             total += token_losses(model, x, chunk_size=chunk_size, bar=bar).double().sum(0)
-            nbytes += byte_lengths.to(device)[x[:, 1:]].sum(0)
+            nbytes += byte_lengths[x[:, 1:]].sum(0)
     model.train(was_training)
     per_position = (total / len(starts)).cpu().numpy()
     if not np.isfinite(per_position).all():
