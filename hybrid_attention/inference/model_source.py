@@ -66,8 +66,6 @@ def load_for_serving(
 def exported_tokenizer(folder: Path):
     """The tokenizer of an `export --hf` folder as the run's own: its byte-level vocabulary without merges is the
     byte tokenizer (the end token, when the folder names one, ends documents), anything else a BPE."""
-    import json
-
     from hybrid_attention.data.tokenizer import BYTE_EOD, BPETokenizer, ByteTokenizer, byte_alphabet
 
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
