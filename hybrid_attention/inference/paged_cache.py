@@ -140,23 +140,21 @@ class PagedCache:
         row = list(pages) + [0] * (self.max_pages - len(pages))
         self.page_table[slot].copy_(to_device(row, self.device, torch.int32))
 
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """The KDA states and conv tails of every KDA layer, each [num_slots, ...]."""
+        return [t for layer in self.layers if isinstance(layer, KDACache) for t in layer_tensors(layer)]
+
     def clear_slot(self, slot: int) -> None:
         """Zero the KDA states and conv tails of `slot`: a sequence that has not started."""
-        for layer in self.layers:
-            if isinstance(layer, KDACache):
-                for t in layer_tensors(layer):
-                    t[slot].zero_()
+        for t in self._slot_tensors():
+            t[slot].zero_()
 
     def move_slot(self, src: int, dst: int) -> None:
         """Copy the KDA states and conv tails of slot `src` into slot `dst` (the page table is set by the caller)."""
-        for layer in self.layers:
-            if isinstance(layer, KDACache):
-                for t in layer_tensors(layer):
-                    t[dst].copy_(t[src])
+        for t in self._slot_tensors():
+            t[dst].copy_(t[src])
 
     def nbytes(self) -> int:
         """Bytes of the pools, slots and page table."""
-        tensors = [self.page_table]
-        for layer in self.layers:
-            tensors += layer_tensors(layer) if isinstance(layer, KDACache) else [layer]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        pools = [layer for layer in self.layers if isinstance(layer, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in [self.page_table, *pools, *self._slot_tensors()])
