@@ -513,6 +513,8 @@ def main(argv=None) -> int:
     result = dict(env=env, limits=vars(limits), scenarios={k: v[:2] for k, v in scenarios.items()})
     workdir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     sources = {s: ["--preset", PRESETS[s]] for s in PRESETS}
+    served = {s: HybridConfig.from_preset(PRESETS[s], vocab_size=256) for s in PRESETS}  # for the cache's bytes
+    served_dtype = torch.bfloat16 if on_cuda else torch.float32
     if args.quick:  # tiny run directories: there is no tiny all-MLA preset
         from hybrid_attention.data.tokenizer import ByteTokenizer
         from hybrid_attention.training.model_run import save_model_run
@@ -521,6 +523,7 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             config = HybridConfig.from_preset("tiny", **({"layer_types": layers} if layers else {}))
             save_model_run(workdir / system, HybridLM(config), ByteTokenizer())
+            served[system] = config
         sources = {
             "hybrid": ["--ckpt", str(workdir / "hybrid")],
             "all-mla": ["--ckpt", str(workdir / "all-mla")],
@@ -544,9 +547,10 @@ def main(argv=None) -> int:
     for system, wanted in order:
         if not wanted and not (system == "hybrid" and overhead is not None and on_cuda):
             continue
-        config = HybridConfig.from_preset(PRESETS[system], vocab_size=256)
         with torch.device("meta"):
-            page_bytes = PagedCache.page_bytes(HybridLM(config), 64, torch.bfloat16) if system != "static" else None
+            page_bytes = (
+                None if system == "static" else PagedCache.page_bytes(HybridLM(served[system]), 64, served_dtype)
+            )
         log(f"starting {system} ({time.monotonic() - t0:.0f} s)")
         try:
             server = ServerProcess(server_argv(system, args, sources[system]), workdir / f"{system}.log")
