@@ -40,9 +40,9 @@ class MLACache:
         attends up to `lengths[b]`, on the device: a decode step needs no host sync and stays valid inside a CUDA
         graph while the lengths advance.
 
-    The layer reads a cache through `check_append`, `append`, `append_token`, `attend`, `max_seq_len`, `dtype` and
-    `seqlens` only, so a cache that lays its rows out differently (the serving engine's pages,
-    `inference/paged_cache.py`) offers the same.
+    The layer reads a cache through `check_append`, `append`, `append_token`, `attend`, `prefix_reader`,
+    `max_seq_len`, `dtype` and `seqlens` only, so a cache that lays its rows out differently (the serving engine's
+    pages, `inference/paged_cache.py`) offers the same.
     """
 
     rows: torch.Tensor
