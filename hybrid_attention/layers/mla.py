@@ -21,7 +21,7 @@ from hybrid_attention.ops.mla.decode import mla_decode
 from hybrid_attention.ops.mla.prefill import decompressed_break_even, mla_prefill
 from hybrid_attention.ops.mla.prefix import PrefixReader, contiguous_prefix
 from hybrid_attention.ops.mla.varlen import causal_varlen_attention
-from hybrid_attention.ops.rope import apply_rope
+from hybrid_attention.ops.rope import rope_cos_sin, rotate
 
 # Scores the PyTorch attention path may hold at once (B * query block * H * cache length): long chunked prefill on
 # the CPU goes in query blocks so that memory stays bounded; the Triton path never materialises scores.
@@ -40,9 +40,9 @@ class MLACache:
         attends up to `lengths[b]`, on the device: a decode step needs no host sync and stays valid inside a CUDA
         graph while the lengths advance.
 
-    The layer reads a cache through `check_append`, `append`, `append_token`, `attend`, `max_seq_len`, `dtype` and
-    `seqlens` only, so a cache that lays its rows out differently (the serving engine's pages,
-    `inference/paged_cache.py`) offers the same.
+    The layer reads a cache through `check_append`, `append`, `append_token`, `attend`, `prefix_reader`,
+    `max_seq_len`, `dtype` and `seqlens` only, so a cache that lays its rows out differently (the serving engine's
+    pages, `inference/paged_cache.py`) offers the same.
     """
 
     rows: torch.Tensor
@@ -363,10 +363,13 @@ class GatedMLA(nn.Module):
         return torch.arange(T, device=x.device)[None]
 
     def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, positions: torch.Tensor):
-        """RoPE on the shared parts: q [B, T, H, d_n + d_s], k_shared [B, T, d_s] -> the same, q_s and k_s rotated."""
+        """RoPE on the shared parts: q [B, T, H, d_n + d_s], k_shared [B, T, d_s] -> the same, q_s and k_s rotated
+        (`ops.rope.apply_rope`, with one cos/sin table for both)."""
+        work = torch.promote_types(q.dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, self.qk_shared_head_dim, self.rope_theta, work)  # (B, T, d_s / 2)
         q_n, q_s = q.split([self.qk_nope_head_dim, self.qk_shared_head_dim], dim=-1)
-        q = torch.cat([q_n, apply_rope(q_s, positions, self.rope_theta)], dim=-1)
-        return q, apply_rope(k_shared, positions, self.rope_theta)
+        q = torch.cat([q_n, rotate(q_s, cos[:, :, None], sin[:, :, None])], dim=-1)  # one angle for every head
+        return q, rotate(k_shared, cos, sin)
 
     def _output(
         self, g_in: torch.Tensor | None, o: torch.Tensor, decode: PackedProjections | None = None

@@ -16,6 +16,22 @@ def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor
     return positions.to(torch.float64)[..., None] * inv_freq
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles [*positions.shape, dim // 2] of integer `positions`, in `dtype`: one table
+    for every tensor rotated at these positions."""
+    angles = rope_angles(positions, dim, theta)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., d] rotated by the table of `rope_cos_sin` (broadcast to [..., d/2]); the math in the table's dtype, the
+    result in x's."""
+    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [B, T, d] or [B, T, H, d] (d even) rotated by its tokens' positions [B, T] or [1, T] (integers) -> the same
     shape and dtype; the rotation runs in float32 (float64 for float64 x)."""
@@ -26,10 +42,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
         raise ValueError(f"apply_rope: the last dimension must be even, got {d}")
     if positions.dim() != 2 or positions.shape[1] != x.shape[1] or positions.shape[0] not in (1, x.shape[0]):
         raise ValueError(f"apply_rope: positions must be [B or 1, T] for x {tuple(x.shape)}, got {positions.shape}")
-    work = torch.promote_types(x.dtype, torch.float32)
-    angles = rope_angles(positions, d, theta)  # (B, T, d/2)
-    if x.dim() == 4:
-        angles = angles[:, :, None]  # one angle per token, shared by every head
-    cos, sin = angles.cos().to(work), angles.sin().to(work)
-    x1, x2 = x.to(work).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    cos, sin = rope_cos_sin(positions, d, theta, torch.promote_types(x.dtype, torch.float32))  # (B, T, d/2)
+    if x.dim() == 4:  # one angle per token, shared by every head
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    return rotate(x, cos, sin)

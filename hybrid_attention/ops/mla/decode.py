@@ -56,6 +56,28 @@ def _check_inputs(
             )
 
 
+def decode_backend(backend: str, q: torch.Tensor, rows: torch.Tensor, name: str) -> str:
+    """The backend a decode over latent rows (contiguous or paged) runs, "torch" or "triton": `backend` resolved by
+    the rule of `ops.backends`; raises ValueError, naming `name`, when "triton" is asked for where it cannot run."""
+    # The kernel has no backward pass; "auto" keeps autograd working by taking the PyTorch path instead.
+    grad = needs_grad(q, rows)
+    backend = resolve(backend, q, name=name, needs_backward=grad)
+    if backend == "torch":
+        return backend
+    if grad:
+        raise ValueError(
+            f"{name}: backend='triton' is inference-only (no backward); call it under torch.no_grad() "
+            "or use backend='torch' when gradients are needed"
+        )
+    if not triton_runs_on(q):
+        raise ValueError(
+            f"{name}: backend='triton' needs the triton package, a CUDA tensor (or TRITON_INTERPRET=1 on CPU) "
+            f"and dtype in {TRITON_DTYPES}; got device {q.device}, dtype {q.dtype}, triton "
+            f"{'installed' if triton_available() else 'missing'}"
+        )
+    return backend
+
+
 def naive_mla_decode(
     q: torch.Tensor,
     rows: torch.Tensor,
@@ -103,22 +125,8 @@ def mla_decode(
     """
     check_backend(backend, "mla_decode")
     _check_inputs(q, rows, seq_lens, value_dim, scale, num_splits)
-    # The kernel has no backward pass; "auto" keeps autograd working by taking the PyTorch path instead.
-    grad = needs_grad(q, rows)
-    backend = resolve(backend, q, name="mla_decode", needs_backward=grad)
-    if backend == "torch":
+    if decode_backend(backend, q, rows, "mla_decode") == "torch":
         return naive_absorbed_attention(q, rows, value_dim=value_dim, scale=scale, causal=True, seq_lens=seq_lens)
-    if grad:
-        raise ValueError(
-            "mla_decode: backend='triton' is inference-only (no backward); call it under torch.no_grad() "
-            "or use backend='torch' when gradients are needed"
-        )
-    if not triton_runs_on(q):
-        raise ValueError(
-            "mla_decode: backend='triton' needs the triton package, a CUDA tensor (or TRITON_INTERPRET=1 on CPU) "
-            f"and dtype in {TRITON_DTYPES}; got device {q.device}, dtype {q.dtype}, triton "
-            f"{'installed' if triton_available() else 'missing'}"
-        )
     from hybrid_attention.ops.mla.triton_decode import mla_decode_triton
 
     return mla_decode_triton(q, rows, seq_lens, value_dim=value_dim, scale=scale, num_splits=num_splits)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_attention.ops.backends import check_backend, needs_grad, resolve
+from hybrid_attention.ops.backends import check_backend
+from hybrid_attention.ops.mla.decode import decode_backend
 from hybrid_attention.ops.mla.naive import naive_absorbed_attention
-from hybrid_attention.ops.triton_support import TRITON_DTYPES, triton_available, triton_runs_on
 
 
 def gather_pages(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
@@ -91,18 +91,8 @@ def paged_mla_decode(
     """
     check_backend(backend, "paged_mla_decode")
     _check_inputs(q, pool, page_table, seq_lens, value_dim, scale)
-    grad = needs_grad(q, pool)
-    backend = resolve(backend, q, name="paged_mla_decode", needs_backward=grad)
-    if backend == "torch":
+    if decode_backend(backend, q, pool, "paged_mla_decode") == "torch":
         return naive_paged_mla_decode(q, pool, page_table, seq_lens, value_dim=value_dim, scale=scale)
-    if grad:
-        raise ValueError("paged_mla_decode: backend='triton' is inference-only; call it under torch.no_grad()")
-    if not triton_runs_on(q):
-        raise ValueError(
-            "paged_mla_decode: backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of "
-            f"dtype in {TRITON_DTYPES}; got {q.device}, {q.dtype}, triton "
-            f"{'installed' if triton_available() else 'missing'}"
-        )
     from hybrid_attention.ops.mla.triton_decode import mla_decode_triton
 
     return mla_decode_triton(

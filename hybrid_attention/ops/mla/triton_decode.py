@@ -79,6 +79,7 @@ def launch_plan(
             num_sms = 4  # the interpreter: a few splits, so CPU runs stay quick
         num_splits = default_num_splits(B * m_blocks, max_len, num_sms)
     return dict(
+        max_len=max_len,
         n_rows=n_rows,
         block_m=block_m,
         m_blocks=m_blocks,
@@ -119,18 +120,17 @@ def mla_decode_triton(
     if q.stride(-1) != 1:
         q = q.contiguous()
     page = 0 if page_table is None else rows.shape[1]
-    reach = None if page_table is None else page_table.shape[1] * page
     plan = launch_plan(
         q,
         rows,
         value_dim=value_dim,
-        max_len=reach,
+        max_len=None if page_table is None else page_table.shape[1] * page,
         num_splits=num_splits,
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    plan.update(page=page, max_len=reach or rows.shape[1], table=page_table)
+    plan.update(page=page, table=page_table)
     n_rows, num_splits = plan["n_rows"], plan["num_splits"]
     out = torch.empty(B, Tq, H, value_dim, device=q.device, dtype=q.dtype)
     single = num_splits == 1
