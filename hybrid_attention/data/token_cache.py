@@ -92,7 +92,7 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
                     bar.update(size)
                     group, size = [], 0
         writer.flush()
-        splits[split] = _split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
+        splits[split] = split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
     index = {
         "tokenizer": tokenizer_section(tokenizer),
         "source": corpus.source,
@@ -104,7 +104,8 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
     return read_index(root)
 
 
-def _split_section(entries: list[dict], text_bytes: int) -> dict:
+def split_section(entries: list[dict], text_bytes: int) -> dict:
+    """The index's section of one split: its shard entries and their totals."""
     return {
         "num_tokens": sum(e["num_tokens"] for e in entries),
         "num_documents": sum(e["num_documents"] for e in entries),

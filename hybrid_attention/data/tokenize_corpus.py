@@ -16,7 +16,7 @@ import numpy as np
 
 from hybrid_attention.data.formats import Skipped, plan_units, read_unit, split_of
 from hybrid_attention.data.shards import INDEX, SPLITS, file_sha256, read_index, token_dtype, write_index, write_shard
-from hybrid_attention.data.token_cache import tokenizer_section, write_corpus_shards
+from hybrid_attention.data.token_cache import split_section, tokenizer_section, write_corpus_shards
 from hybrid_attention.data.tokenizer import (
     BPE_FILE,
     BPE_TRAIN_MAX_BYTES,
@@ -301,12 +301,7 @@ def _write_index(out: Path, settings: Settings, tokenizer, source: str, records:
         skipped.update(record["skipped"])
     for split in SPLITS:
         entries = [r[split] for r in records if r[split] is not None]
-        splits[split] = {
-            "num_tokens": sum(e["num_tokens"] for e in entries),
-            "num_documents": sum(e["num_documents"] for e in entries),
-            "text_bytes": sum(r["text_bytes"][split] for r in records),
-            "shards": entries,
-        }
+        splits[split] = split_section(entries, sum(r["text_bytes"][split] for r in records))
     for split, name in (("train", "training"), ("val", "validation")):
         if splits[split]["num_documents"] == 0:
             raise ValueError(
