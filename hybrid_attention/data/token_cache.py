@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,18 @@ def cache_key(corpus_digest: str, tokenizer) -> str:
 def tokenizer_section(tokenizer) -> dict:
     """The index's record of a tokenizer: config.json's section and a sha256 of its identity."""
     return {**tokenizer.to_dict(), "sha256": hashlib.sha256(tokenizer.identity().encode()).hexdigest()}
+
+
+def encode_in_groups(tokenizer, docs: list[str], group_chars: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """`tokenizer.encode_packed` over `docs` in order, about `group_chars` characters per call (each a batch the
+    tokenizer encodes in parallel) -> (ids [N], lengths [D], characters) per group."""
+    group, size = [], 0
+    for i, doc in enumerate(docs):
+        group.append(doc)
+        size += len(doc)
+        if size >= group_chars or i == len(docs) - 1:
+            yield *tokenizer.encode_packed(group), size
+            group, size = [], 0
 
 
 class SplitWriter:
@@ -83,14 +96,9 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
         total = sum(len(d) for d in docs)
         desc = f"tokenizing {'validation' if split == 'val' else split}"
         with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, leave=False) as bar:
-            group, size = [], 0
-            for i, doc in enumerate(docs):
-                group.append(doc)
-                size += len(doc)
-                if size >= GROUP_BYTES or i == len(docs) - 1:
-                    writer.add(*tokenizer.encode_packed(group))
-                    bar.update(size)
-                    group, size = [], 0
+            for ids, lengths, size in encode_in_groups(tokenizer, docs, GROUP_BYTES):
+                writer.add(ids, lengths)
+                bar.update(size)
         writer.flush()
         splits[split] = split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
     index = {
