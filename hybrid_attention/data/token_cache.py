@@ -91,7 +91,7 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
         atomic_write_text(root / BPE_FILE, tokenizer.to_json())
     dtype = token_dtype(tokenizer.vocab_size)
     splits = {}
-    for split, docs in zip(SPLITS, (corpus.train, corpus.val), strict=True):
+    for split, docs, text_bytes in zip(SPLITS, (corpus.train, corpus.val), corpus.num_bytes, strict=True):
         writer = SplitWriter(root, split, dtype, SHARD_TOKENS)
         total = sum(len(d) for d in docs)
         desc = f"tokenizing {'validation' if split == 'val' else split}"
@@ -100,7 +100,7 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
                 writer.add(ids, lengths)
                 bar.update(size)
         writer.flush()
-        splits[split] = split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
+        splits[split] = split_section(writer.entries, text_bytes)
     index = {
         "tokenizer": tokenizer_section(tokenizer),
         "source": corpus.source,
