@@ -171,7 +171,8 @@ def evaluate_positions(args, result: dict, seq_len: int) -> dict | None:
     saved = run / f"per-position-{seq_len}.json"
     if saved.is_file():
         return json.loads(saved.read_text())
-    if (minutes_left(args) or 1) <= 0:
+    minutes = minutes_left(args)
+    if minutes is not None and minutes <= 0:
         log(f"{run}: no time left in --time-budget for its loss against position; rerun the same command")
         return None
     log(f"{result['variant']} seed {result['seed']}: loss against position in windows of {seq_len:,} tokens")

@@ -8,35 +8,20 @@ import functools
 import inspect
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 from hybrid_attention.data.documents import in_validation
+from hybrid_attention.data.sources import TEXT_SUFFIXES, VAL_SPLITS, walk_files
 
-TEXT_SUFFIXES = (".txt", ".md", ".py")
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
-VAL_SPLITS = ("validation", "valid", "test")
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def dataset_folder(path: Path) -> bool:
     """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
     path = Path(path)
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def _walk(root: Path) -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        found += [
-            Path(dirpath, n).relative_to(root).as_posix()
-            for n in filenames
-            if n.endswith(TEXT_SUFFIXES + RECORD_SUFFIXES)
-        ]
-    return sorted(found)
 
 
 def plan_units(spec: str, unit_bytes: int) -> tuple[list[dict], str]:
@@ -48,9 +33,10 @@ def plan_units(spec: str, unit_bytes: int) -> tuple[list[dict], str]:
         raise ValueError(f"--data {spec}: no such file or directory")
     if path.is_dir() and dataset_folder(path):
         return _dataset_units(str(path), unit_bytes)
-    root, names = (path, _walk(path)) if path.is_dir() else (path.parent, [path.name])
+    suffixes = TEXT_SUFFIXES + RECORD_SUFFIXES
+    root, names = (path, walk_files(path, suffixes)) if path.is_dir() else (path.parent, [path.name])
     if not names:
-        raise ValueError(f"--data {spec}: holds no {'/'.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} files")
+        raise ValueError(f"--data {spec}: holds no {'/'.join(suffixes)} files")
     units: list[dict] = []
     texts: list[str] = []
     text_size = 0

@@ -14,6 +14,7 @@ from hybrid_attention.data.documents import VAL_FRACTION, Corpus, in_validation,
 
 BUILTIN_MAX_BYTES = 4_000_000  # plenty for the tiny preset; reading it takes well under a second
 TEXT_SUFFIXES = (".txt", ".md", ".py")
+VAL_SPLITS = ("validation", "valid", "test")  # a dataset's split read as validation, the first found
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -45,7 +46,7 @@ def _builtin_corpus(max_bytes: int, val_fraction: float) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ValueError(f"the built-in corpus needs the standard library sources, but {root} is not a directory")
-    names = _walk(root, (".py",))
+    names = walk_files(root, (".py",))
     # Hash order spreads a capped read over the whole library instead of its alphabetically first modules.
     names.sort(key=lambda rel: (name_hash(rel), rel))
     docs = _read_named(root, names, max_bytes, val_fraction, strict=False)
@@ -62,7 +63,7 @@ def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corp
         if max_bytes is not None:
             docs = [(path.name, _cap_text(docs[0][1], max_bytes))]
         return _finish(docs, val_fraction, str(path))
-    names = _walk(path, TEXT_SUFFIXES)
+    names = walk_files(path, TEXT_SUFFIXES)
     if not names:
         raise ValueError(f"--data {path}: the directory holds no {'/'.join(TEXT_SUFFIXES)} files")
     skipped: list[str] = []
@@ -71,7 +72,7 @@ def _path_corpus(path: Path, max_bytes: int | None, val_fraction: float) -> Corp
     return _finish(docs, val_fraction, f"{path} ({len(names)} files{note})")
 
 
-def _walk(root: Path, suffixes: tuple[str, ...]) -> list[str]:
+def walk_files(root: Path, suffixes: tuple[str, ...]) -> list[str]:
     """Relative POSIX paths of files under `root` ending in `suffixes`, sorted, skipping installed packages."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -183,7 +184,7 @@ def _hf_corpus(spec: str, max_bytes: int, val_fraction: float) -> Corpus:
     splits = list(loaded.keys())
     if "train" not in splits:
         raise ValueError(f"--data {spec}: the dataset has no 'train' split (it has {splits})")
-    val_name = next((s for s in ("validation", "valid", "test") if s in splits), None)
+    val_name = next((s for s in VAL_SPLITS if s in splits), None)
     train = _hf_texts(spec, loaded["train"], (1.0 - val_fraction) * max_bytes if val_name else max_bytes)
     if val_name is None:
         docs = [(f"row-{i}", text) for i, text in enumerate(train)]

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,18 @@ def cache_key(corpus_digest: str, tokenizer) -> str:
 def tokenizer_section(tokenizer) -> dict:
     """The index's record of a tokenizer: config.json's section and a sha256 of its identity."""
     return {**tokenizer.to_dict(), "sha256": hashlib.sha256(tokenizer.identity().encode()).hexdigest()}
+
+
+def encode_in_groups(tokenizer, docs: list[str], group_chars: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """`tokenizer.encode_packed` over `docs` in order, about `group_chars` characters per call (each a batch the
+    tokenizer encodes in parallel) -> (ids [N], lengths [D], characters) per group."""
+    group, size = [], 0
+    for i, doc in enumerate(docs):
+        group.append(doc)
+        size += len(doc)
+        if size >= group_chars or i == len(docs) - 1:
+            yield *tokenizer.encode_packed(group), size
+            group, size = [], 0
 
 
 class SplitWriter:
@@ -78,21 +91,16 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
         atomic_write_text(root / BPE_FILE, tokenizer.to_json())
     dtype = token_dtype(tokenizer.vocab_size)
     splits = {}
-    for split, docs in zip(SPLITS, (corpus.train, corpus.val), strict=True):
+    for split, docs, text_bytes in zip(SPLITS, (corpus.train, corpus.val), corpus.num_bytes, strict=True):
         writer = SplitWriter(root, split, dtype, SHARD_TOKENS)
         total = sum(len(d) for d in docs)
         desc = f"tokenizing {'validation' if split == 'val' else split}"
         with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, leave=False) as bar:
-            group, size = [], 0
-            for i, doc in enumerate(docs):
-                group.append(doc)
-                size += len(doc)
-                if size >= GROUP_BYTES or i == len(docs) - 1:
-                    writer.add(*tokenizer.encode_packed(group))
-                    bar.update(size)
-                    group, size = [], 0
+            for ids, lengths, size in encode_in_groups(tokenizer, docs, GROUP_BYTES):
+                writer.add(ids, lengths)
+                bar.update(size)
         writer.flush()
-        splits[split] = _split_section(writer.entries, sum(len(d.encode("utf-8")) for d in docs))
+        splits[split] = split_section(writer.entries, text_bytes)
     index = {
         "tokenizer": tokenizer_section(tokenizer),
         "source": corpus.source,
@@ -104,7 +112,8 @@ def write_corpus_shards(corpus: Corpus, tokenizer, root: Path, *, progress: bool
     return read_index(root)
 
 
-def _split_section(entries: list[dict], text_bytes: int) -> dict:
+def split_section(entries: list[dict], text_bytes: int) -> dict:
+    """The index's section of one split: its shard entries and their totals."""
     return {
         "num_tokens": sum(e["num_tokens"] for e in entries),
         "num_documents": sum(e["num_documents"] for e in entries),

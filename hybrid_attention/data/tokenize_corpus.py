@@ -16,7 +16,7 @@ import numpy as np
 
 from hybrid_attention.data.formats import Skipped, plan_units, read_unit, split_of
 from hybrid_attention.data.shards import INDEX, SPLITS, file_sha256, read_index, token_dtype, write_index, write_shard
-from hybrid_attention.data.token_cache import tokenizer_section, write_corpus_shards
+from hybrid_attention.data.token_cache import encode_in_groups, split_section, tokenizer_section, write_corpus_shards
 from hybrid_attention.data.tokenizer import (
     BPE_FILE,
     BPE_TRAIN_MAX_BYTES,
@@ -229,15 +229,8 @@ def _tokenize_unit(i: int, unit: dict, settings: Settings, out: str) -> dict:
     record = {"unit": i, "skipped": dict(skipped), "text_bytes": {}}
     for split in SPLITS:
         record["text_bytes"][split] = sum(len(d.encode("utf-8")) for d in docs[split])
-        ids, lengths, group, size = [], [], [], 0
-        for j, doc in enumerate(docs[split]):
-            group.append(doc)
-            size += len(doc)
-            if size >= ENCODE_BYTES or j == len(docs[split]) - 1:
-                a, b = tokenizer.encode_packed(group)
-                ids.append(a)
-                lengths.append(b)
-                group, size = [], 0
+        groups = list(encode_in_groups(tokenizer, docs[split], ENCODE_BYTES))
+        ids, lengths = [g[0] for g in groups], [g[1] for g in groups]
         path = out / f"{split}-{i:05d}.safetensors"
         record[split] = write_shard(path, np.concatenate(ids), np.concatenate(lengths), dtype) if ids else None
     atomic_write_text(_part(out, i), json.dumps(record) + "\n")
@@ -301,12 +294,7 @@ def _write_index(out: Path, settings: Settings, tokenizer, source: str, records:
         skipped.update(record["skipped"])
     for split in SPLITS:
         entries = [r[split] for r in records if r[split] is not None]
-        splits[split] = {
-            "num_tokens": sum(e["num_tokens"] for e in entries),
-            "num_documents": sum(e["num_documents"] for e in entries),
-            "text_bytes": sum(r["text_bytes"][split] for r in records),
-            "shards": entries,
-        }
+        splits[split] = split_section(entries, sum(r["text_bytes"][split] for r in records))
     for split, name in (("train", "training"), ("val", "validation")):
         if splits[split]["num_documents"] == 0:
             raise ValueError(

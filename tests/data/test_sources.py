@@ -18,9 +18,10 @@ import torch
 from hybrid_attention.data import sources
 from hybrid_attention.data.documents import in_validation
 from hybrid_attention.data.loader import eval_starts
+from hybrid_attention.data.shards import open_split, read_index, write_index, write_shard
 from hybrid_attention.data.sources import load_corpus
 from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer, byte_alphabet, tokenizer_from_dict
-from hybrid_attention.data.unigram import unigram_loss
+from hybrid_attention.data.unigram import unigram_baseline, unigram_loss
 
 SAMPLE = "héllo wörld 🙂\n\tdef f(x):\n        return x ** 2  # naïve\n"
 
@@ -215,6 +216,31 @@ def test_unigram_loss_matches_direct_computation():
     counts = [3 + 1, 1 + 1, 2 + 1, 0 + 1]
     expected = -sum(math.log(counts[t] / sum(counts)) for t in val.tolist()) / 3
     assert abs(unigram_loss(train, val, 4) - expected) < 1e-12
+
+
+def test_unigram_baseline_on_whole_shards_is_unigram_loss(tmp_path):
+    """The baseline a run reports (read from shards a chunk at a time) is `unigram_loss` of the whole splits, and its
+    bits per byte divide by the text bytes, the end-of-document ids holding none."""
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(7)
+    docs = {
+        s: ["".join(rng.choice(list("abcdé \n"), rng.integers(1, 40))) for _ in range(n)]
+        for s, n in [("train", 31), ("val", 7)]
+    }
+    splits, ids = {}, {}
+    for s, d in docs.items():
+        ids[s], lengths = tok.encode_packed(d)
+        splits[s] = {"shards": [write_shard(tmp_path / f"{s}.safetensors", ids[s], lengths, np.dtype("uint16"))]}
+    write_index(tmp_path, {"tokenizer": {}, "source": "t", "dtype": "uint16", "splits": splits})
+    index = read_index(tmp_path)
+    train, val = open_split(tmp_path, index, "train"), open_split(tmp_path, index, "val")
+    loss, bpb = unigram_baseline(train, val, tok, max_tokens=1 << 20)
+    expected = unigram_loss(
+        torch.from_numpy(ids["train"].astype(np.int64)), torch.from_numpy(ids["val"].astype(np.int64)), 256
+    )
+    text_bytes = sum(len(d.encode("utf-8")) for d in docs["val"])
+    assert math.isfinite(loss) and abs(loss - expected) < 1e-9
+    assert abs(bpb - expected * ids["val"].size / math.log(2) / text_bytes) < 1e-9
 
 
 # ------------------------------------------------------------------------------------------------------- tokenizers
