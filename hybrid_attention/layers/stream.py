@@ -163,13 +163,9 @@ def block_attn_res_stream(embedding: torch.Tensor, steps: Sequence[Step], block_
         return x
     y = g(x)
     blocks, partial = [embedding.to(y.dtype)], y
-    n = len(steps) - 1
-    groups = [list(range(k, min(k + block_size, n))) for k in range(0, n, block_size)]
-    groups[-1].append(n)
-    groups[0].pop(0)  # the first step ran above
-    for group in groups:
-        if not group:  # the first block held only the first step: its sum is complete
-            continue
+    n = len(steps) - 1  # steps 1 .. n by block (the first ran above); the final AttnRes n joins the last block
+    for _, members in itertools.groupby(range(1, n + 1), key=lambda i: min(i, n - 1) // block_size):
+        group = list(members)
         if group[0] % block_size == 0 and group[0] > 0:
             blocks.append(partial)
             partial = None
