@@ -123,6 +123,7 @@ def _train(
     reporters = Reporters(config.report_to if par.is_main else (), p.run_dir, asdict(config), resume=resume)
     job.callback(reporters.close)
     fpt, peak = flops_per_token(p.model, config.seq_len), peak_flops(_device_name(p.device))
+    peak = peak * par.world_size if peak else None  # all ranks' devices: the tokens per second are all ranks' too
     checkpointer = Checkpointer(p, par, config)
     params = [q for opt in p.optimizers for group in opt.param_groups for q in group["params"]]
     train_step = TrainStep(
@@ -282,7 +283,7 @@ class _Throughput:
 
 
 def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation, tokens_per_s, fpt, peak) -> dict:
-    """summary.json's contents (written by rank 0); `fpt`, `peak`: FLOPs per token, the device's datasheet peak."""
+    """summary.json's contents (written by rank 0); `fpt`, `peak`: FLOPs per token, all ranks' datasheet peak."""
     memory = peak_memory(p.device)
     last = validation.last
     summary = {
@@ -301,8 +302,7 @@ def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation, to
         "parameters": p.model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
-        "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
+        "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": memory["allocated"] if memory else None,
         "memory": memory,  # allocated, reserved and the card's total bytes; None off CUDA
         "device": _device_name(p.device),
