@@ -106,8 +106,14 @@ def run_case(
     ids = torch.randint(0, vocab, (1, batch, seq_len), device=device)  # [grad_accum, B, T]
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params)  # noqa: E731
     graph = mode.endswith("graph")
-    train_step = TrainStep(lambda x: loss_fn(runner, x), model.parameters(), optimizers, clip=args.clip or None,
-                           autocast=autocast, cuda_graph=graph)  # fmt: skip
+    train_step = TrainStep(
+        lambda x: loss_fn(runner, x),
+        model.parameters(),
+        optimizers,
+        clip=args.clip or None,
+        autocast=autocast,
+        cuda_graph=graph,
+    )
 
     def step() -> torch.Tensor:
         return train_step.step(ids)[0]  # the loss (a static buffer under a graph)
@@ -219,8 +225,12 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip as in train (default 1.0; 0: none)")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw, or muon for the hidden matrices and adamw for the rest, as in train")  # fmt: skip
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="adamw, or muon for the hidden matrices and adamw for the rest, as in train",
+    )
     p.add_argument("--bf16-params", default="", help="comma-separated cases to run with bf16 parameters, no autocast")
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths, 2 x 32 tokens, 2 steps: a smoke check")
     p.add_argument(

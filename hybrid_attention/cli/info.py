@@ -39,8 +39,9 @@ def run(args) -> int:
 
         if args.model_config:
             raise ValueError("--model-config applies to --preset; a run's model is the one in its config.json")
-        c, source = run_model_config(args.ckpt), args.ckpt
-        run = TrainConfig.create(load_config(args.ckpt)["train"], out=str(args.ckpt))
+        saved = load_config(args.ckpt)  # read and checked once: the model and the training settings
+        c, source = run_model_config(args.ckpt, saved), args.ckpt
+        run = TrainConfig.create(saved["train"], out=str(args.ckpt))
     else:
         preset = args.preset or "tiny"
         overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}

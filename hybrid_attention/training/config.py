@@ -139,7 +139,7 @@ class TrainConfig:
     def extended(self, more_steps: int) -> TrainConfig:
         """The run with `more_steps` more steps after its last one, the learning rate on a new schedule tail from
         there (`optim.lr_factor`)."""
-        if not isinstance(more_steps, int) or isinstance(more_steps, bool) or more_steps < 1:
+        if not is_int(more_steps) or more_steps < 1:
             raise ValueError(f"--extend-steps must be a positive integer, got {more_steps!r}")
         extended_at = (*tuple(self.extended_at), self.steps)
         return dataclasses.replace(self, steps=self.steps + more_steps, extended_at=extended_at)

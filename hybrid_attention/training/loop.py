@@ -123,6 +123,7 @@ def _train(
     reporters = Reporters(config.report_to if par.is_main else (), p.run_dir, asdict(config), resume=resume)
     job.callback(reporters.close)
     fpt, peak = flops_per_token(p.model, config.seq_len), peak_flops(_device_name(p.device))
+    peak = peak * par.world_size if peak else None  # all ranks' devices: the tokens per second are all ranks' too
     checkpointer = Checkpointer(p, par, config)
     params = [q for opt in p.optimizers for group in opt.param_groups for q in group["params"]]
     train_step = TrainStep(
@@ -144,7 +145,7 @@ def _train(
         disable=not par.is_main,
     )
     job.callback(bar.close)
-    timer = _Throughput(p.step)
+    timer = _Throughput()
     end = config.stop_after or config.steps
     deadline = time.perf_counter() + 60 * config.time_limit if config.time_limit else math.inf
     bad_step = torch.zeros((), dtype=torch.long, device=p.device)  # the first step with a non-finite loss or norm
@@ -191,7 +192,8 @@ def _train(
             break
         timer.restart()
     bar.close()
-    return _summary(config, p, rows, par, step=step, stopped_by=stopped_by, validation=validation, timer=timer)
+    rates = dict(tokens_per_s=timer.mean(), fpt=fpt, peak=peak)
+    return _summary(config, p, rows, par, step=step, stopped_by=stopped_by, validation=validation, **rates)
 
 
 def _write_run_files(config: TrainConfig, p: Prepared, rows: list[dict], resume: bool, main: bool) -> None:
@@ -258,9 +260,10 @@ class _Throughput:
     """Tokens per second between log rows; a process's first interval (compilation, warm-up) is left out of the
     run's mean."""
 
-    def __init__(self, start: int):
+    def __init__(self):
         self.tick, self.tokens = time.perf_counter(), 0
         self.timed_tokens, self.timed_s = 0, 0.0
+        self.last = 0.0  # the latest interval's rate
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
@@ -276,15 +279,12 @@ class _Throughput:
         self.tick, self.tokens = time.perf_counter(), 0
 
     def mean(self) -> float:
-        return self.timed_tokens / self.timed_s if self.timed_s else getattr(self, "last", 0.0)
+        return self.timed_tokens / self.timed_s if self.timed_s else self.last
 
 
-def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation: Validation, timer: _Throughput) -> dict:
-    tokens_per_s = timer.mean()
-    fpt = flops_per_token(p.model, config.seq_len)
-    device_name = _device_name(p.device)
+def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation, tokens_per_s, fpt, peak) -> dict:
+    """summary.json's contents (written by rank 0); `fpt`, `peak`: FLOPs per token, all ranks' datasheet peak."""
     memory = peak_memory(p.device)
-    peak = peak_flops(device_name)
     last = validation.last
     summary = {
         "run_dir": str(p.run_dir),
@@ -302,11 +302,10 @@ def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation: Va
         "parameters": p.model.num_parameters(),
         "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt,
-        # None: the device's peak is not in metrics' table. The tokens are all ranks', the peak one device's.
-        "mfu": fpt * tokens_per_s / (peak * par.world_size) if peak else None,
+        "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": memory["allocated"] if memory else None,
         "memory": memory,  # allocated, reserved and the card's total bytes; None off CUDA
-        "device": device_name,
+        "device": _device_name(p.device),
         "torch": torch.__version__,
         "world_size": par.world_size,
     }
