@@ -108,9 +108,9 @@ def _check_per_position_flags(args):
 
 
 def _eval_per_position(args, model, tokenizer, source, run, seq_len, batch_size, num_batches, plot) -> int:
-    from hybrid_attention.device import resolve_dtype
+    from hybrid_attention.device import device_name, resolve_dtype
     from hybrid_attention.inference.position_loss import position_buckets, position_losses
-    from hybrid_attention.inference.position_report import device_name, report
+    from hybrid_attention.inference.position_report import report
 
     if args.buckets is not None and args.buckets > seq_len - 1:
         raise ValueError(f"--buckets {args.buckets}: a window of {seq_len:,} tokens predicts {seq_len - 1:,} positions")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from hybrid_attention.device import device_name  # noqa: F401  (re-exported: cli/evaluate imports it here)
 from hybrid_attention.files import atomic_write
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")

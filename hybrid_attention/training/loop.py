@@ -17,7 +17,7 @@ import torch
 from hybrid_attention import files
 from hybrid_attention.data.loader import TrainLoader
 from hybrid_attention.data.tokenizer import BPE_FILE
-from hybrid_attention.device import autocast_for, flush_denormals
+from hybrid_attention.device import autocast_for, device_name, flush_denormals
 from hybrid_attention.runs import checkpoint as ckpt
 from hybrid_attention.runs import run_config
 from hybrid_attention.runs.rundir import RunLock
@@ -122,7 +122,7 @@ def _train(
     job.callback(loader.close)
     reporters = Reporters(config.report_to if par.is_main else (), p.run_dir, asdict(config), resume=resume)
     job.callback(reporters.close)
-    fpt, peak = flops_per_token(p.model, config.seq_len), peak_flops(_device_name(p.device))
+    fpt, peak = flops_per_token(p.model, config.seq_len), peak_flops(device_name(p.device))
     peak = peak * par.world_size if peak else None  # all ranks' devices: the tokens per second are all ranks' too
     checkpointer = Checkpointer(p, par, config)
     params = [q for opt in p.optimizers for group in opt.param_groups for q in group["params"]]
@@ -305,14 +305,10 @@ def _summary(config, p: Prepared, rows, par, *, step, stopped_by, validation, to
         "mfu": fpt * tokens_per_s / peak if peak else None,  # None: the device's peak is not in metrics' table
         "peak_memory_bytes": memory["allocated"] if memory else None,
         "memory": memory,  # allocated, reserved and the card's total bytes; None off CUDA
-        "device": _device_name(p.device),
+        "device": device_name(p.device),
         "torch": torch.__version__,
         "world_size": par.world_size,
     }
     if par.is_main:
         files.atomic_write_text(p.run_dir / ckpt.SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

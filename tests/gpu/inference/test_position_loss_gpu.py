@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_attention.inference.position_loss import logits_chunk_size, token_losses
-from hybrid_attention.inference.prefill import FREE_FRACTION, free_bytes
+from hybrid_attention.inference.prefill import activation_budget
 from hybrid_attention.ops.backends import use_reference
 from tests.gpu.inference.test_generate_gpu import float64_copy, make_model, no_tf32, prompt  # noqa: F401
 from tests.helpers import assert_as_accurate, needs_cuda
@@ -32,7 +32,7 @@ def test_chunked_losses_as_accurate_as_one_call(preset):
 def test_32k_windows_fit_in_bounded_memory():
     model = make_model("k3-scaled", torch.bfloat16, seed=3)
     x = prompt(2, 32768, model.config.vocab_size, seed=4)
-    budget = free_bytes(x.device) * FREE_FRACTION
+    budget = activation_budget(x.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
