@@ -1,4 +1,4 @@
-"""The pretraining-size targets in one run: k3-1b against Llama (SDPA) and FLA's KDA model, its AttnRes overhead,
+"""The pretraining-size thresholds in one run: k3-1b against Llama (SDPA) and FLA's KDA model, its AttnRes overhead,
 --fp8's speed and loss, and k3-3b at a micro-batch of 4 x 2048 on one card.
 
     python benchmarks/bench_scale.py                 # both parts (--part speed, then --part loss)
@@ -9,7 +9,7 @@
 The speed part runs `bench_train.py` (its step, MFU and peak memory) on ours-1b and ours-1b-standard replayed from a
 CUDA graph, Llama eager and compiled, FLA's model from a CUDA graph, ours-1b bf16 and --fp8 compiled, and ours-3b
 with its mixers recomputed (`--activation-checkpointing mixer`). The loss part runs `train` twice, the same seed and
-data (the built-in corpus, byte tokens), eagerly, and compares the final validation loss. A table of the targets
+data (the built-in corpus, byte tokens), eagerly, and compares the final validation loss. A table of the thresholds
 with each measured figure, then the JSON line (both parts' rows as they came).
 """
 
@@ -101,12 +101,12 @@ def _row(results: list[dict], case: str) -> dict | None:
     return next((r for r in results if r["case"] in names and not r["error"]), None)
 
 
-def targets(speed_rows: list[dict], loss_rows: list[dict]) -> list[tuple[str, str, str, str]]:
-    """(target, goal, measured, met) for what the rows measured; "-" where a row is missing or failed."""
+def thresholds(speed_rows: list[dict], loss_rows: list[dict]) -> list[tuple[str, str, str, str]]:
+    """(measure, threshold, measured, met) for what the rows measured; "-" where a row is missing or failed."""
     out = []
 
-    def add(target: str, goal: str, measured: str | None, met: bool | None) -> None:
-        out.append((target, goal, measured or "-", "-" if met is None else ("yes" if met else "no")))
+    def add(measure: str, threshold: str, measured: str | None, met: bool | None) -> None:
+        out.append((measure, threshold, measured or "-", "-" if met is None else ("yes" if met else "no")))
 
     def ratio(a: dict | None, b: dict | None) -> float | None:
         return a["tokens_per_s"] / b["tokens_per_s"] if a and b else None
@@ -158,17 +158,17 @@ def main(argv=None) -> dict:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     speed_rows = speed(args) if args.part in ("speed", "all") else []
     loss_rows = loss(args) if args.part in ("loss", "all") else []
-    rows = targets(speed_rows, loss_rows)
+    rows = thresholds(speed_rows, loss_rows)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"\n## pretraining-size targets on {device}\n")
-    print("| target | goal | measured | met |")
+    print(f"\n## pretraining-size thresholds on {device}\n")
+    print("| measure | threshold | measured | met |")
     print("|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     for r in loss_rows:
         if r["error"]:
             print(f"\n{r['run']}: {r['error']}")
-    result = dict(env=env_info(sys.argv), targets=rows, speed=speed_rows, loss=loss_rows)
+    result = dict(env=env_info(sys.argv), thresholds=rows, speed=speed_rows, loss=loss_rows)
     emit_json(result, args.out)
     return result
 

@@ -1,8 +1,8 @@
-"""benchmarks/bench_scale.py's table of targets from bench_train's and train's rows (the GPU figures made up here)."""
+"""bench_scale.py's table of thresholds from bench_train's and train's rows (the GPU figures made up here)."""
 
 from __future__ import annotations
 
-from benchmarks.bench_scale import SPEED_CASES, targets
+from benchmarks.bench_scale import SPEED_CASES, thresholds
 
 
 def _speed(tokens_per_s: dict[str, float], **extra) -> list[dict]:
@@ -14,7 +14,7 @@ def _speed(tokens_per_s: dict[str, float], **extra) -> list[dict]:
     return rows
 
 
-def test_each_target_reads_its_rows():
+def test_each_threshold_reads_its_rows():
     speed = _speed(
         {
             "ours-1b@graph": 140,
@@ -36,7 +36,7 @@ def test_each_target_reads_its_rows():
         dict(run="bf16", steps=300, val_loss=2.0, error=None),
         dict(run="fp8", steps=300, val_loss=2.03, error=None),
     ]
-    rows = {target: (measured, met) for target, _, measured, met in targets(speed, loss)}
+    rows = {measure: (measured, met) for measure, _, measured, met in thresholds(speed, loss)}
     assert rows["k3-1b MFU, bf16"] == ("41.0%", "yes")
     assert rows["k3-1b tokens/s over Llama-SDPA (best mode)"] == ("1.40x", "yes")  # against its compiled row
     assert rows["k3-1b tokens/s over FLA KDA"] == ("1.17x", "no")
@@ -46,5 +46,5 @@ def test_each_target_reads_its_rows():
     assert rows["k3-3b at 4 x 2048, --activation-checkpointing mixer"] == ("70.0 GiB", "yes")
     assert rows["--fp8 loss after 300 steps"] == ("2.0300 vs 2.0000 (+1.50%)", "no")
     failed = [dict(r, error="OutOfMemoryError") if r["case"].startswith("ours-3b") else r for r in speed]
-    rows = {target: (measured, met) for target, _, measured, met in targets(failed, [])}
+    rows = {measure: (measured, met) for measure, _, measured, met in thresholds(failed, [])}
     assert rows["k3-3b at 4 x 2048, --activation-checkpointing mixer"] == ("-", "-")
