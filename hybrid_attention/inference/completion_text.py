@@ -18,44 +18,46 @@ class CompletionText:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(stop)
         self._longest = max((len(s) for s in self._stop), default=0)
-        self.text = ""  # everything decoded so far (up to the stop string once stopped)
-        self._sent = 0  # characters of self.text already returned
+        # Only a window of the text is kept, so a long completion costs linear time: the unsent text, and before it
+        # the last `longest - 1` sent characters (where a stop string ending in new text may begin).
+        self._before = ""
+        self._unsent = ""
         self.stopped = False
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """(text to send, stopped) after one more token; nothing more once stopped."""
         if self.stopped:
             return "", True
-        self.text += self._decoder.decode(self._tokenizer.token_bytes(token_id))
+        self._unsent += self._decoder.decode(self._tokenizer.token_bytes(token_id))
         return self._advance(final=False)
 
     def flush(self) -> str:
         """The rest of the text at the end of the completion (bytes of an unfinished character become U+FFFD)."""
         if self.stopped:
             return ""
-        self.text += self._decoder.decode(b"", final=True)
+        self._unsent += self._decoder.decode(b"", final=True)
         return self._advance(final=True)[0]
 
     def _advance(self, *, final: bool) -> tuple[str, bool]:
         if self._stop:
-            # A stop string ending in the new text starts at most `longest - 1` characters before the unsent part.
-            start = max(0, self._sent - self._longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+            window = self._before + self._unsent
+            hits = [i for i in (window.find(s) for s in self._stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
                 self.stopped = True
-                return self._take(len(self.text)), True
-        return self._take(len(self.text) if final else len(self.text) - self._held()), False
+                return self._take(max(0, min(hits) - len(self._before))), True
+        return self._take(len(self._unsent) if final else len(self._unsent) - self._held()), False
 
     def _held(self) -> int:
-        """Characters at the end of the text that begin some stop string (they may yet complete it)."""
-        for n in range(min(self._longest - 1, len(self.text) - self._sent), 0, -1):
-            tail = self.text[-n:]
+        """Characters at the end of the unsent text that begin some stop string (they may yet complete it)."""
+        for n in range(min(self._longest - 1, len(self._unsent)), 0, -1):
+            tail = self._unsent[-n:]
             if any(s.startswith(tail) for s in self._stop):
                 return n
         return 0
 
-    def _take(self, end: int) -> str:
-        piece = self.text[self._sent : end]
-        self._sent = max(self._sent, end)
+    def _take(self, count: int) -> str:
+        """Send the first `count` unsent characters."""
+        piece, self._unsent = self._unsent[:count], self._unsent[count:]
+        keep = self._longest - 1
+        self._before = (self._before + piece)[-keep:] if keep > 0 else ""
         return piece

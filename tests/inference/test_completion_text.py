@@ -62,3 +62,22 @@ def test_random_texts_match_a_plain_search():
         pieces, stopped = feed(text, stop)
         assert "".join(pieces) == expected(text, stop), (text, stop)
         assert stopped == any(s in text for s in stop)
+
+
+def test_a_long_completion_keeps_only_a_bounded_window():
+    """The stream keeps the unsent text and the few sent characters a stop string could start in, never the whole
+    completion (so each token costs the same, however long the completion runs)."""
+    rng = random.Random(1)
+    stop = ("<end>", "q")
+    stream = CompletionText(ByteTokenizer(), stop)
+    sent = []
+    text = "".join(rng.choice("ab<end z") for _ in range(20_000))
+    while "<end>" in text:
+        text = text.replace("<end>", "<e>")
+    for b in text.encode():
+        piece, stopped = stream.add(b)
+        assert not stopped
+        sent.append(piece)
+        assert len(stream._before) + len(stream._unsent) <= 2 * (len("<end>") - 1)
+    sent.append(stream.flush())
+    assert "".join(sent) == text
