@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 from collections import Counter
@@ -13,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hybrid_attention.data.documents import in_validation
-from hybrid_attention.data.sources import TEXT_SUFFIXES, VAL_SPLITS, walk_files
+from hybrid_attention.data.sources import TEXT_SUFFIXES, VAL_SPLITS, load_dataset, walk_files
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+_loaded_dataset = functools.lru_cache(maxsize=2)(load_dataset)  # a worker reads many units of one dataset
 
 
 def dataset_folder(path: Path) -> bool:
@@ -97,32 +97,8 @@ def _parquet_units(root: Path, name: str, unit_bytes: int) -> list[dict]:
     return units
 
 
-@functools.lru_cache(maxsize=2)  # a worker reads many units of one dataset
-def _load_dataset(source: str):
-    """A DatasetDict (or Dataset) from a save_to_disk folder or `hf:NAME[:CONFIG]`, never running loading scripts."""
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            f"--data {source} needs the optional `datasets` package: pip install 'hybrid-attention[data]'"
-        ) from None
-    try:
-        if not source.startswith("hf:"):
-            return datasets.load_from_disk(source)
-        parts = source[len("hf:") :].split(":")
-        if not parts[0] or len(parts) > 2:
-            raise ValueError(f"--data {source}: expected hf:NAME or hf:NAME:CONFIG")
-        # Before datasets 4.0 a loading script runs unless refused; from 4.0 on there are none and no flag.
-        params = inspect.signature(datasets.load_dataset).parameters
-        return datasets.load_dataset(*parts, **({"trust_remote_code": False} if "trust_remote_code" in params else {}))
-    except ValueError:
-        raise
-    except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, its own errors)
-        raise ValueError(f"--data {source}: datasets could not load it: {type(e).__name__}: {e}") from None
-
-
 def _dataset_units(source: str, unit_bytes: int) -> tuple[list[dict], str]:
-    loaded = _load_dataset(source)
+    loaded = _loaded_dataset(source)
     splits = dict(loaded) if hasattr(loaded, "keys") else {"train": loaded}
     if "train" not in splits:
         raise ValueError(f"--data {source}: the dataset has no 'train' split (it has {sorted(splits)})")
@@ -204,7 +180,7 @@ def read_unit(unit: dict, text_field: str, strict: bool, skipped: Skipped) -> It
             if (text := _text(value, f"{path} row {unit['first_row'] + i}", strict, skipped)) is not None:
                 yield f"{unit['name']}#{unit['first_row'] + i}", text, None
     elif kind == "dataset":
-        loaded = _load_dataset(root)
+        loaded = _loaded_dataset(root)
         rows = loaded[unit["name"]] if hasattr(loaded, "keys") else loaded
         if text_field not in rows.column_names:
             raise ValueError(

@@ -160,27 +160,31 @@ def _split_text(text: str, val_fraction: float) -> tuple[list[str], list[str]]:
     return ([head] if head.strip() else []), ([tail] if tail.strip() else [])
 
 
-def _hf_corpus(spec: str, max_bytes: int, val_fraction: float) -> Corpus:
-    parts = spec[len("hf:") :].split(":")
-    if not parts[0] or len(parts) > 2:
-        raise ValueError(f"--data {spec}: expected hf:NAME or hf:NAME:CONFIG")
+def load_dataset(source: str):
+    """A DatasetDict (or Dataset) from a save_to_disk folder or `hf:NAME[:CONFIG]`, never running loading scripts."""
     try:
         import datasets
     except ImportError:
         raise ValueError(
-            f"--data {spec} needs the optional `datasets` package: pip install 'hybrid-attention[hf]'"
+            f"--data {source} needs the optional `datasets` package: pip install 'hybrid-attention[data]'"
         ) from None
-    # Never run a dataset's own loading script: say so where this datasets version still takes the flag (from
-    # 4.0 on, scripts are not supported at all and the keyword is gone).
-    safe = (
-        {"trust_remote_code": False}
-        if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters
-        else {}
-    )
     try:
-        loaded = datasets.load_dataset(*parts, **safe)
+        if not source.startswith("hf:"):
+            return datasets.load_from_disk(source)
+        parts = source[len("hf:") :].split(":")
+        if not parts[0] or len(parts) > 2:
+            raise ValueError(f"--data {source}: expected hf:NAME or hf:NAME:CONFIG")
+        # Before datasets 4.0 a loading script runs unless refused; from 4.0 on there are none and no flag.
+        params = inspect.signature(datasets.load_dataset).parameters
+        return datasets.load_dataset(*parts, **({"trust_remote_code": False} if "trust_remote_code" in params else {}))
+    except ValueError:
+        raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, its own errors)
-        raise ValueError(f"--data {spec}: datasets could not load it: {type(e).__name__}: {e}") from None
+        raise ValueError(f"--data {source}: datasets could not load it: {type(e).__name__}: {e}") from None
+
+
+def _hf_corpus(spec: str, max_bytes: int, val_fraction: float) -> Corpus:
+    loaded = load_dataset(spec)
     splits = list(loaded.keys())
     if "train" not in splits:
         raise ValueError(f"--data {spec}: the dataset has no 'train' split (it has {splits})")

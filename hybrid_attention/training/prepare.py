@@ -34,15 +34,33 @@ class Prepared:
     run_dir: Path
     device: torch.device
     data: TrainingData
-    tokenizer: Tokenizer
     model: HybridLM
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LRScheduler]
     step: int  # the step of the checkpoint resumed from (0 for a new run)
-    train_tokens: ShardSet  # the training split's token ids, read in place
-    val_tokens: ShardSet  # the validation split's
-    fingerprint: dict  # data/shards.py's fingerprint of the data
-    token_cache: Path | None  # the token-cache folder the shards came from, when it held them
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.data.tokenizer
+
+    @property
+    def train_tokens(self) -> ShardSet:
+        """The training split's token ids, read in place."""
+        return self.data.train
+
+    @property
+    def val_tokens(self) -> ShardSet:
+        return self.data.val
+
+    @property
+    def fingerprint(self) -> dict:
+        """data/shards.py's fingerprint of the data."""
+        return self.data.fingerprint
+
+    @property
+    def token_cache(self) -> Path | None:
+        """The token-cache folder the shards came from, when it held them."""
+        return self.data.root if self.data.cached else None
 
 
 def prepare(
@@ -108,11 +126,10 @@ def prepare(
         check_eval_windows(
             split.numel(), config.batch_size, config.seq_len, config.eval_batches, name, "--eval-batches"
         )
-    fingerprint = data.fingerprint
     if saved is not None:
         where = str(run_dir / run_config.CONFIG)
         check_fingerprint(
-            saved.get("data_fingerprint"), fingerprint, data.source, where, legacy=data.legacy_fingerprint
+            saved.get("data_fingerprint"), data.fingerprint, data.source, where, legacy=data.legacy_fingerprint
         )
     torch.manual_seed(config.seed)
     backends = dict(kda_backend=config.kda_backend or "auto", attnres_backend=config.attnres_backend or "auto")
@@ -139,13 +156,8 @@ def prepare(
         run_dir=run_dir,
         device=device,
         data=data,
-        tokenizer=tokenizer,
         model=model,
         optimizers=optimizers,
         schedulers=schedulers,
         step=step,
-        train_tokens=data.train,
-        val_tokens=data.val,
-        fingerprint=fingerprint,
-        token_cache=data.root if data.cached else None,
     )

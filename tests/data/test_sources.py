@@ -179,7 +179,7 @@ def test_hf_data_without_validation_split_is_split_by_row_hash(monkeypatch):
 def test_hf_data_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as when the package is not installed
     with pytest.raises(
-        ValueError, match=r"needs the optional `datasets` package: pip install 'hybrid-attention\[hf\]'"
+        ValueError, match=r"needs the optional `datasets` package: pip install 'hybrid-attention\[data\]'"
     ):
         load_corpus("hf:anything")
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: {"test": []}))
