@@ -14,6 +14,11 @@ context about 4K), next to `bench_decode.py`'s CUDA-graph step at batch 64 and 4
 
     python benchmarks/bench_serve.py [--quick] [--out results.json] [--plot benchmarks/serve_rates.png]
 
+Every scenario generates 256 tokens per request unless `--output-tokens` says otherwise: after a 32K or 128K prompt,
+256 tokens leave the prefill dominating each request's cost, where the two models differ by their prefill times;
+with long outputs (`--output-tokens 2048 --max-running 256`) decoding dominates, many sequences run together, and
+each decode step reads every running sequence's cache, the bytes in which the hybrid and all-MLA differ most.
+
 The static baseline runs first, and each search gets a fair share of what is left of --budget-s. Every trial is
 listed with its verdict: held, or which request broke which limit, by how much, and the server's load then.
 `--quick` runs tiny models on the CPU in about two minutes (one scenario, a TPOT limit of 250 ms), and the overhead
@@ -467,6 +472,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny models on the CPU, one scenario, about a minute")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), help="default: all")
     p.add_argument("--systems", nargs="+", choices=list(PRESETS), help="default: each scenario's")
+    p.add_argument(
+        "--output-tokens",
+        help="output lengths of every scenario, N or LOW:HIGH (default 256; long outputs make decoding, and with it "
+        "the cache, dominate the load where 256 tokens after a long prompt leave the prefill dominating)",
+    )
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-context", type=int, default=131072 + 512)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -499,6 +509,12 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     scenarios = QUICK if args.quick else {k: SCENARIOS[k] for k in (args.scenarios or SCENARIOS)}
+    if args.output_tokens:
+        try:
+            parse_lengths(args.output_tokens)
+        except ValueError as exc:
+            p.error(f"--output-tokens: {exc}")
+        scenarios = {name: (spec[0], args.output_tokens, *spec[2:]) for name, spec in scenarios.items()}
     if args.quick:
         args.device, args.max_running, args.max_context, args.max_batched_tokens = "cpu", 8, 256, 96
         args.search_s, args.trial_s, args.max_trials = 6.0, 2.0, 3
