@@ -5,6 +5,7 @@
     python benchmarks/bench_scale.py --part speed    # bench_train.py's cases at 4 x 2048, each in its best mode
     python benchmarks/bench_scale.py --part loss     # k3-1b trained --steps times in bf16 and with --fp8, same data
     python benchmarks/bench_scale.py --quick         # CPU, tiny widths: a smoke check of the script
+    python benchmarks/bench_scale.py --part speed --cases ours-1b@graph,fla-1b@graph   # some speed cases
 
 The speed part runs `bench_train.py` (its step, MFU and peak memory) on ours-1b and ours-1b-standard replayed from a
 CUDA graph, Llama eager and compiled, FLA's model from a CUDA graph, ours-1b bf16 and --fp8 compiled, and ours-3b
@@ -42,8 +43,20 @@ SPEED_CASES = (
 QUICK_CASES = ("ours-1b", "ours-1b-standard", "llama-1b", "ours-1b:fp8", "ours-3b:ckpt-mixer")
 
 
+def speed_cases(chosen: str | None, quick: bool) -> list[str]:
+    """The speed part's cases: all of them, or the comma-separated `chosen` (ValueError naming one that is not)."""
+    known = QUICK_CASES if quick else SPEED_CASES
+    if not chosen:
+        return list(known)
+    cases = [c.strip() for c in chosen.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in known]
+    if unknown or not cases:
+        raise ValueError(f"--cases: {', '.join(unknown) or 'none given'}; expected some of {', '.join(known)}")
+    return cases
+
+
 def speed(args) -> list[dict]:
-    cases = ",".join(QUICK_CASES if args.quick else SPEED_CASES)
+    cases = ",".join(speed_cases(args.cases, args.quick))
     argv = [
         "--cases",
         cases,
@@ -145,6 +158,11 @@ def thresholds(speed_rows: list[dict], loss_rows: list[dict]) -> list[tuple[str,
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("speed", "loss", "all"), default="all")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="the speed part's cases, comma-separated (default: all; a run can go in parts: each row stands alone)",
+    )
     p.add_argument("--shape", default=None, help="BxT of the speed part (default 4x2048; --quick: 2x32)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per speed case (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
@@ -152,6 +170,10 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="CPU, tiny widths: a smoke check")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
+    try:
+        speed_cases(args.cases, args.quick)
+    except ValueError as exc:
+        p.error(str(exc))
     args.shape = args.shape or ("2x32" if args.quick else "4x2048")
     args.loss_steps = args.loss_steps or (4 if args.quick else 300)
     if args.quick:

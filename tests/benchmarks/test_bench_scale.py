@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.bench_scale import SPEED_CASES, thresholds
+import pytest
+
+from benchmarks.bench_scale import SPEED_CASES, speed_cases, thresholds
 
 
 def _speed(tokens_per_s: dict[str, float], **extra) -> list[dict]:
@@ -48,3 +50,12 @@ def test_each_threshold_reads_its_rows():
     failed = [dict(r, error="OutOfMemoryError") if r["case"].startswith("ours-3b") else r for r in speed]
     rows = {measure: (measured, met) for measure, _, measured, met in thresholds(failed, [])}
     assert rows["k3-3b at 4 x 2048, --activation-checkpointing mixer"] == ("-", "-")
+
+
+def test_cases_choose_part_of_the_speed_part():
+    assert speed_cases(None, quick=False) == list(SPEED_CASES)
+    assert speed_cases("fla-1b@graph, ours-1b@graph", quick=False) == ["fla-1b@graph", "ours-1b@graph"]
+    assert speed_cases("ours-1b", quick=True) == ["ours-1b"]
+    for bad, quick in (("ours-1b", False), ("fla-1b@graph", True), (",", False)):
+        with pytest.raises(ValueError, match="--cases: .*expected some of"):
+            speed_cases(bad, quick=quick)
