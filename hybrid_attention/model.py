@@ -131,6 +131,7 @@ class HybridLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
+        logits_to_keep: int = 0,
         decode: PackedProjections | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
@@ -138,12 +139,13 @@ class HybridLM(nn.Module):
         The loss comes from the hidden states by `ops.cross_entropy.linear_cross_entropy` (the head applied over
         token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
         None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
-        [B, T, vocab] logits. The loss is the mean over the labelled positions, and 0 (with zero gradients) when
-        there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the ones already in
-        it and the cache is updated in place. Token ids are checked against the vocabulary when they are on the CPU
-        (no device sync), and on every device when `check_token_ids` is set (one sync per call). `decode`: a decode
-        step's packed projections (`graphs.DecodeStep` passes them), with which every layer and the head compute
-        their products (layers/packed.py).
+        [B, T, vocab] logits. `logits_to_keep=n > 0`: the logits of the last n positions only, [B, n, vocab] (a
+        prefill needs the last one's alone). The loss is the mean over the labelled positions, and 0 (with zero
+        gradients) when there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the
+        ones already in it and the cache is updated in place. Token ids are checked against the vocabulary when they
+        are on the CPU (no device sync), and on every device when `check_token_ids` is set (one sync per call).
+        `decode`: a decode step's packed projections (`graphs.DecodeStep` passes them), with which every layer and
+        the head compute their products (layers/packed.py).
 
         `cu_seqlens` (int [N + 1], any device; a CPU one costs no device sync): input_ids [1, T] packs N documents
         back to back, as FLA's varlen API takes them. Each is its own sequence: KDA state and conv tails start from
@@ -151,6 +153,8 @@ class HybridLM(nn.Module):
         next document's first token, so logits and loss are those of each document run alone.
         """
         self._check_inputs(input_ids, labels, cache)
+        if not is_int(logits_to_keep) or logits_to_keep < 0:
+            raise ValueError(f"HybridLM: logits_to_keep={logits_to_keep!r}; expected an integer >= 0 (0: all)")
         docs = None
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1 or cache is not None or decode is not None:
@@ -182,6 +186,8 @@ class HybridLM(nn.Module):
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
             # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
+        if logits_to_keep:
+            h_out = h_out[:, -logits_to_keep:]
         logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
 

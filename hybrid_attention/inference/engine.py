@@ -39,9 +39,6 @@ from hybrid_attention.inference.transfers import HostCopy
 from hybrid_attention.layers.packed import PackedProjections
 
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
-# A prompt's last chunk longer than this computes its logits in a one-token call of its own (as prefill.py does):
-# no [chunk, vocab] logits for the one row that is sampled.
-LOGITS_CHUNK = 1024
 # The prefill budget of an iteration without decoding sequences on a CPU, whose attention path materialises a chunk's
 # scores: larger chunks cost more there than their fewer passes over the prefix save (on a GPU: prefill.py's choice).
 CPU_IDLE_PREFILL_TOKENS = 1024
@@ -280,10 +277,7 @@ class Engine:
         ids = to_device(request.prompt[start:end], self.device).view(1, -1)
         last = end == len(request.prompt)
         with torch.no_grad():
-            if last and end - start > LOGITS_CHUNK:
-                self.model(ids[:, :-1], cache=batch, return_logits=False)
-                ids = ids[:, -1:]
-            out = self.model(ids, cache=batch, return_logits=last)
+            out = self.model(ids, cache=batch, return_logits=last, logits_to_keep=1)
         return out.logits[:, -1] if last else None
 
     def _take_inbox(self) -> None:

@@ -77,8 +77,8 @@ def prefill(
     """Feed input_ids [B, T] into `cache` in chunks of `chunk_size` tokens per sequence (None: `prefill_chunk_size`);
     returns the logits of the last position [B, vocab].
 
-    The last token goes in a call of its own, so that no call computes logits for a whole chunk. progress: a tqdm
-    bar on stderr (None: once the prefill has run `PROGRESS_DELAY_S` seconds; True: from the start; False: never).
+    Only the last chunk computes logits, of its last position alone (`logits_to_keep=1`). progress: a tqdm bar on
+    stderr (None: once the prefill has run `PROGRESS_DELAY_S` seconds; True: from the start; False: never).
     """
     B, T = input_ids.shape
     if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
@@ -88,10 +88,9 @@ def prefill(
     chunk = chunk_size or prefill_chunk_size(model, B)
     delay = 0.0 if progress else PROGRESS_DELAY_S
     with tqdm(total=T, desc="prefill", unit="token", unit_scale=True, delay=delay, disable=progress is False) as bar:
-        for start in range(0, T - 1, chunk):
-            stop = min(T - 1, start + chunk)
-            model(input_ids[:, start:stop], cache=cache, return_logits=False)
+        for start in range(0, T, chunk):
+            stop = min(T, start + chunk)
+            last = stop == T
+            out = model(input_ids[:, start:stop], cache=cache, return_logits=last, logits_to_keep=1)
             bar.update(stop - start)
-        logits = model(input_ids[:, T - 1 :], cache=cache).logits[:, -1]
-        bar.update(1)
-    return logits
+    return out.logits[:, -1]

@@ -125,10 +125,7 @@ def test_cancellation_and_failures_free_their_cache_and_spare_the_rest(model):
     assert stats["finished_error"] == 1 and stats["finished_cancelled"] == 1 and stats["finished_length"] == 1
 
 
-def test_a_prompt_alone_prefills_in_few_chunks_and_beside_decoding_ones_in_bounded_chunks(model, monkeypatch):
-    import hybrid_attention.inference.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "LOGITS_CHUNK", 16)  # the last chunk's logits come from a call of their own
+def test_a_prompt_alone_prefills_in_few_chunks_and_beside_decoding_ones_in_bounded_chunks(model):
     engine = make_engine(model, max_context=400, max_prefill_chunk=256)
     spans, real = [], engine.prefill_chunk
 

@@ -161,6 +161,26 @@ def test_cache_accounting():
     assert cache.nbytes() == expected
 
 
+def test_logits_to_keep_gives_the_last_positions_logits():
+    model = tiny_model("attnres")
+    randomize_attnres(model)
+    ids = torch.randint(0, 256, (2, 19))
+    with torch.no_grad():
+        full = model(ids, labels=ids)
+        for keep in (1, 5, 19):
+            out = model(ids, labels=ids, logits_to_keep=keep)
+            assert out.logits.shape == (2, keep, 256)
+            assert_close(f"last {keep} logits", out.logits, full.logits[:, -keep:], 1e-12)
+            assert_close("loss beside logits_to_keep", out.loss, full.loss, 1e-12)  # the loss reads every position
+        cache = model.make_cache(2, 32)
+        model(ids[:, :7], cache=cache, return_logits=False)
+        last = model(ids[:, 7:], cache=cache, logits_to_keep=1).logits
+    assert_close("a chunk's last logits on a non-empty cache", last, full.logits[:, -1:], 1e-10)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(ids, logits_to_keep=bad)
+
+
 def test_bad_inputs_raise():
     model = tiny_model("attnres")
     with pytest.raises(ValueError, match="empty"):
