@@ -11,6 +11,7 @@ import json
 import math
 import multiprocessing
 import signal
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -324,8 +325,16 @@ def run_server(
 
     def on_signal(sig, frame) -> None:
         signals.append(sig)
+        name = signal.Signals(sig).name
         if len(signals) == 1:
             engine.drain(shutdown_timeout)
+            running = engine.stats()["running"]
+            say(
+                f"{name}: taking no new requests; {running} running may finish for up to {shutdown_timeout:g} s "
+                "(a second signal stops at once)"
+            )
+        else:
+            say(f"{name} again: stopping now")
         link.shutdown(force=len(signals) > 1)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -342,3 +351,11 @@ def run_server(
             front.kill()
     if not signals and front.exitcode:
         raise SystemExit(f"hybrid-attention serve: the HTTP process ended with exit code {front.exitcode}")
+    counts = engine.stats()
+    done = {reason: counts[f"finished_{reason}"] for reason in ENDINGS}
+    say("stopped; requests by how they ended: " + ", ".join(f"{n} {reason}" for reason, n in done.items()))
+
+
+def say(line: str) -> None:
+    """One line of the server's log (stderr)."""
+    print(f"hybrid-attention serve: {line}", file=sys.stderr, flush=True)

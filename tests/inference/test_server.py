@@ -292,6 +292,10 @@ def test_sigterm_stops_admitting_finishes_what_runs_and_exits_zero(small_server)
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "length"  # the running request was allowed to finish
     assert small_server.wait(timeout=30) == 0
+    wait_for(lambda: "stopped;" in small_server.log(), 10, "the server's last log line")  # read by another thread
+    log = small_server.log()
+    assert "SIGTERM: taking no new requests; 1 running may finish" in log, log
+    assert "stopped; requests by how they ended: 0 stop, " in log and "0 error" in log, log
     with pytest.raises(httpx.ConnectError):
         httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "late"}, timeout=5)
 
