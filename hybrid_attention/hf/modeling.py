@@ -12,6 +12,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hybrid_attention.checks import is_int
 from hybrid_attention.hf.cache import HybridAttentionCache
 from hybrid_attention.hf.configuration import HybridAttentionConfig
 from hybrid_attention.model import HybridLM
@@ -78,12 +79,17 @@ class HybridAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         past_key_values: HybridAttentionCache | None = None,
         cache: HybridAttentionCache | None = None,
         return_dict: bool | None = None,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """input_ids [B, T] (the tokens the cache has not seen), attention_mask [B, cached columns + T] of 0/1,
         labels [B, T] (-100 ignored; predicted from the previous position). use_cache: return a cache (default:
-        when one is passed). `past_key_values` and `cache` are the same argument under transformers' two names."""
+        when one is passed). `past_key_values` and `cache` are the same argument under transformers' two names.
+        logits_to_keep: n > 0 returns the logits of the last n positions only, [B, n, vocab] (generate passes 1, so
+        a long prompt computes one position's logits)."""
         self._check_kwargs(input_ids, kwargs)
+        if not is_int(logits_to_keep) or logits_to_keep < 0:
+            raise ValueError(f"HybridAttentionForCausalLM: logits_to_keep={logits_to_keep!r}; expected an integer >= 0")
         if past_key_values is not None and cache is not None:
             raise ValueError("HybridAttentionForCausalLM: pass the cache once, as `cache` or as `past_key_values`")
         cache = cache if cache is not None else past_key_values
@@ -100,11 +106,13 @@ class HybridAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         past = cache.columns if use_cache else 0
         starts = _left_padding(attention_mask, B, past, T)
         if starts is None:
-            out = self.model(input_ids, labels=labels, cache=hybrid)
+            out = self.model(input_ids, labels=labels, cache=hybrid, logits_to_keep=logits_to_keep)
             logits, loss = out.logits, out.loss
         else:
             logits = self._rows_alone(input_ids, starts, hybrid)
             loss = None if labels is None else _shifted_loss(logits, labels, attention_mask)
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
         if use_cache:
             cache.columns += T
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_KWARG: cache if use_cache else None})

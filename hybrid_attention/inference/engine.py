@@ -228,7 +228,7 @@ class Engine:
         before = torch.cuda.memory_allocated(self.device)
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            self.model(ids)
+            self.model(ids, logits_to_keep=1)  # as a prompt's last chunk: the logits of one position
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()  # so that the free memory the pages are sized from does not count it twice

@@ -113,6 +113,26 @@ def test_forward_and_loss_equal_hybrid_lm(tiny):
     assert isinstance(hf(ids, return_dict=False), tuple)
 
 
+def test_logits_to_keep_gives_the_last_positions_logits(tiny):
+    """generate passes logits_to_keep=1 (the wrapper's forward names it), so a prompt computes one position's logits;
+    a left-padded batch and labels keep working beside it."""
+    _, hf = tiny
+    assert hf._supports_logits_to_keep()
+    ids = torch.randint(0, 256, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        for attention_mask in (None, mask):
+            full = hf(ids, attention_mask=attention_mask, labels=ids)
+            for keep in (1, 3):
+                out = hf(ids, attention_mask=attention_mask, labels=ids, logits_to_keep=keep)
+                assert out.logits.shape == (3, keep, 256)
+                assert_close(f"last {keep} logits", out.logits, full.logits[:, -keep:], 1e-5)
+                assert torch.equal(out.loss, full.loss)
+    with pytest.raises(ValueError, match="logits_to_keep=-1; expected an integer >= 0"):
+        hf(ids, logits_to_keep=-1)
+
+
 # ------------------------------------------------------------------------------------------------ generation
 @pytest.mark.parametrize("which", ["tiny", "block_attnres"])
 def test_generate_equals_ours_token_for_token(which, request):
