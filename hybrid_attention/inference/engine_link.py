@@ -69,8 +69,11 @@ class EngineHost:
             self._lock.notify()
         self._sender.join(timeout=10)
 
-    def _submit(self, key: int, prompts: list[list[int]], params: SamplingParams) -> None:
-        requests = [Request(ids, params, partial(self._merge, key, i), index=i) for i, ids in enumerate(prompts)]
+    def _submit(self, key: int, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        requests = [
+            Request(ids, p, partial(self._merge, key, i), index=i)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
         with self._lock:  # before the engine can deliver anything for them
             self._requests[key], self._open[key] = requests, len(requests)
         try:
@@ -141,8 +144,9 @@ class EngineClient:
     def ready(self, host: str, port: int) -> None:
         self.conn.send(("ready", 0, (host, port)))
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """(key, queue of (index, Event)); raises what the engine refused them with (`REFUSALS`)."""
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, asyncio.Queue]:
+        """prompts and their sampling settings, one each -> (key, queue of (index, Event)); raises what the engine
+        refused them with (`REFUSALS`)."""
         key, queue = self._key(), asyncio.Queue()
         self._queues[key] = queue
         refused = await self._call("submit", key, (prompts, params))

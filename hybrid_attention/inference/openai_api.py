@@ -15,7 +15,6 @@ MAX_PROMPTS = 64  # prompts in one request; each is a sequence of its own
 MAX_STOPS = 4  # as OpenAI's API
 # Accepted when they ask for what the server does anyway; anything else is refused by name.
 NEUTRAL = {
-    "n": 1,
     "best_of": 1,
     "echo": False,
     "logprobs": None,
@@ -36,6 +35,7 @@ KNOWN = {
     "stream",
     "stream_options",
     "user",
+    "n",
     *NEUTRAL,
 }
 
@@ -58,8 +58,8 @@ def error_body(message: str, *, kind: str, param=None, code=None) -> dict:
 
 @dataclass
 class CompletionRequest:
-    prompts: list[list[int]]  # token ids, one list per prompt
-    params: SamplingParams
+    prompts: list[list[int]]  # token ids, one list per choice: each prompt n times in a row
+    params: list[SamplingParams]  # one per choice (the copies of a seeded prompt draw from seed, seed + 1, ...)
     stream: bool
     include_usage: bool
 
@@ -151,6 +151,9 @@ def parse_completion(body, *, tokenizer, vocab_size: int, model_name: str, max_c
     if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
         raise _bad("stream_options", 'expected {"include_usage": true or false}')
     _optional(body, "user", lambda v: isinstance(v, str), "a string", None)
+    n = _optional(body, "n", lambda v: is_int(v) and v >= 1, "an integer >= 1", 1)
+    if n * len(prompts) > MAX_PROMPTS:
+        raise _bad("n", f"{len(prompts)} prompts x n={n} completions; at most {MAX_PROMPTS} in one request")
     longest = max(len(p) for p in prompts)
     if longest >= max_context:
         raise _bad(
@@ -164,15 +167,26 @@ def parse_completion(body, *, tokenizer, vocab_size: int, model_name: str, max_c
             f"{longest} prompt tokens + {max_tokens} to generate exceed this server's context of {max_context} tokens",
             code="context_length_exceeded",
         )
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=top_p,
-        top_k=None if top_k == -1 else top_k,
-        seed=seed,
-        stop=tuple(stop),
-    )
-    return CompletionRequest(prompts, params, stream, bool(options.get("include_usage", False)))
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=top_p,
+            top_k=None if top_k == -1 else top_k,
+            seed=None if seed is None else _copy_seed(seed, copy),
+            stop=tuple(stop),
+        )
+        for copy in range(n)
+    ]
+    choices = [prompt for prompt in prompts for _ in range(n)]  # OpenAI's order: choice i is prompt i // n
+    return CompletionRequest(choices, params * len(prompts), stream, bool(options.get("include_usage", False)))
+
+
+def _copy_seed(seed: int, copy: int) -> int:
+    """The seed of copy `copy` of a prompt: seed + copy, wrapped into SEED_RANGE (copy 0 is the request's own, so n=1
+    and the first of n draw the same completion)."""
+    value = seed + copy
+    return value - 2**64 if value > SEED_RANGE[1] else value
 
 
 def new_id() -> str:

@@ -53,7 +53,7 @@ class GatedConn:
 def test_events_that_wait_for_a_busy_pipe_are_merged_per_request_in_order():
     engine, conn = StandInEngine(), GatedConn()
     host = EngineHost(engine, conn)
-    host._submit(7, [[1, 2], [3]], SamplingParams(max_tokens=4))
+    host._submit(7, [[1, 2], [3]], [SamplingParams(max_tokens=4)] * 2)
     (first, second) = engine.submitted[0]
     assert conn.sending.wait(5)  # the submission's reply is being sent, and the pipe is busy
     engine.deliver([(first, Event("a")), (second, Event("x"))])
@@ -80,7 +80,7 @@ def test_submit_refuse_cancel_count_and_events_cross_a_real_pipe():
         client = EngineClient(theirs)
         client.attach(asyncio.get_running_loop())
         client.ready("127.0.0.1", 1234)
-        key, queue = await client.submit([[5, 6, 7]], SamplingParams(max_tokens=3))
+        key, queue = await client.submit([[5, 6, 7]], [SamplingParams(max_tokens=3)])
         (request,) = engine.submitted[0]
         assert request.prompt == [5, 6, 7] and (await client.stats()) == {"running": 1}
         for piece in ("he", "ll", "o"):
@@ -96,9 +96,9 @@ def test_submit_refuse_cancel_count_and_events_cross_a_real_pipe():
         client.close(key, cancel=False)
         engine.refuse = QueueFull("the queue is full")
         with pytest.raises(QueueFull, match="queue is full"):
-            await client.submit([[1]], SamplingParams())
+            await client.submit([[1]], [SamplingParams()])
         engine.refuse = None
-        key, queue = await client.submit([[1], [2]], SamplingParams())
+        key, queue = await client.submit([[1], [2]], [SamplingParams()] * 2)
         client.close(key, cancel=True)
         for _ in range(100):
             if engine.cancelled:
@@ -129,7 +129,7 @@ def test_the_http_side_ends_what_waits_when_the_engine_is_gone():
         with pytest.raises(ShuttingDown, match="engine has stopped"):
             await waiting
         with pytest.raises(ShuttingDown, match="engine has stopped"):
-            await client.submit([[1]], SamplingParams())
+            await client.submit([[1]], [SamplingParams()])
 
     asyncio.run(main())
 

@@ -136,6 +136,23 @@ def test_the_openai_client_streams_and_lists_models(server, model):
         client.completions.create(model="gpt-4", prompt="x")
 
 
+def test_n_completions_per_prompt_in_openai_order(server, model):
+    body = {"prompt": ["xyz", "ab"], "n": 3, "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    texts = [c["text"] for c in answer["choices"]]
+    assert [c["index"] for c in answer["choices"]] == list(range(6))
+    assert texts == [expected_text(model, list(b"xyz"), 8)] * 3 + [expected_text(model, list(b"ab"), 8)] * 3
+    assert answer["usage"] == {"prompt_tokens": 15, "completion_tokens": 48, "total_tokens": 63}
+    # Sampled: copy j of a prompt draws with seed + j, so the first copy is the request with n = 1.
+    sampled = {"prompt": "abc", "max_tokens": 12, "temperature": 1.5, "seed": 2**64 - 2}
+    copies = httpx.post(f"{server.url}/v1/completions", json=dict(sampled, n=3), timeout=60).json()["choices"]
+    for j, seed in enumerate([2**64 - 2, 2**64 - 1, 0]):  # seed + 2 wraps into the seed range
+        (alone,) = httpx.post(f"{server.url}/v1/completions", json=dict(sampled, seed=seed), timeout=60).json()[
+            "choices"
+        ]
+        assert copies[j]["text"] == alone["text"], (j, seed)
+
+
 def test_seeded_sampling_is_repeatable_and_stop_strings_cut_the_text(server, model):
     body = {"prompt": "abc", "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 123}
     first, second = (httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json() for _ in range(2))
@@ -164,7 +181,8 @@ BAD = [
     ({"prompt": "x", "stop": 5}, 400, "stop"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": ["x"] * 40, "n": 2}, 400, "n=2"),
     ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
