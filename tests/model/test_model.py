@@ -59,19 +59,25 @@ def test_config_round_trip_and_errors():
         HybridConfig.from_preset("tiny", hidden_size=0)
 
 
+def assert_incremental_equals_full(model: HybridLM, name: str, prefill: int, chunk_end: int, total: int) -> None:
+    """Logits of a prefill of `prefill` tokens, a chunk up to `chunk_end` on the non-empty cache and then one token
+    at a time up to `total` equal one full forward's (float64)."""
+    ids = torch.randint(0, 256, (2, total))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.make_cache(2, 32)
+        pieces = [model(ids[:, :prefill], cache=cache).logits]  # prefill
+        pieces.append(model(ids[:, prefill:chunk_end], cache=cache).logits)  # chunked prefill on a non-empty cache
+        pieces += [model(ids[:, t : t + 1], cache=cache).logits for t in range(chunk_end, total)]  # token by token
+    assert cache.seq_len == total
+    assert_close(f"{name} incremental logits", torch.cat(pieces, dim=1), full, 1e-10)
+
+
 @pytest.mark.parametrize("residual", RESIDUALS)
 def test_incremental_decoding_equals_full_forward(residual):
     model = tiny_model(residual)
     randomize_attnres(model)
-    ids = torch.randint(0, 256, (2, 23))
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = model.make_cache(2, 32)
-        pieces = [model(ids[:, :9], cache=cache).logits]  # prefill
-        pieces.append(model(ids[:, 9:14], cache=cache).logits)  # chunked prefill on a non-empty cache
-        pieces += [model(ids[:, t : t + 1], cache=cache).logits for t in range(14, 23)]  # token by token
-    assert cache.seq_len == 23
-    assert_close(f"{residual} incremental logits", torch.cat(pieces, dim=1), full, 1e-10)
+    assert_incremental_equals_full(model, residual, prefill=9, chunk_end=14, total=23)
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)

@@ -7,20 +7,13 @@ import torch
 from hybrid_attention.config import HybridConfig
 from hybrid_attention.model import HybridLM
 from tests.helpers import assert_close
-from tests.model.test_model import randomize_attnres, tiny_model
+from tests.model.test_model import assert_incremental_equals_full, randomize_attnres, tiny_model
 
 
 def test_incremental_decoding_equals_full_forward():
     model = tiny_model(layer_types=("mla", "mla"), mla_rope=True, mla_rope_theta=100.0)
     randomize_attnres(model)
-    ids = torch.randint(0, 256, (2, 25))
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = model.make_cache(2, 32)
-        pieces = [model(ids[:, :8], cache=cache).logits]  # prefill
-        pieces.append(model(ids[:, 8:15], cache=cache).logits)  # chunked prefill on a non-empty cache
-        pieces += [model(ids[:, t : t + 1], cache=cache).logits for t in range(15, 25)]  # token by token
-    assert_close("RoPE incremental logits", torch.cat(pieces, dim=1), full, 1e-10)
+    assert_incremental_equals_full(model, "RoPE", prefill=8, chunk_end=15, total=25)
 
 
 def test_causal():
