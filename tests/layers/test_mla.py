@@ -172,6 +172,19 @@ def test_float32_and_bf16_prefill():
     assert_close("bf16 prefill", out16, reference_forward(layer16.double(), x.bfloat16().double()), 1e-2)
 
 
+def assert_incremental_equals_full(layer, chunks: list[int], name: str):
+    """Decoding x in `chunks` equals the full forward and the reference, and leaves the reference's rows in the
+    cache (float64); returns (x, cache)."""
+    x = torch.randn(3, sum(chunks), SIZES["hidden_size"], dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        out, cache = decode_in_chunks(layer, x, chunks)
+    assert_close(f"{name} incremental vs full", out, full, 1e-10)
+    assert_close(f"{name} incremental vs reference", out, reference_forward(layer, x), 1e-10)
+    assert_close(f"{name} cache rows", cache.rows[:, : x.shape[1]], reference_rows(layer, x), 1e-12)
+    return x, cache
+
+
 @pytest.mark.parametrize("q_lora_rank", [None, 6])
 @pytest.mark.parametrize(
     "chunks",
@@ -183,14 +196,7 @@ def test_float32_and_bf16_prefill():
     ],
 )
 def test_incremental_decoding_equals_full_forward(q_lora_rank, chunks):
-    layer = make_layer(q_lora_rank, seed=len(chunks))
-    x = torch.randn(3, sum(chunks), SIZES["hidden_size"], dtype=torch.float64)
-    with torch.no_grad():
-        full = layer(x)
-        out, cache = decode_in_chunks(layer, x, chunks)
-    assert_close("incremental vs full", out, full, 1e-10)
-    assert_close("incremental vs reference", out, reference_forward(layer, x), 1e-10)
-    assert_close("cache rows", cache.rows[:, : x.shape[1]], reference_rows(layer, x), 1e-12)
+    x, cache = assert_incremental_equals_full(make_layer(q_lora_rank, seed=len(chunks)), chunks, "NoPE")
     assert torch.isnan(cache.rows[:, x.shape[1] :]).all(), "rows past the filled length were written"
 
 
