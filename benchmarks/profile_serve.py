@@ -173,11 +173,13 @@ def main(argv=None) -> int:
         result["joining"][length] = row
         print(describe(f"{length} tokens joining {args.decoding} decoding", row), flush=True)
     if args.top > 0:
-        seen: list[float] = []
-        engine.submit([request(lengths[0], 2, vocab, lambda event: seen.append(1.0))])
+        events: list = []
+        engine.submit([request(lengths[0], 2, vocab, events.append)])
         timeline.step()  # the first chunk: the profiled iteration reads a cached prefix
-        if not seen:
-            print(f"\none iteration: a chunk of {lengths[0]} tokens' prompt and {args.decoding} decode steps")
+        if events:
+            print(f"\nno iteration profiled: the {lengths[0]}-token prompt was prefilled in one iteration")
+        else:
+            print(f"\none iteration: a later chunk of a {lengths[0]}-token prompt and {args.decoding} decode steps")
             print(profile_iteration(timeline, args.top))
     emit_json(result, args.out)
     return 0
