@@ -131,7 +131,7 @@ class HybridLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         decode: PackedProjections | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] -> logits [B, T, vocab]; loss predicts labels[:, 1:] from positions [:, :-1] (-100 ignored).
@@ -140,7 +140,8 @@ class HybridLM(nn.Module):
         token chunks), never from the returned logits. `return_logits=False` skips the head otherwise: `.logits` is
         None, and a training step (`model(ids, labels=ids, return_logits=False).loss`) neither computes nor keeps
         [B, T, vocab] logits. `logits_to_keep=n > 0`: the logits of the last n positions only, [B, n, vocab] (a
-        prefill needs the last one's alone). The loss is the mean over the labelled positions, and 0 (with zero
+        prefill needs the last one's alone); a 1-D integer tensor of positions: the logits there, [B, n, vocab] (the
+        last token of each packed document). The loss is the mean over the labelled positions, and 0 (with zero
         gradients) when there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the
         ones already in it and the cache is updated in place. Token ids are checked against the vocabulary when they
         are on the CPU (no device sync), and on every device when `check_token_ids` is set (one sync per call).
@@ -150,20 +151,27 @@ class HybridLM(nn.Module):
         `cu_seqlens` (int [N + 1], any device; a CPU one costs no device sync): input_ids [1, T] packs N documents
         back to back, as FLA's varlen API takes them. Each is its own sequence: KDA state and conv tails start from
         zeros at its first token, MLA attends within it, and the loss skips the position that would predict the
-        next document's first token, so logits and loss are those of each document run alone.
+        next document's first token, so logits and loss are those of each document run alone. With a cache, the
+        cache must take packed documents (`inference.packed_prefill.PackedPrefill`: the first chunks of several
+        sequences, each written into its own slot).
         """
-        self._check_inputs(input_ids, labels, cache)
-        if not is_int(logits_to_keep) or logits_to_keep < 0:
-            raise ValueError(f"HybridLM: logits_to_keep={logits_to_keep!r}; expected an integer >= 0 (0: all)")
+        packs = getattr(cache, "packs_documents", False)
+        self._check_inputs(input_ids, labels, None if packs else cache)
+        self._check_logits_to_keep(logits_to_keep, input_ids.shape[1])
         docs = None
         if cu_seqlens is not None:
-            if input_ids.shape[0] != 1 or cache is not None or decode is not None:
+            if input_ids.shape[0] != 1 or (cache is not None and not packs) or decode is not None:
                 raise ValueError(
-                    f"HybridLM: cu_seqlens packs documents into input_ids [1, T] without a cache, got "
-                    f"{tuple(input_ids.shape)}{' and a cache' if cache is not None else ''}"
+                    f"HybridLM: cu_seqlens packs documents into input_ids [1, T] without a cache (or with a cache "
+                    f"that takes packed documents), got {tuple(input_ids.shape)}"
+                    f"{' and a cache' if cache is not None else ''}"
                 )
             docs = PackedDocuments.of(cu_seqlens, input_ids.shape[1], input_ids.device)
-        if cache is not None:
+            if packs:
+                cache.check_documents(docs)
+        elif packs:
+            raise ValueError("HybridLM: a cache that takes packed documents needs cu_seqlens")
+        if cache is not None and not packs:
             # The lengths count these tokens from here on (in place on the device, graph-safe): every MLA layer
             # writes its rows at the last T positions and attends up to the lengths (layers/seqlens.py).
             cache.advance(input_ids.shape[1])
@@ -186,10 +194,25 @@ class HybridLM(nn.Module):
             loss = linear_cross_entropy(h_out.flatten(0, 1), self.lm_head.weight, targets)
             # Nothing labelled: 0 instead of the op's 0 / 0 (the where also gives zero gradients, no host sync).
             loss = torch.where((targets != -100).any(), loss, torch.zeros_like(loss))
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):
+            h_out = h_out.index_select(1, logits_to_keep.to(h_out.device))
+        elif logits_to_keep:
             h_out = h_out[:, -logits_to_keep:]
         logits = linear(self.lm_head, h_out, decode) if return_logits else None
         return ModelOutput(logits=logits, loss=loss)
+
+    @staticmethod
+    def _check_logits_to_keep(keep, T: int) -> None:
+        if isinstance(keep, torch.Tensor):
+            if keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32) or keep.numel() == 0:
+                raise ValueError(
+                    f"HybridLM: logits_to_keep as a tensor must be 1-D integer positions, got {keep.dtype} "
+                    f"{tuple(keep.shape)}"
+                )
+            if keep.device.type == "cpu" and not 0 <= int(keep.min()) <= int(keep.max()) < T:  # no sync elsewhere
+                raise ValueError(f"HybridLM: logits_to_keep positions must lie in [0, {T}), got {keep.tolist()[:8]}")
+        elif not is_int(keep) or keep < 0:
+            raise ValueError(f"HybridLM: logits_to_keep={keep!r}; expected an integer >= 0 (0: all) or positions")
 
     def _check_inputs(self, input_ids, labels, cache) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):

@@ -22,6 +22,7 @@ from hybrid_attention.inference.completion_text import CompletionText
 from hybrid_attention.inference.decode_graph import DecodeStep
 from hybrid_attention.inference.engine_config import EngineConfig, cache_pages
 from hybrid_attention.inference.generate import sample_next_token
+from hybrid_attention.inference.packed_prefill import PackedPrefill
 from hybrid_attention.inference.paged_cache import PagedCache
 from hybrid_attention.inference.prefill import prefill_chunk_size
 from hybrid_attention.inference.requests import ENDINGS, Event, Request, SamplingParams
@@ -178,7 +179,7 @@ class Engine:
             prompt = torch.randint(0, self.model.config.vocab_size, (max(1, length),)).tolist()
             return Request(prompt, SamplingParams(max_tokens=max_tokens), lambda e: e.error and errors.append(e.error))
 
-        self.submit([request(min(17, c.max_context - 8), 8)])
+        self.submit([request(min(17, c.max_context - 8), 8), request(min(9, c.max_context - 8), 8)])  # packed
         while not (self.idle() or self.scheduler.decoding):
             self.step()
         self.submit([request(min(2 * c.max_batched_tokens + 17, c.max_context - 3), 3)])
@@ -259,7 +260,12 @@ class Engine:
             for seq in self.scheduler.admit():
                 self._admitted(seq.owner)
         sampled = []
-        for chunk in self.scheduler.prefill_plan():
+        chunks = self.scheduler.prefill_plan()
+        starting = [chunk for chunk in chunks if chunk.start == 0]
+        if len(starting) > 1:  # new prompts: one packed forward (inference/packed_prefill.py)
+            sampled += self._prefill_packed(starting)
+            chunks = [chunk for chunk in chunks if chunk.start > 0]
+        for chunk in chunks:
             sampled += self._prefill(chunk)
         if self.scheduler.decoding:
             sampled += self._decode()
@@ -279,6 +285,28 @@ class Engine:
         with torch.no_grad():
             out = self.model(ids, cache=batch, return_logits=last, logits_to_keep=1)
         return out.logits[:, -1] if last else None
+
+    def prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor | None:
+        """Run the first chunks of several prompts (each chunk.start == 0, slots cleared) as packed documents of one
+        forward, each into its own pages and KDA rows; the logits [n, vocab] of the prompts' last tokens, for the n
+        chunks that end their prompts (in order), or None when none does."""
+        ids, ends, keep = [], [0], []
+        for chunk in chunks:
+            ids += chunk.seq.owner.prompt[: chunk.end]
+            ends.append(ends[-1] + chunk.end)
+            if chunk.last:
+                keep.append(ends[-1] - 1)
+        cache = PackedPrefill(self.cache, [chunk.seq.slot for chunk in chunks])
+        positions = to_device(keep, self.device) if keep else 0
+        with torch.no_grad():
+            out = self.model(
+                to_device(ids, self.device).view(1, -1),
+                cache=cache,
+                cu_seqlens=torch.tensor(ends, dtype=torch.int32),  # on the host: no device sync to read it
+                return_logits=bool(keep),
+                logits_to_keep=positions,
+            )
+        return out.logits[0] if keep else None
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -326,6 +354,27 @@ class Engine:
         if chunk.seq.state == DECODING:
             self.next_tokens[chunk.seq.slot].copy_(token[0])
         return [_Sampled([request], HostCopy(token))]
+
+    def _prefill_packed(self, chunks: list[PrefillChunk]) -> list[_Sampled]:
+        ending = [chunk for chunk in chunks if chunk.last]
+        try:
+            logits = self.prefill_packed(chunks)
+            tokens, failed = self._sample(logits, [c.seq.owner for c in ending]) if ending else (None, [])
+        except Exception:  # which request failed is unknown: run each alone, from cleared slots
+            sampled = []
+            for chunk in chunks:
+                self.cache.clear_slot(chunk.seq.slot)
+                sampled += self._prefill(chunk)
+            return sampled
+        self.counters["prefill_chunks"] += len(chunks)
+        for chunk in chunks:
+            self._apply(self.scheduler.prefilled(chunk))
+        for row, chunk in enumerate(ending):
+            if chunk.seq.state == DECODING:
+                self.next_tokens[chunk.seq.slot].copy_(tokens[row])
+        for request, exc in failed:
+            self._fail(request, exc)
+        return [_Sampled([c.seq.owner for c in ending], HostCopy(tokens))] if ending else []
 
     def _decode(self) -> list[_Sampled]:
         rows = list(self.scheduler.decoding)

@@ -45,15 +45,19 @@ class PackedDocuments:
 
 
 def packed_documents(
-    layer: str, cu_seqlens: torch.Tensor | PackedDocuments | None, x: torch.Tensor, has_cache: bool
+    layer: str, cu_seqlens: torch.Tensor | PackedDocuments | None, x: torch.Tensor, cache
 ) -> PackedDocuments | None:
-    """The documents a mixer's input x [1, T, hidden] packs (None without cu_seqlens); packing needs B == 1 and no
-    cache, `layer` names the mixer in the error."""
+    """The documents a mixer's input x [1, T, hidden] packs (None without cu_seqlens); packing needs B == 1, and
+    no cache or one that takes packed documents (`packs_documents`: each document the first chunk of a sequence,
+    written into that sequence's cache). `layer` names the mixer in the error."""
     if cu_seqlens is None:
+        if getattr(cache, "packs_documents", False):
+            raise ValueError(f"{layer}: a cache that takes packed documents needs cu_seqlens")
         return None
-    if x.shape[0] != 1 or has_cache:
+    takes = cache is None or getattr(cache, "packs_documents", False)
+    if x.shape[0] != 1 or not takes:
         raise ValueError(
-            f"{layer}: cu_seqlens packs documents into B == 1 without a cache, got x of shape "
-            f"{tuple(x.shape)}{' and a cache' if has_cache else ''}"
+            f"{layer}: cu_seqlens packs documents into B == 1 without a cache (or with one that takes packed "
+            f"documents), got x of shape {tuple(x.shape)}{'' if takes else ' and a cache'}"
         )
     return PackedDocuments.of(cu_seqlens, x.shape[1], x.device)

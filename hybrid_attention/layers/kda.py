@@ -156,24 +156,29 @@ class KimiDeltaAttention(nn.Module):
 
         With `cache`, the conv tails are the left context and the cached state is the initial state;
         both are updated in place to include these T tokens (T >= 1, any T). `decode`: a decode step's packed
-        projections (layers/packed.py), which then compute the products. `cu_seqlens` (int [N + 1], B == 1, no
-        cache; or a `PackedDocuments`): N documents packed along T, each run as its own sequence (conv tails and
-        state start from zeros at every document).
+        projections (layers/packed.py), which then compute the products. `cu_seqlens` (int [N + 1], B == 1; or a
+        `PackedDocuments`): N documents packed along T, each run as its own sequence (conv tails and state start
+        from zeros at every document); no cache, or one that takes packed documents (each document's final state
+        and conv tails then go to its sequence).
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[1] == 0:
             raise ValueError(
                 f"KimiDeltaAttention: x must be [B, T, hidden_size] = [B, T, {self.hidden_size}] with T >= 1, "
                 f"got shape {tuple(x.shape)}"
             )
-        if cache is not None:
+        docs = packed_documents("KimiDeltaAttention", cu_seqlens, x, cache)
+        # Documents that each start a sequence of `cache` (inference/packed_prefill.py): run as without a cache,
+        # then each document's final state and last conv inputs go to its sequence.
+        packed = docs is not None and cache is not None
+        if cache is not None and not packed:
             self._check_cache(cache, x)
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        docs = packed_documents("KimiDeltaAttention", cu_seqlens, x, cache is not None)
         positions = None if docs is None else docs.positions
-        if cache is not None and T == 1 and _fused_decode_ok(x, self.conv_size):
+        if cache is not None and not packed and T == 1 and _fused_decode_ok(x, self.conv_size):
             return self._decode_fused(x, cache, decode)
-        conv_q, conv_k, conv_v = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+        tails = cache is not None and not packed
+        conv_q, conv_k, conv_v = (cache.conv_q, cache.conv_k, cache.conv_v) if tails else (None, None, None)
 
         q_in, k_in, v_in, b_in, f_in, g_in = project(self, x, decode)
         q = self.q_conv(q_in, conv_q, positions=positions).view(B, T, H, D)
@@ -182,7 +187,7 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(b_in.to(compute_dtype(x.dtype)))  # [B, T, H]
         z, gate_args = self._gate_logits(linear(self.f_up, f_in, decode).view(B, T, H, -1))
 
-        if cache is not None and T <= 16 and not torch.is_grad_enabled():  # a few tokens: the recurrence itself
+        if tails and T <= 16 and not torch.is_grad_enabled():  # a few tokens: the recurrence itself
             q, k = l2_normalize(q), l2_normalize(k)
             g = kda_gate(z, gate_args["A_log"], gate_args["dt_bias"], gate_args["lower_bound"], form=gate_args["gate"])
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
@@ -190,7 +195,7 @@ class KimiDeltaAttention(nn.Module):
             # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA (also for a
             # prefill into the cache). Clone the cached state: autograd may keep the initial state for backward,
             # and the cache is overwritten below.
-            initial_state = None if cache is None else cache.state.clone()
+            initial_state = cache.state.clone() if tails else None
             o, state = chunk_kda(
                 q,
                 k,
@@ -204,7 +209,9 @@ class KimiDeltaAttention(nn.Module):
                 use_qk_l2norm=True,
                 **gate_args,
             )
-        if cache is not None:
+        if packed:
+            cache.store(state.detach(), (q_in, k_in, v_in), docs)
+        elif cache is not None:
             cache.state.copy_(state.detach())
 
         gate = linear(self.g_up, g_in, decode).view(B, T, H, D)

@@ -311,8 +311,9 @@ class GatedMLA(nn.Module):
         cu_seqlens: torch.Tensor | PackedDocuments | None = None,
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. `decode`: a decode step's packed projections (layers/packed.py),
-        which then compute the products. `cu_seqlens` (int [N + 1], B == 1, no cache; or a `PackedDocuments`): N
-        documents packed along T, each attending only to itself (`ops.mla.varlen`).
+        which then compute the products. `cu_seqlens` (int [N + 1], B == 1; or a `PackedDocuments`): N documents
+        packed along T, each attending only to itself (`ops.mla.varlen`); no cache, or one that takes packed
+        documents (each document's rows then go to its sequence).
 
         With `cache` (whose lengths the caller has advanced by these T tokens), the new rows are written in place
         as the last T of each sequence and the queries attend to everything cached so far. A multi-token call on
@@ -326,8 +327,11 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         if T == 0:
             raise ValueError("GatedMLA: x has no tokens (T = 0)")
-        docs = packed_documents("GatedMLA", cu_seqlens, x, cache is not None)
-        if cache is not None:
+        docs = packed_documents("GatedMLA", cu_seqlens, x, cache)
+        # Documents that each start a sequence of `cache` (inference/packed_prefill.py): attention as without a
+        # cache, each document's rows written to its sequence.
+        packed = docs is not None and cache is not None
+        if cache is not None and not packed:
             # Validate before any write so a bad call leaves the cache untouched.
             cache.check_append(B, T, self.latent_dim)
 
@@ -335,14 +339,16 @@ class GatedMLA(nn.Module):
         g_in = gate[0] if gate else None
         q = self._query(q_in, decode)  # (B, T, H, d_n + d_s)
         if self.rope_theta is not None:
-            q, k_shared = self._rotate(q, k_shared, self._positions(x, cache, docs))
-        if cache is not None and T == 1 and _fused_append_ok(x):
+            q, k_shared = self._rotate(q, k_shared, self._positions(x, None if packed else cache, docs))
+        if cache is not None and not packed and T == 1 and _fused_append_ok(x):
             # Decoding on CUDA: norm + row + write in one kernel (same values as the eager append).
             cache.append_token(kv, k_shared, self.kv_norm)
             o = self._absorbed_attention(q, cache, cache.seqlens.lengths)
             return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
-        if cache is None:
+        if cache is None or packed:
+            if packed:
+                cache.store(new_rows, docs)
             o = self._prefill_attention(q, new_rows, docs)
         elif T > 1 and self._decompressed_chunk(cache.seqlens, T):
             cache.append(new_rows)

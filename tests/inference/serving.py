@@ -21,14 +21,19 @@ LAUNCHER = """
 import sys
 from hybrid_attention.inference.engine import Engine
 
-real = Engine.prefill_chunk
+real, real_packed = Engine.prefill_chunk, Engine.prefill_packed
 
 def prefill_chunk(self, request, slot, start, end):  # a fault planted by the tests, for one prompt only
     if request.prompt[:4] == FAULT_PROMPT:
         raise RuntimeError("planted fault")
     return real(self, request, slot, start, end)
 
-Engine.prefill_chunk = prefill_chunk
+def prefill_packed(self, chunks):  # new prompts packed together: the fault fails the forward, each then runs alone
+    if any(chunk.seq.owner.prompt[:4] == FAULT_PROMPT for chunk in chunks):
+        raise RuntimeError("planted fault")
+    return real_packed(self, chunks)
+
+Engine.prefill_chunk, Engine.prefill_packed = prefill_chunk, prefill_packed
 from hybrid_attention.cli import main
 sys.exit(main(sys.argv[1:]))
 """.replace("FAULT_PROMPT", repr(FAULT_PROMPT))

@@ -100,14 +100,19 @@ def test_seeded_sampling_repeats_and_stays_in_the_vocabulary(model):
 
 def test_cancellation_and_failures_free_their_cache_and_spare_the_rest(model):
     engine = make_engine(model)
-    real = engine.prefill_chunk
+    real, real_packed = engine.prefill_chunk, engine.prefill_packed
 
     def fault(request, slot, start, end):
         if request.prompt[0] == 255:
             raise RuntimeError("injected fault")
         return real(request, slot, start, end)
 
-    engine.prefill_chunk = fault
+    def packed_fault(chunks):  # the packed forward fails as a whole: each prompt then runs alone
+        if any(chunk.seq.owner.prompt[0] == 255 for chunk in chunks):
+            raise RuntimeError("injected fault")
+        return real_packed(chunks)
+
+    engine.prefill_chunk, engine.prefill_packed = fault, packed_fault
     events = {name: [] for name in ("bad", "cancelled", "good")}
     bad = submit(engine, [255, 1, 2], events["bad"], max_tokens=5, temperature=0)
     gone = submit(engine, list(range(30)), events["cancelled"], max_tokens=40, temperature=0)
