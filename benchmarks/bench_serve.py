@@ -194,8 +194,7 @@ def server_argv(system: str, args, source: list[str]) -> list[str]:
         args.device,
         "--max-context",
         str(args.max_context),
-        "--max-batched-tokens",
-        str(args.max_batched_tokens),
+        *(["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []),
         "--shutdown-timeout",
         "5",
         *args.server_args.split(),
@@ -479,7 +478,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-context", type=int, default=131072 + 512)
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-batched-tokens", type=int, help="default: the server's for the device")
     p.add_argument("--server-args", default="", help="more flags for `hybrid-attention serve`")
     p.add_argument("--search-s", type=float, default=50.0, help="seconds of trials per system and scenario")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting searches after this (default 540)")

@@ -3,7 +3,7 @@ the engine's idle chunks), the same prompt joining sequences that decode (prefil
 --max-batched-tokens, mixed with their decode steps), and the kernels and host functions of one mixed iteration.
 
     python benchmarks/profile_serve.py [--preset k3-scaled] [--prompts 32K,128K] [--decoding 8]
-                                       [--max-batched-tokens 2048] [--top 25] [--out f.json]
+                                       [--max-batched-tokens N] [--top 25] [--out f.json]
     python benchmarks/profile_serve.py --preset tiny --device cpu --prompts 300 --max-batched-tokens 96
 
 Each prompt runs twice alone: the first call pays for what a new shape costs (kernel compilation, attention plans),
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--prompts", default="32K,128K", help="prompt lengths, comma-separated (K = 1024)")
     p.add_argument("--decoding", type=int, default=8, help="sequences decoding while a prompt joins")
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-batched-tokens", type=int, help="default: the engine's for the device")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--top", type=int, default=25, help="rows of the profile tables (0: no profile)")
     p.add_argument("--out", help="also write the JSON result here")
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     log(f"engine ready in {time.perf_counter() - start:.1f} s: idle chunks of {engine.idle_prefill_tokens} tokens")
     timeline = Timeline(engine)
     result = dict(env=env_info(["benchmarks/profile_serve.py", *argv]), preset=args.preset, device=str(device))
-    result.update(idle_prefill_tokens=engine.idle_prefill_tokens, max_batched_tokens=args.max_batched_tokens)
+    result.update(idle_prefill_tokens=engine.idle_prefill_tokens, max_batched_tokens=engine.max_batched_tokens)
     result["alone"] = {}
     for length in lengths:
         runs = []

@@ -84,7 +84,8 @@ class Engine:
         slots = c.max_running + c.max_prefilling
         # The prefill budget of an iteration without decoding sequences: a prompt alone prefills as prefill.py would.
         idle = prefill_chunk_size(model, 1) if self.device.type == "cuda" else CPU_IDLE_PREFILL_TOKENS
-        self.idle_prefill_tokens = c.max_prefill_chunk or max(c.max_batched_tokens, idle)
+        self.max_batched_tokens = c.batched_tokens(self.device)
+        self.idle_prefill_tokens = c.max_prefill_chunk or max(self.max_batched_tokens, idle)
         measure = self.device.type == "cuda" and c.num_pages is None
         activation = self._prefill_peak_bytes(self.idle_prefill_tokens) if measure else 0
         self.num_pages = cache_pages(
@@ -108,7 +109,7 @@ class Engine:
             num_pages=self.num_pages,
             page_size=c.page_size,
             max_queue=c.max_queue,
-            max_batched_tokens=c.max_batched_tokens,
+            max_batched_tokens=self.max_batched_tokens,
             idle_prefill_tokens=self.idle_prefill_tokens,
         )
         self.batch_sizes = c.decode_batch_sizes()
@@ -182,7 +183,7 @@ class Engine:
         self.submit([request(min(17, c.max_context - 8), 8), request(min(9, c.max_context - 8), 8)])  # packed
         while not (self.idle() or self.scheduler.decoding):
             self.step()
-        self.submit([request(min(2 * c.max_batched_tokens + 17, c.max_context - 3), 3)])
+        self.submit([request(min(2 * self.max_batched_tokens + 17, c.max_context - 3), 3)])
         while not self.idle():
             self.step()
         if errors:

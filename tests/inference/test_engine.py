@@ -167,3 +167,14 @@ def test_limits_refuse_what_cannot_fit(model):
     with pytest.raises(QueueFull, match="queue is full"):
         engine.submit([Request([1], SamplingParams(), print), Request([2], SamplingParams(), print)])
     assert engine.stats()["queue_depth"] == 1
+
+
+def test_the_iteration_budget_follows_the_device_unless_set():
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig().batched_tokens(gpu) > EngineConfig().batched_tokens(cpu) > EngineConfig().max_running
+    assert EngineConfig(max_running=4000).batched_tokens(cpu) > 4000  # prompts still advance beside a full batch
+    assert EngineConfig(max_batched_tokens=300).batched_tokens(gpu) == 300
+    with pytest.raises(ValueError, match="max_batched_tokens=64 must exceed max_running=64"):
+        EngineConfig(max_batched_tokens=64)
+    with pytest.raises(ValueError, match="max_batched_tokens=0"):
+        EngineConfig(max_batched_tokens=0)
