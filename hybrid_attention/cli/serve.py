@@ -37,8 +37,7 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--max-batched-tokens",
         type=positive_int,
-        help="tokens per engine iteration while sequences decode: a decode token each, the rest prefill (default "
-        "8192 on a GPU, 2048 on a CPU)",
+        help="prompt tokens per engine iteration while sequences decode (default 8192 on a GPU, 2048 on a CPU)",
     )
     v.add_argument("--max-prefilling", type=positive_int, default=4, help="prompts in prefill at once (default 4)")
     v.add_argument(

@@ -9,7 +9,7 @@ import torch
 
 from hybrid_attention.checks import is_finite_number, is_int
 
-# Tokens per iteration while sequences decode. An eager forward of a prefill chunk costs the host about the same
+# Prompt tokens per iteration while sequences decode. An eager forward of a prefill chunk costs the host about the same
 # time whatever its length, so on a GPU a small chunk leaves the device idle: larger chunks give long prompts fewer
 # iterations to their first token, at a longer iteration for the sequences decoding beside them.
 GPU_BATCHED_TOKENS = 8192
@@ -20,8 +20,8 @@ CPU_BATCHED_TOKENS = 2048
 class EngineConfig:
     """max_running: sequences that hold cache at once (prefilling or decoding). max_context: prompt + completion
     tokens of one sequence. max_queue: requests waiting for cache before new ones are refused. max_batched_tokens:
-    tokens one iteration computes while sequences decode (a decode token per decoding sequence, the rest prefill
-    chunks; None: `batched_tokens` picks it for the device). max_prefilling:
+    prompt tokens one iteration prefills while sequences decode (their own tokens go through the decode step; None:
+    `batched_tokens` picks it for the device). max_prefilling:
     sequences in prefill at once. max_prefill_chunk: prompt tokens one iteration may compute when no sequence
     decodes (None: what `inference/prefill.py` picks from the free memory, at least max_batched_tokens): a long
     prompt alone then prefills in a few large chunks. page_size: tokens per cache page. num_pages: pages of the
@@ -55,19 +55,12 @@ class EngineConfig:
         fraction = self.cache_memory_fraction
         if not is_finite_number(fraction) or not 0 < fraction <= 1:
             raise ValueError(f"cache_memory_fraction={fraction!r}; expected a number in (0, 1]")
-        if self.max_batched_tokens is not None and self.max_batched_tokens <= self.max_running:
-            raise ValueError(
-                f"max_batched_tokens={self.max_batched_tokens} must exceed max_running={self.max_running}: one "
-                "iteration decodes a token for every running sequence and prefills with the rest"
-            )
 
     def batched_tokens(self, device: torch.device) -> int:
-        """max_batched_tokens, or for None: GPU_BATCHED_TOKENS on a GPU, CPU_BATCHED_TOKENS elsewhere (at least
-        max_running + CPU_BATCHED_TOKENS, so that prompts still advance beside a full decode batch)."""
+        """max_batched_tokens, or for None: GPU_BATCHED_TOKENS on a GPU, CPU_BATCHED_TOKENS elsewhere."""
         if self.max_batched_tokens is not None:
             return self.max_batched_tokens
-        default = GPU_BATCHED_TOKENS if torch.device(device).type == "cuda" else CPU_BATCHED_TOKENS
-        return max(default, self.max_running + CPU_BATCHED_TOKENS)
+        return GPU_BATCHED_TOKENS if torch.device(device).type == "cuda" else CPU_BATCHED_TOKENS
 
     @property
     def pages_per_sequence(self) -> int:

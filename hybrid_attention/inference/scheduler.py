@@ -137,10 +137,11 @@ class Scheduler:
 
     def prefill_plan(self) -> list[PrefillChunk]:
         """This iteration's prefill chunks, given to the prefilling sequences in admission order: while sequences
-        decode, what `max_batched_tokens` leaves after one token for each (their time per token stays bounded); when
-        none does, `idle_prefill_tokens` (a prompt alone prefills in a few large chunks). A chunk that does not end
+        decode, `max_batched_tokens` prompt tokens (their time per token stays bounded; their own tokens go through
+        the decode step, whose cost does not depend on the prefill); when none does, `idle_prefill_tokens` (a prompt
+        alone prefills in a few large chunks). A chunk that does not end
         its prompt ends on a page boundary, so later chunks start on a fresh page and chunk shapes repeat."""
-        budget = self.max_batched_tokens - len(self.decoding) if self.decoding else self.idle_prefill_tokens
+        budget = self.max_batched_tokens if self.decoding else self.idle_prefill_tokens
         chunks = []
         for seq in self.prefilling:
             if budget <= 0:

@@ -323,8 +323,8 @@ def test_sigterm_stops_admitting_finishes_what_runs_and_exits_zero(small_server)
     [
         (["serve", "--ckpt", "{missing}", "--device", "cpu"], "no such run directory"),
         (
-            ["serve", "--preset", "tiny", "--device", "cpu", "--max-running", "8", "--max-batched-tokens", "8"],
-            "max_batched_tokens=8 must exceed max_running=8",
+            ["serve", "--preset", "tiny", "--device", "cpu", "--max-context", "1000", "--num-pages", "2"],
+            "fewer than one sequence of max_context=1000 tokens needs (16)",
         ),
     ],
 )
