@@ -145,8 +145,9 @@ class HybridLM(nn.Module):
         gradients) when there are none (T = 1, or every label -100). With `cache`, the tokens are appended after the
         ones already in it and the cache is updated in place. Token ids are checked against the vocabulary when they
         are on the CPU (no device sync), and on every device when `check_token_ids` is set (one sync per call).
-        `decode`: a decode step's packed projections (`graphs.DecodeStep` passes them), with which every layer and
-        the head compute their products (layers/packed.py).
+        `decode`: packed projections (layers/packed.py), with which every layer and the head compute their products:
+        a decode step's (`graphs.DecodeStep` passes them), or the serving engine's for its prefill chunks (fewer,
+        larger products; the same values).
 
         `cu_seqlens` (int [N + 1], any device; a CPU one costs no device sync): input_ids [1, T] packs N documents
         back to back, as FLA's varlen API takes them. Each is its own sequence: KDA state and conv tails start from
@@ -160,7 +161,7 @@ class HybridLM(nn.Module):
         self._check_logits_to_keep(logits_to_keep, input_ids.shape[1])
         docs = None
         if cu_seqlens is not None:
-            if input_ids.shape[0] != 1 or (cache is not None and not packs) or decode is not None:
+            if input_ids.shape[0] != 1 or (cache is not None and not packs):
                 raise ValueError(
                     f"HybridLM: cu_seqlens packs documents into input_ids [1, T] without a cache (or with a cache "
                     f"that takes packed documents), got {tuple(input_ids.shape)}"

@@ -284,7 +284,7 @@ class Engine:
         ids = to_device(request.prompt[start:end], self.device).view(1, -1)
         last = end == len(request.prompt)
         with torch.no_grad():
-            out = self.model(ids, cache=batch, return_logits=last, logits_to_keep=1)
+            out = self.model(ids, cache=batch, return_logits=last, logits_to_keep=1, decode=self.packed)
         return out.logits[:, -1] if last else None
 
     def prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor | None:
@@ -306,6 +306,7 @@ class Engine:
                 cu_seqlens=torch.tensor(ends, dtype=torch.int32),  # on the host: no device sync to read it
                 return_logits=bool(keep),
                 logits_to_keep=positions,
+                decode=self.packed,  # one product for a layer's input projections: fewer launches
             )
         return out.logits[0] if keep else None
 

@@ -193,9 +193,11 @@ class KimiDeltaAttention(nn.Module):
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
         else:
             # Gate and q/k L2 norm go to chunk_kda, which fuses them into the Triton kernels on CUDA (also for a
-            # prefill into the cache). Clone the cached state: autograd may keep the initial state for backward,
-            # and the cache is overwritten below.
-            initial_state = cache.state.clone() if tails else None
+            # prefill into the cache). With gradients the cached state is cloned: autograd may keep the initial
+            # state for backward, and the cache is overwritten below.
+            initial_state = None
+            if tails:
+                initial_state = cache.state.clone() if torch.is_grad_enabled() else cache.state
             o, state = chunk_kda(
                 q,
                 k,
