@@ -1,4 +1,5 @@
-"""How many ops one training step (forward + backward) dispatches, per layer and per layer type.
+"""How many ops one training step (forward + backward), or one prefill chunk as the serving engine runs it
+(`--prefill`), dispatches, per layer and per layer type.
 
 A step that enqueues thousands of small kernels is bound by the host's launch rate, not by the GPU; this counts them.
 Every aten op passes through a `TorchDispatchMode`; in the forward, module hooks say which module was running, and
@@ -13,6 +14,7 @@ row and left out of the layer rows: on CPU it runs its PyTorch reference, not th
     python benchmarks/count_ops.py --device cpu --tiny-widths                     # the CPU (reference) path
     python benchmarks/count_ops.py --device cpu --tiny-widths --kernels triton    # the CUDA path, interpreted
     python benchmarks/count_ops.py --device cuda --batch 8 --seq-len 2048         # the real step on a GPU
+    python benchmarks/count_ops.py --tiny-widths --kernels triton --prefill 512 --seq-len 512   # a serving chunk
 
 `--kernels triton` runs on CPU what CUDA runs (the Triton kernels under the interpreter, TRITON_INTERPRET=1); slow,
 so keep the widths tiny. Table on stdout, JSON as the last line.
@@ -238,6 +240,48 @@ def count_step(model, ids, autocast) -> OpCounter:
     return counter
 
 
+def count_prefill_chunk(model, prefix: int, chunk: int, packed: bool) -> OpCounter:
+    """Counts of one prefill chunk of `chunk` tokens after `prefix` cached ones, as `Engine.prefill_chunk` runs it
+    (no gradients, a paged cache, the engine's packed projections unless `packed` is False), after one uncounted
+    run of the same shapes."""
+    import torch
+
+    from hybrid_attention.inference.paged_cache import PagedCache
+    from hybrid_attention.layers.packed import PackedProjections
+
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    page = 64
+    pages = -(-(prefix + chunk) // page)
+    cache = PagedCache(
+        model, num_pages=pages, page_size=page, num_slots=1, max_context=pages * page, device=device, dtype=dtype
+    )
+    cache.set_pages(0, range(1, pages + 1))
+    projections = PackedProjections(model) if packed else None
+    ids = torch.randint(0, model.config.vocab_size, (1, prefix + chunk), device=device)
+
+    def run(start: int, end: int) -> None:
+        batch = cache.batch(0, 1)
+        batch.seqlens.set([start])
+        model(ids[:, start:end], cache=batch, logits_to_keep=1, decode=projections)
+
+    with torch.no_grad():
+        for counted in (False, True):
+            cache.clear_slot(0)
+            if prefix:
+                run(0, prefix)
+            if not counted:
+                run(prefix, prefix + chunk)
+                continue
+            counter = OpCounter(model)
+            remove = counter.install()
+            try:
+                with counter.mode:
+                    run(prefix, prefix + chunk)
+            finally:
+                remove()
+    return counter
+
+
 def _group(module: str, depth: int) -> str:
     """'layers.3.mixer.q_proj' -> 'layers.3' (depth 2) or 'layers.3.mixer' (depth 3); the chunk op's ops ->
     'layers.3.chunk_kda'; outside the layers the module's first name ('' -> 'model': the loss, the residual adds)."""
@@ -295,6 +339,8 @@ def main(argv=None) -> dict:
     kernels_help = "auto: the rule of hybrid_attention.ops.backends; triton: the CUDA path on CPU, interpreted"
     p.add_argument("--kernels", choices=("auto", "triton"), default="auto", help=kernels_help)
     p.add_argument("--top", type=int, default=25, help="list the ops launched most often")
+    p.add_argument("--prefill", type=int, metavar="PREFIX", help="count one --seq-len chunk after PREFIX cached tokens")
+    p.add_argument("--no-pack", action="store_true", help="--prefill without the engine's packed projections")
     args = p.parse_args(argv)
     if args.kernels == "triton" and args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -317,14 +363,21 @@ def main(argv=None) -> dict:
     else:
         config = HybridConfig.from_preset(args.preset, **overrides)
     torch.manual_seed(0)
-    model = HybridLM(config).to(args.device).train()
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), device=args.device)
-    counter = count_step(model, ids, torch.bfloat16 if args.autocast == "bf16" else None)
+    if args.prefill is not None:
+        dtype = torch.bfloat16 if args.device != "cpu" else torch.float32  # as the server runs it
+        model = HybridLM(config).to(args.device, dtype).eval()
+        counter = count_prefill_chunk(model, args.prefill, args.seq_len, packed=not args.no_pack)
+        what = (f"a prefill chunk of {args.seq_len} tokens after {args.prefill}, "
+                f"{'unpacked' if args.no_pack else 'packed'} projections")  # fmt: skip
+    else:
+        model = HybridLM(config).to(args.device).train()
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), device=args.device)
+        counter = count_step(model, ids, torch.bfloat16 if args.autocast == "bf16" else None)
+        what = f"training step: {args.batch} x {args.seq_len}, autocast={args.autocast}"
     s = summarize(counter, config.layer_types)
 
-    print(f"## ops per training step: {args.preset}, residual={config.residual}, {args.batch} x {args.seq_len}, "
-          f"hidden {config.hidden_size}, autocast={args.autocast}, {args.device}, "
-          f"kernels={args.kernels}\n")  # fmt: skip
+    print(f"## ops per {what}: {args.preset}, residual={config.residual}, hidden {config.hidden_size}, "
+          f"{args.device}, kernels={args.kernels}\n")  # fmt: skip
     head = "| {} | fwd launch | bwd launch | launch | fwd aten | bwd aten | triton | custom ops |"
     print(head.format("group") + "\n|---|---|---|---|---|---|---|---|")
     rows = s["rows"]
@@ -345,6 +398,7 @@ def main(argv=None) -> dict:
     for op, n in counter.by_op.most_common(args.top):
         print(f"| {op} | {n} |")
     result = dict(preset=args.preset, residual=config.residual, batch=args.batch, seq_len=args.seq_len,
+                  prefill=args.prefill, packed=None if args.prefill is None else not args.no_pack,
                   device=args.device, kernels=args.kernels, autocast=args.autocast, hidden=config.hidden_size,
                   total=s["total"], chunk_op=s["chunk_op"], per_type=s["per_type"],
                   rows={g: c for g, c in rows.items() if g.count(".") < 2 or g.endswith(CHUNK)},

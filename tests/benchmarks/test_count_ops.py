@@ -47,3 +47,22 @@ def test_every_op_counted_once_and_charged_to_a_module():
         for k in ("fwd_launch", "bwd_launch"):
             assert sum(rows[g].get(k, 0) for g in subs) == rows[f"layers.{i}"][k], (i, k)
     assert s["per_type"]["kda"]["bwd_launch"] == rows["layers.0"]["bwd_launch"]
+
+
+def test_a_prefill_chunk_is_counted_and_packed_projections_launch_fewer_kernels():
+    from benchmarks.count_ops import count_prefill_chunk
+
+    torch.manual_seed(0)
+    config = HybridConfig.from_preset("tiny", residual="standard", layer_types=("kda", "mla", "kda"))
+    model = HybridLM(config, kda_backend="torch").eval()
+    launches, products = {}, {}
+    for packed in (False, True):
+        counter = count_prefill_chunk(model, prefix=40, chunk=24, packed=packed)
+        s = summarize(counter, config.layer_types)
+        assert s["total"].get("bwd_launch", 0) == 0 and s["rows"]["layers.1.mixer"]["fwd_launch"] > 0
+        launches[packed] = s["total"]["fwd_launch"]
+        products[packed] = counter.by_op["aten.mm"] + counter.by_op["aten.addmm"]
+    # Each group of projections that read one input (KDA's six, MLA's, the MLP's two) becomes one product.
+    groups = [m.packed_linears() for m in model.modules() if hasattr(type(m), "packed_linears")]
+    assert products[False] - products[True] == sum(len(g) - 1 for g in groups), products
+    assert launches[True] < launches[False], launches
