@@ -264,21 +264,22 @@ def count_prefill_chunk(model, prefix: int, chunk: int, packed: bool) -> OpCount
         batch.seqlens.set([start])
         model(ids[:, start:end], cache=batch, logits_to_keep=1, decode=projections)
 
+    def fill() -> None:  # an empty slot, then the prefix
+        cache.clear_slot(0)
+        if prefix:
+            run(0, prefix)
+
+    counter = OpCounter(model)
     with torch.no_grad():
-        for counted in (False, True):
-            cache.clear_slot(0)
-            if prefix:
-                run(0, prefix)
-            if not counted:
+        fill()
+        run(prefix, prefix + chunk)
+        fill()
+        remove = counter.install()
+        try:
+            with counter.mode:
                 run(prefix, prefix + chunk)
-                continue
-            counter = OpCounter(model)
-            remove = counter.install()
-            try:
-                with counter.mode:
-                    run(prefix, prefix + chunk)
-            finally:
-                remove()
+        finally:
+            remove()
     return counter
 
 

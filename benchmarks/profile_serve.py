@@ -35,8 +35,8 @@ from hybrid_attention.inference.requests import Request, SamplingParams  # noqa:
 
 class Timeline:
     """Steps the engine and records each iteration: its milliseconds (and those until the engine's step returned,
-    having queued its device work), the prefill chunks it ran, the prompt tokens
-        it prefilled of a watched request, and the sequences that decoded in it."""
+    having queued its device work), the prefill chunks it ran, the prompt tokens it prefilled of a watched request,
+    and the sequences that decoded in it."""
 
     def __init__(self, engine: Engine):
         self.engine = engine

@@ -72,8 +72,7 @@ class PackedPrefill:
         if not slots or len(set(slots)) != len(slots) or not all(0 <= s < cache.num_slots for s in slots):
             raise ValueError(f"PackedPrefill: slots {list(slots)}; expected distinct slots in [0, {cache.num_slots})")
         self.cache = cache
-        self.slot_list = list(slots)
-        self.slots = to_device(self.slot_list, cache.device)  # int64 [N] on the cache's device
+        self.slots = to_device(list(slots), cache.device)  # int64 [N] on the cache's device
         self.layers = [
             SlotStates(layer, self.slots) if isinstance(layer, KDACache) else SlotRows(layer, self)
             for layer in cache.layers
@@ -82,9 +81,9 @@ class PackedPrefill:
 
     def check_documents(self, docs: PackedDocuments) -> None:
         """One document per slot, each within a sequence's context (host values only: no device sync)."""
-        if docs.num_documents != len(self.slot_list):
+        if docs.num_documents != self.slots.shape[0]:
             raise ValueError(
-                f"PackedPrefill: {docs.num_documents} documents for {len(self.slot_list)} slots; expected one each"
+                f"PackedPrefill: {docs.num_documents} documents for {self.slots.shape[0]} slots; expected one each"
             )
         context = self.cache.max_pages * self.cache.page_size
         if docs.max_len > context:

@@ -139,8 +139,8 @@ class Scheduler:
         """This iteration's prefill chunks, given to the prefilling sequences in admission order: while sequences
         decode, `max_batched_tokens` prompt tokens (their time per token stays bounded; their own tokens go through
         the decode step, whose cost does not depend on the prefill); when none does, `idle_prefill_tokens` (a prompt
-        alone prefills in a few large chunks). A chunk that does not end
-        its prompt ends on a page boundary, so later chunks start on a fresh page and chunk shapes repeat."""
+        alone prefills in a few large chunks). A chunk that does not end its prompt ends on a page boundary, so
+        later chunks start on a fresh page and chunk shapes repeat."""
         budget = self.max_batched_tokens if self.decoding else self.idle_prefill_tokens
         chunks = []
         for seq in self.prefilling:

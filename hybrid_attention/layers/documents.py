@@ -50,11 +50,12 @@ def packed_documents(
     """The documents a mixer's input x [1, T, hidden] packs (None without cu_seqlens); packing needs B == 1, and
     no cache or one that takes packed documents (`packs_documents`: each document the first chunk of a sequence,
     written into that sequence's cache). `layer` names the mixer in the error."""
+    packs = getattr(cache, "packs_documents", False)
     if cu_seqlens is None:
-        if getattr(cache, "packs_documents", False):
+        if packs:
             raise ValueError(f"{layer}: a cache that takes packed documents needs cu_seqlens")
         return None
-    takes = cache is None or getattr(cache, "packs_documents", False)
+    takes = cache is None or packs
     if x.shape[0] != 1 or not takes:
         raise ValueError(
             f"{layer}: cu_seqlens packs documents into B == 1 without a cache (or with one that takes packed "

@@ -346,9 +346,9 @@ class GatedMLA(nn.Module):
             o = self._absorbed_attention(q, cache, cache.seqlens.lengths)
             return self._output(g_in, o, decode)
         new_rows = self._latent_rows(kv, k_shared)  # (B, T, d_c + d_s)
+        if packed:
+            cache.store(new_rows, docs)
         if cache is None or packed:
-            if packed:
-                cache.store(new_rows, docs)
             o = self._prefill_attention(q, new_rows, docs)
         elif T > 1 and self._decompressed_chunk(cache.seqlens, T):
             cache.append(new_rows)
