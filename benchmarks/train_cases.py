@@ -142,7 +142,7 @@ def _fla_kda(sizes: dict, preset: str = "k3-scaled") -> Callable:
         try:
             from fla.models import KDAConfig, KDAForCausalLM
         except ImportError as exc:
-            raise RuntimeError(f'FLA is not installed (pip install "hybrid-attention[fla]"): {exc}') from exc
+            raise RuntimeError(f'FLA\'s models are not installed (pip install "hybrid-attention[fla]"): {exc}') from exc
 
         s = _reference_sizes(sizes, preset)
         config = KDAConfig(

@@ -9,7 +9,7 @@ import torch
 from hybrid_attention.ops.kda.common import resolve_scale, validate_chunk_size, validate_kda_inputs
 from hybrid_attention.ops.kda.value_heads import value_head_groups, value_head_view
 
-INSTALL_HINT = 'pip install "hybrid-attention[fla]" (fla-core==0.6.0)'
+INSTALL_HINT = 'pip install "hybrid-attention[fla]" (flash-linear-attention 0.6.0 and its fla-core)'
 
 
 def load_fla_chunk_kda():
