@@ -124,7 +124,7 @@ def bench_tokenize(args, work: Path) -> list[dict]:
         ]
         if tokenizer == "bpe":
             argv += ["--vocab-size", str(args.vocab_size)]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         killed_s = None
         cpu_before = _children_cpu_s()
         start = time.perf_counter()

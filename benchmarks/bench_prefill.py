@@ -366,10 +366,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float64  # the CPU: a check of the script
-    lengths = [tokens(x) for x in ("8K,128K" if args.quick else args.lengths).split(",")]
-    batched = (
-        None if args.batched == "none" else [tokens(x) for x in ("4x8K" if args.quick else args.batched).split("x")]
-    )
+    try:
+        lengths = [tokens(x) for x in ("8K,128K" if args.quick else args.lengths).split(",")]
+        batched = (
+            None if args.batched == "none" else [tokens(x) for x in ("4x8K" if args.quick else args.batched).split("x")]
+        )
+    except ValueError:
+        p.error(
+            f"--lengths {args.lengths!r} --batched {args.batched!r}: expected lengths such as 8K,128K,1M and BxN "
+            "such as 32x32K (or none)"
+        )
+    if batched is not None and (len(batched) != 2 or min(batched) < 1) or min(lengths) < 1:
+        p.error(f"--batched {args.batched!r}: expected BxN such as 32x32K (or none); lengths must be positive")
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
     env = env_info(["benchmarks/bench_prefill.py", *argv])

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 HELPERS = {"bench_common.py", "serve_load.py", "train_cases.py"}  # modules the scripts import, with no command line
@@ -37,7 +37,7 @@ print(json.dumps({"codes": codes, "plot": bench_decode.build_parser().parse_args
 
 
 def test_every_benchmark_starts_from_inside_its_folder():
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     argv = [sys.executable, "-c", CHILD, str(BENCHMARKS), ",".join(HELPERS)]
     done = subprocess.run(argv, cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

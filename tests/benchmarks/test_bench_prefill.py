@@ -4,18 +4,17 @@ against SDPA's CPU flash kernel (cuDNN recorded as failed there), chunk_kda in o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 
 def test_tiny_run_on_the_cpu(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_prefill.py"), "--preset", "tiny", "--lengths", "40"]
     cmd += ["--batched", "2x24", "--models", "hybrid,llama-sdpa", "--new-tokens", "3", "--profile", "32"]
     cmd += ["--plot", str(tmp_path / "p.png")]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -32,3 +31,12 @@ def test_tiny_run_on_the_cpu(tmp_path):
     assert result["plot"] == str(tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
     assert result["profile"]["N"] == 32 and "error" not in result["profile"], result["profile"]
     assert "MLA prefill attention" in out.stdout and set(result["thresholds"].values()) == {None}
+
+
+def test_bad_lengths_are_refused_in_one_line(tmp_path):
+    env = checkout_env()
+    for flags in (["--lengths", "none"], ["--lengths", "8Q"], ["--batched", "32"], ["--batched", "0x8K"]):
+        cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_prefill.py"), "--preset", "tiny", *flags]
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (flags, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and "expected" in out.stderr, (flags, out.stderr[-2000:])

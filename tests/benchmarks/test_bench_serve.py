@@ -4,13 +4,12 @@ lengths of every scenario set from the command line."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("uvicorn")
@@ -18,7 +17,7 @@ SCRIPT = str(REPO_ROOT / "benchmarks" / "bench_serve.py")
 
 
 def run(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     cmd = [sys.executable, SCRIPT, "--quick", "--no-overhead", "--systems", "hybrid", "--plot", str(tmp_path / "p.png")]
     return subprocess.run([*cmd, *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 

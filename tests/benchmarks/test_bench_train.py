@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 ROOT = REPO_ROOT
 
@@ -15,7 +14,7 @@ ROOT = REPO_ROOT
 def test_quick_run_lists_results_and_failures():
     cmd = [sys.executable, "benchmarks/bench_train.py", "--quick", "--cases", "ours-standard,fla-kda"]
     cmd += ["--shapes", "1x16", "--steps", "1", "--warmup", "0", "--profile", "--modes", "eager,graph"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -38,7 +37,7 @@ def test_quick_run_with_muon():
     (the optimizer can be captured)."""
     cmd = [sys.executable, "benchmarks/bench_train.py", "--quick", "--cases", "ours-full", "--optimizer", "muon"]
     cmd += ["--shapes", "1x16", "--steps", "1", "--warmup", "1", "--modes", "eager,graph"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

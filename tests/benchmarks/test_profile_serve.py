@@ -4,17 +4,16 @@ engine's idle chunks and beside decoding sequences in chunks within the per-iter
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 
 def test_tiny_run_on_the_cpu(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "profile_serve.py"), "--preset", "tiny", "--device", "cpu"]
     cmd += ["--prompts", "200,333", "--max-batched-tokens", "150", "--decoding", "3", "--top", "5"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

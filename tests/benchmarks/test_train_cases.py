@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from benchmarks.train_cases import MODES, Spec, make_cases, parse_spec
 from hybrid_attention.config import HybridConfig
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 
 def test_variants_parse_and_bad_ones_name_what_is_wrong():
@@ -53,7 +52,7 @@ def test_quick_run_of_the_size_cases():
     cases = "ours-1b:ckpt-mlp,llama-1b@eager" + (",ours-1b:fp8" if importlib.util.find_spec("torchao") else "")
     cmd = [sys.executable, "benchmarks/bench_train.py", "--quick", "--cases", cases]
     cmd += ["--shapes", "1x16", "--steps", "1", "--warmup", "0", "--modes", "eager"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["case"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["results"]}

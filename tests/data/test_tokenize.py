@@ -4,7 +4,6 @@ validation split follows document names, a killed run resumes, and settings or s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from hybrid_attention.data.documents import in_validation
 from hybrid_attention.data.shards import INDEX, open_split, read_index
 from hybrid_attention.data.tokenize_corpus import PARTS, Settings, tokenize
 from hybrid_attention.data.tokenizer import BPETokenizer, ByteTokenizer
-from tests.helpers import REPO_ROOT
+from tests.helpers import checkout_env
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -207,7 +206,7 @@ def test_a_killed_tokenize_resumes_keeping_its_checked_shards(tmp_path):
         "--workers",
         "2",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = checkout_env()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list((out / PARTS).glob("*.json")) if (out / PARTS).is_dir() else []) < 4:

@@ -3,7 +3,6 @@ process of its own on 127.0.0.1 and a free port, with an optional fault planted 
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import checkout_env
 
 FAULT_PROMPT = [0, 33, 33, 70]  # "\x00!!F": a prompt that starts with these fails inside the engine (LAUNCHER)
 LAUNCHER = """
@@ -58,7 +57,7 @@ class Server:
     """`hybrid-attention serve ARGS --port 0` in a new process (through LAUNCHER); `url` once it is ready."""
 
     def __init__(self, args: list[str], *, timeout: float = 120.0):
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        env = checkout_env(PYTHONUNBUFFERED="1")
         argv = [sys.executable, "-c", LAUNCHER, "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0"]
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.lines: list[str] = []

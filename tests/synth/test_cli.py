@@ -2,15 +2,14 @@
 synth command's refusals of bad arguments."""
 
 import json
-import os
 import subprocess
 import sys
 
 from hybrid_attention import cli
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 ROOT = REPO_ROOT
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = checkout_env()
 
 
 def _run(args, cwd):

@@ -7,7 +7,6 @@ Run on a GPU machine: python -m pytest -q tests/gpu/inference/test_cold_start_gp
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from hybrid_attention import cli
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.tuned]
 
@@ -25,7 +24,7 @@ ROOT = REPO_ROOT
 
 
 def _generate(run: Path, triton_cache: Path) -> tuple[str, float]:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "PYTHONPATH": str(ROOT)}
+    env = checkout_env(TRITON_CACHE_DIR=str(triton_cache))
     env.pop("TRITON_INTERPRET", None)
     argv = [sys.executable, "-m", "hybrid_attention", "generate", "--ckpt", str(run), "--prompt", "import os",
             "--max-new-tokens", "16", "--device", "cuda"]  # fmt: skip

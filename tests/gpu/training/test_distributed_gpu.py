@@ -6,7 +6,6 @@ export and a sample. bf16 compute: the runs agree to bf16 rounding, not bit for 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, checkout_env
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -25,7 +24,7 @@ REPO = REPO_ROOT
 
 
 def _run(args: list[str], nproc: int | None, tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env()
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     if nproc is None:
