@@ -440,6 +440,7 @@ def plot(results: dict, path: str, limits: Limits) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except Exception as exc:
         return f"no plot: {exc!r}"
     fig, axes = plt.subplots(2, len(results), figsize=(4.5 * len(results), 7), squeeze=False)
@@ -448,15 +449,20 @@ def plot(results: dict, path: str, limits: Limits) -> str | None:
         for row, (key, limit, label) in enumerate(panels):
             ax = axes[row][col]
             for system, found in systems.items():
-                pts = sorted((t["rate"], t[key]) for t in found.get("trials", []) if t.get(key) is not None)
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+                trials = sorted((t for t in found.get("trials", []) if t.get(key) is not None), key=lambda t: t["rate"])
+                if not trials:
+                    continue
+                (line,) = ax.plot([t["rate"] for t in trials], [t[key] for t in trials], marker="o", label=system)
+                broken = [t for t in trials if not t.get("held")]  # their percentiles count the finished requests only
+                ax.plot([t["rate"] for t in broken], [t[key] for t in broken], "x", color=line.get_color(), ms=11)
             ax.axhline(limit, color="gray", linestyle="--")
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("arrival rate (requests/s)")
             ax.set_ylabel(label)
-            ax.set_title(scenario)
+            ax.set_title(f"{scenario} (x: a trial that broke a limit)")
             ax.grid(True, which="both", alpha=0.3)
             if ax.lines[1:]:
                 ax.legend()
