@@ -27,6 +27,7 @@ def test_output_tokens_set_every_completion_length(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["scenarios"] == {"quick": ["32:64", "5"]}
+    assert result["plot"] == str(tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0, result["plot"]
     trials = result["results"]["quick"]["hybrid"]["trials"]
     held = [t for t in trials if t["held"]]
     assert held, trials
