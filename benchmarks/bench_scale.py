@@ -68,7 +68,11 @@ def speed(args) -> list[dict]:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--grad-accum",
+        str(args.grad_accum),
     ]
+    if args.profile:
+        argv += ["--profile", "--profile-top", "25"]
     return bench_train.main(argv + (["--quick"] if args.quick else []))["results"]
 
 
@@ -164,6 +168,8 @@ def main(argv=None) -> dict:
         help="the speed part's cases, comma-separated (default: all; a run can go in parts: each row stands alone)",
     )
     p.add_argument("--shape", default=None, help="BxT of the speed part (default 4x2048; --quick: 2x32)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--profile", action="store_true", help="also profile each speed case: its 25 slowest kernels")
     p.add_argument("--steps", type=int, default=8, help="timed steps per speed case (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--loss-steps", type=int, default=None, help="steps of each loss run (default 300; --quick: 4)")

@@ -103,13 +103,14 @@ def run_case(
     # dynamic=False: one graph per shape, not a dynamic-shape graph after the second shape.
     runner = torch.compile(model, dynamic=False) if mode.startswith("compile") else model
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, batch, seq_len), device=device)  # [grad_accum, B, T]
+    ids = torch.randint(0, vocab, (args.grad_accum, batch, seq_len), device=device)  # [grad_accum, B, T]
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=not bf16_params)  # noqa: E731
     graph = mode.endswith("graph")
     train_step = TrainStep(
         lambda x: loss_fn(runner, x),
         model.parameters(),
         optimizers,
+        grad_accum=args.grad_accum,
         clip=args.clip or None,
         autocast=autocast,
         cuda_graph=graph,
@@ -138,11 +139,12 @@ def run_case(
     tables_per_step = (tables_built() - built) / max(args.steps, 1)
     step_s = statistics.median(times)
     kernel_ms, top_kernels = _kernel_profile(step, device, args.profile_top) if args.profile else (None, None)
-    tokens_per_s = batch * seq_len / step_s
+    tokens_per_s = args.grad_accum * batch * seq_len / step_s  # every micro-batch of the optimizer step
     fpt = flops(seq_len)
     peak = _peak_flops(device)
     return dict(
         precision="bf16 params" if bf16_params else "fp32 params, bf16 autocast",
+        grad_accum=args.grad_accum,
         step_ms=step_s * 1e3,
         host_ms=statistics.median(host) * 1e3,
         kernel_ms=kernel_ms,
@@ -195,8 +197,11 @@ def print_table(rows: list[dict]) -> None:
     print("|" + "---|" * len(columns))
     for r in rows:
         status = "ok" if r["error"] is None else f"failed: {r['error']}"
+        shape = f"{r['batch']} x {r['seq_len']}"
+        if r.get("grad_accum", 1) > 1:
+            shape = f"{r['grad_accum']} x {shape}"
         print(
-            f"| {r['case']} | {r['description']} | {r['batch']} x {r['seq_len']} | {r['mode']} | "
+            f"| {r['case']} | {r['description']} | {shape} | {r['mode']} | "
             f"{r.get('precision', '-')} | "
             f"{_fmt(r.get('step_ms'), '.1f')} | {_fmt(r.get('host_ms'), '.1f')} | {_fmt(r.get('kernel_ms'), '.1f')} | "
             f"{_fmt(r.get('tokens_per_s'), ',.0f')} | "
@@ -224,6 +229,12 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches of BxT per optimizer step, as train --grad-accum (tokens/s and MFU count them all)",
+    )
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip as in train (default 1.0; 0: none)")
     p.add_argument(
         "--optimizer",
@@ -240,6 +251,8 @@ def main(argv=None) -> dict:
     p.add_argument("--doc-len", type=int, default=1024, help="mean document length of the -docs cases (tokens)")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
+    if args.grad_accum < 1:
+        p.error(f"--grad-accum {args.grad_accum}: expected an integer >= 1")
 
     if args.quick:
         device, sizes = torch.device("cpu"), QUICK_SIZES
@@ -290,7 +303,11 @@ def main(argv=None) -> dict:
     if args.optimizer == "muon":
         optimizer = f"Muon (hidden matrices) + {optimizer}"
     clip = f"clip {args.clip:g}" if args.clip else "no clip"
-    print(f"## training step, {optimizer}, {clip}, random tokens, median of {args.steps} steps after {args.warmup}\n")
+    accum = f", {args.grad_accum} micro-batches per optimizer step" if args.grad_accum > 1 else ""
+    print(
+        f"## training step, {optimizer}, {clip}{accum}, random tokens, median of {args.steps} steps after "
+        f"{args.warmup}\n"
+    )
     print_table(rows)
     rebuilt = [r for r in rows if r.get("tables_per_step")]
     if rebuilt:  # eager steps whose activations moved: each table is host work in every step

@@ -59,3 +59,21 @@ def test_cases_choose_part_of_the_speed_part():
     for bad, quick in (("ours-1b", False), ("fla-1b@graph", True), (",", False)):
         with pytest.raises(ValueError, match="--cases: .*expected some of"):
             speed_cases(bad, quick=quick)
+
+
+def test_speed_part_passes_the_step_settings_to_bench_train(monkeypatch):
+    import argparse
+
+    from benchmarks import bench_scale
+
+    seen = []
+    monkeypatch.setattr(bench_scale.bench_train, "main", lambda argv: seen.append(argv) or {"results": []})
+    args = argparse.Namespace(cases="ours-1b", quick=True, shape="2x32", steps=2, warmup=1, grad_accum=2, profile=True)
+    assert bench_scale.speed(args) == []
+    (argv,) = seen
+    flags = dict(zip(argv[::2], argv[1::2], strict=False))
+    assert flags["--grad-accum"] == "2" and flags["--shapes"] == "2x32" and flags["--cases"] == "ours-1b", argv
+    assert argv[argv.index("--profile") + 1 : argv.index("--profile") + 3] == ["--profile-top", "25"], argv
+    args.profile = False
+    bench_scale.speed(args)
+    assert "--profile" not in seen[-1], seen[-1]

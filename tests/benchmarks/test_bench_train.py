@@ -45,3 +45,17 @@ def test_quick_run_with_muon():
     eager, graphed = result["results"]
     assert eager["error"] is None and eager["tokens_per_s"] > 0, eager
     assert graphed["error"].endswith("cuda_graph=True needs parameters on a CUDA device, got cpu"), graphed
+
+
+def test_grad_accum_times_every_micro_batch_of_a_step():
+    """--grad-accum N: each timed step runs N micro-batches and one optimizer step, and tokens/s counts all of them."""
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--quick", "--cases", "ours-standard", "--grad-accum", "3"]
+    cmd += ["--shapes", "2x16", "--steps", "1", "--warmup", "0"]
+    out = subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 micro-batches per optimizer step" in out.stdout and "| 3 x 2 x 16 |" in out.stdout, out.stdout
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert row["error"] is None and row["grad_accum"] == 3, row
+    assert row["tokens_per_s"] == 3 * 2 * 16 / (row["step_ms"] / 1e3), row
+    bad = subprocess.run([*cmd[:6], "0"], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--grad-accum 0: expected an integer >= 1" in bad.stderr, bad.stderr[-2000:]
