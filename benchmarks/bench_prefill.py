@@ -376,8 +376,10 @@ def main(argv=None) -> int:
             f"--lengths {args.lengths!r} --batched {args.batched!r}: expected lengths such as 8K,128K,1M and BxN "
             "such as 32x32K (or none)"
         )
-    if batched is not None and (len(batched) != 2 or min(batched) < 1) or min(lengths) < 1:
-        p.error(f"--batched {args.batched!r}: expected BxN such as 32x32K (or none); lengths must be positive")
+    if min(lengths) < 1:
+        p.error(f"--lengths {args.lengths!r}: expected positive lengths such as 8K,128K,1M")
+    if batched is not None and (len(batched) != 2 or min(batched) < 1):
+        p.error(f"--batched {args.batched!r}: expected BxN such as 32x32K (or none)")
     t0 = time.monotonic()
     left = lambda: args.budget_s - (time.monotonic() - t0)  # noqa: E731
     env = env_info(["benchmarks/bench_prefill.py", *argv])
