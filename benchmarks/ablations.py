@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from benchmarks.bench_common import log  # noqa: E402
+from benchmarks.bench_common import checkout_env, log  # noqa: E402
 
 
 def variants(num_layers: int) -> dict[str, dict]:
@@ -60,7 +59,6 @@ def variants(num_layers: int) -> dict[str, dict]:
 
 VARIANTS = tuple(variants(1))
 GROUPS = {"extrapolation": ("hybrid", "all-kda", "all-mla", "all-mla-rope")}
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv):
@@ -184,7 +182,7 @@ def evaluate_positions(args, result: dict, seq_len: int) -> dict | None:
     ]
     argv = [sys.executable, "-m", "hybrid_attention", "eval", "--ckpt", str(run), "--seq-len", str(seq_len)]
     argv += ["--per-position", *windows, "--device", args.device, "--plot", str(run / f"per-position-{seq_len}.png")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = checkout_env()
     with open(run / f"per-position-{seq_len}.log", "w") as out:
         out.write(" ".join(argv) + "\n")
         out.flush()

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def log(msg: str) -> None:
     """Progress to stderr, so stdout keeps the table and the final JSON line."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that imports this checkout first, then what PYTHONPATH already holds
+    (packages installed with `pip install --target`, say); `extra` sets more variables."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def env_info(argv) -> dict:

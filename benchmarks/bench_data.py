@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from benchmarks.bench_common import emit_json, log  # noqa: E402
+from benchmarks.bench_common import checkout_env, emit_json, log  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FILE_MB = 64
@@ -124,7 +124,7 @@ def bench_tokenize(args, work: Path) -> list[dict]:
         ]
         if tokenizer == "bpe":
             argv += ["--vocab-size", str(args.vocab_size)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = checkout_env()
         killed_s = None
         cpu_before = _children_cpu_s()
         start = time.perf_counter()

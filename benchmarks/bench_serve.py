@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_common import emit_json, log
+from bench_common import checkout_env, emit_json, log
 from serve_load import Limits, parse_lengths, run_trial, summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,8 +138,7 @@ class ServerProcess:
     """A server command in a new process; `url` once its ready line shows, its stderr in `log_path`."""
 
     def __init__(self, argv: list[str], log_path: Path, timeout: float = 900.0, env: dict | None = None):
-        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, PYTHONPATH=path, **(env or {}))
+        env = checkout_env(**(env or {}))
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url, ready = None, threading.Event()
 

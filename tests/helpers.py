@@ -3,22 +3,15 @@ passes) and the CLI run in this process."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.bench_common import checkout_env as checkout_env  # the tests' child processes too
 from hybrid_attention.ops.triton_support import triton_runs_on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def checkout_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process that imports this checkout first and keeps what PYTHONPATH already holds
-    (packages installed with `pip install --target`, say); `extra` sets more variables."""
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 # Where the tests that run on either device put their tensors: the GPU when there is one, else the CPU (with the
