@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks import bench_train  # noqa: E402
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
+from hybrid_attention.arg_types import positive_int  # noqa: E402
 
 SPEED_CASES = (
     "ours-1b@graph",
@@ -168,7 +169,7 @@ def main(argv=None) -> dict:
         help="the speed part's cases, comma-separated (default: all; a run can go in parts: each row stands alone)",
     )
     p.add_argument("--shape", default=None, help="BxT of the speed part (default 4x2048; --quick: 2x32)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--profile", action="store_true", help="also profile each speed case: its 25 slowest kernels")
     p.add_argument("--steps", type=int, default=8, help="timed steps per speed case (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

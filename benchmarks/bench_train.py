@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bench_common import emit_json, env_info, log  # noqa: E402
 from benchmarks.train_cases import QUICK_SIZES, Case, Spec, make_cases, parse_spec  # noqa: E402
+from hybrid_attention.arg_types import positive_int  # noqa: E402
 from hybrid_attention.ops.attnres.rows import tables_built  # noqa: E402
 from hybrid_attention.training.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from hybrid_attention.training.metrics import peak_flops  # noqa: E402
@@ -231,7 +232,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument(
         "--grad-accum",
-        type=int,
+        type=positive_int,
         default=1,
         help="micro-batches of BxT per optimizer step, as train --grad-accum (tokens/s and MFU count them all)",
     )
@@ -251,8 +252,6 @@ def main(argv=None) -> dict:
     p.add_argument("--doc-len", type=int, default=1024, help="mean document length of the -docs cases (tokens)")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
-    if args.grad_accum < 1:
-        p.error(f"--grad-accum {args.grad_accum}: expected an integer >= 1")
 
     if args.quick:
         device, sizes = torch.device("cpu"), QUICK_SIZES

@@ -66,4 +66,4 @@ def test_grad_accum_below_one_is_refused(capsys):
 
     with pytest.raises(SystemExit) as exit_:
         main(["--quick", "--grad-accum", "0"])
-    assert exit_.value.code == 2 and "--grad-accum 0: expected an integer >= 1" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--grad-accum: expected a value >= 1, got 0" in capsys.readouterr().err
